@@ -1,0 +1,122 @@
+"""Frozen engine configuration, validated once at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+DeviceName = Literal["auto", "xpu", "cuda", "cpu"]
+DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message says which field and why."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str
+    """A Hugging Face style folder: config.json, tokenizer files, *.safetensors."""
+    dtype: DTypeName = "auto"
+    """Activation dtype. auto: float32 on the CPU (exact and fast enough), bfloat16 on GPUs."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; None takes the model's max_position_embeddings."""
+    served_model_name: str | None = None
+    """Name clients use for the base model; defaults to the folder name."""
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_blocks: int | None = None
+    """KV blocks per layer; None sizes the cache from memory (GPU) or from max_num_seqs x max_model_len (CPU)."""
+    gpu_memory_utilization: float = 0.90
+    """Fraction of device memory the engine may use in total (weights + activations + KV)."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if not 0.05 <= self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in [0.05, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    """Ranks that each hold a shard of every layer (one device each)."""
+    device: DeviceName = "auto"
+    """auto picks xpu, then cuda, then cpu."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    enable_lora: bool = False
+    max_loras: int = 4
+    """Device slots: distinct adapters that may run in one step."""
+    max_lora_rank: int = 64
+    """Largest adapter rank accepted; the per-slot buffers are padded to it."""
+    max_cpu_loras: int | None = None
+    """Adapters kept in host memory (LRU); None means max(max_loras, 16)."""
+    fully_sharded_loras: bool = False
+    """Shard LoRA A of column layers (and B of row layers) over TP ranks too."""
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """(name, path) pairs loaded at start."""
+    lora_roots: tuple[str, ...] = ()
+    """Folders runtime loads may read from; none means runtime loads are refused."""
+    lora_autoload: bool = True
+    """Load an adapter named after a folder under a lora root on its first request."""
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ConfigError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank not in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+            raise ConfigError(f"max_lora_rank must be one of 1, 8, 16, 32, 64, 128, 256, 320, 512, "
+                              f"got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    @property
+    def cpu_cache_size(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else max(self.max_loras, 16)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    """Sequences running at once."""
+    max_num_batched_tokens: int = 2048
+    """Tokens (prefill + decode) per step; longer prompts are prefilled in chunks."""
+    max_waiting_requests: int | None = None
+    """Waiting-queue bound; the server answers 503 beyond it. None: unbounded."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0
+    """Seed of the global RNG (unseeded sampling)."""
+    max_logprobs: int = 20
+    enforce_eager: bool = False
+    """Disable graph capture."""

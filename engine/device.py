@@ -1,0 +1,166 @@
+"""The only module that knows device kinds (xpu / cuda / cpu) and picks the collective backend.
+
+Everything else asks this module: which device a rank uses, how to synchronize, how much memory
+is free, which distributed backend to use and which int4 kernel suits the device.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+DeviceKind = Literal["xpu", "cuda", "cpu"]
+log = logging.getLogger(__name__)
+
+
+def _has_xpu() -> bool:
+    return hasattr(torch, "xpu") and torch.xpu.is_available()
+
+
+def _maybe_import_ipex() -> None:
+    # IPEX is end-of-life; only an old torch without native XPU needs it to expose torch.xpu.
+    if hasattr(torch, "xpu"):
+        return
+    try:
+        importlib.import_module("intel_extension_for_pytorch")
+    except ImportError:
+        log.debug("no native torch.xpu and no intel_extension_for_pytorch")
+
+
+def detect(requested: str = "auto") -> DeviceKind:
+    """Resolve --device: auto picks xpu, then cuda, then cpu; an explicit kind must be present."""
+    _maybe_import_ipex()
+    if requested == "auto":
+        if _has_xpu():
+            return "xpu"
+        if torch.cuda.is_available():
+            return "cuda"
+        return "cpu"
+    if requested == "xpu" and not _has_xpu():
+        raise RuntimeError("--device xpu: no Intel GPU visible to torch (torch.xpu.is_available() is False); "
+                           "check the driver, the render group and ZE_AFFINITY_MASK")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda: no CUDA device visible to torch")
+    if requested not in ("xpu", "cuda", "cpu"):
+        raise ValueError(f"unknown device {requested!r}; choose auto, xpu, cuda or cpu")
+    return requested  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Device:
+    """One rank's device: kind plus local index."""
+
+    kind: DeviceKind
+    index: int = 0
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.kind == "cpu":
+            return torch.device("cpu")
+        return torch.device(self.kind, self.index)
+
+    def activate(self) -> None:
+        """Make this the current device of the process (each TP rank owns one device)."""
+        if self.kind == "cuda":
+            torch.cuda.set_device(self.index)
+        elif self.kind == "xpu":
+            torch.xpu.set_device(self.index)
+
+    def synchronize(self) -> None:
+        if self.kind == "cuda":
+            torch.cuda.synchronize(self.index)
+        elif self.kind == "xpu":
+            torch.xpu.synchronize(self.index)
+
+    def device_count(self) -> int:
+        if self.kind == "cuda":
+            return torch.cuda.device_count()
+        if self.kind == "xpu":
+            return torch.xpu.device_count()
+        return os.cpu_count() or 1
+
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes on the device; for the CPU, available and total RAM."""
+        if self.kind == "cuda":
+            return torch.cuda.mem_get_info(self.index)
+        if self.kind == "xpu":
+            return torch.xpu.mem_get_info(self.index)
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return avail, pages
+
+    def memory_allocated(self) -> int:
+        if self.kind == "cuda":
+            return torch.cuda.memory_allocated(self.index)
+        if self.kind == "xpu":
+            return torch.xpu.memory_allocated(self.index)
+        return 0
+
+    def empty_cache(self) -> None:
+        if self.kind == "cuda":
+            torch.cuda.empty_cache()
+        elif self.kind == "xpu":
+            torch.xpu.empty_cache()
+
+    def default_dtype(self) -> torch.dtype:
+        # float32 on the CPU: bf16 matmuls are slow there and exactness helps tests.
+        return torch.float32 if self.kind == "cpu" else torch.bfloat16
+
+    @property
+    def supports_graphs(self) -> bool:
+        if self.kind == "cuda":
+            return True
+        if self.kind == "xpu":
+            return hasattr(torch.xpu, "XPUGraph")
+        return False
+
+    def int4_backend(self) -> str:
+        """Name of the int4 matmul backend in kernels.int4 to use on this device."""
+        forced = os.environ.get("XPULORA_INT4_BACKEND")
+        if forced:
+            return forced
+        return {"cpu": "reference", "cuda": "triton", "xpu": "triton"}[self.kind]
+
+    def lora_backend(self) -> str:
+        """Name of the LoRA shrink/expand backend (kernels.lora) for this device."""
+        forced = os.environ.get("XPULORA_LORA_BACKEND")
+        if forced:
+            return forced
+        return "reference" if self.kind == "cpu" else "triton"
+
+
+def rank_device(kind: DeviceKind, local_rank: int) -> Device:
+    """Device of a TP rank. On XPU, ZE_AFFINITY_MASK (set by the operator) already limits what is visible."""
+    if kind == "cpu":
+        return Device("cpu", 0)
+    return Device(kind, local_rank)
+
+
+def dist_backend(kind: DeviceKind) -> str:
+    """Collective backend: xccl (torch >= 2.8) or the old ccl bindings on XPU, nccl on CUDA, gloo on the CPU."""
+    if kind == "cuda":
+        return "nccl"
+    if kind == "cpu":
+        return "gloo"
+    is_xccl = getattr(torch.distributed, "is_xccl_available", None)
+    if is_xccl is not None and is_xccl():
+        return "xccl"
+    try:
+        importlib.import_module("oneccl_bindings_for_pytorch")
+    except ImportError as e:
+        raise RuntimeError("XPU tensor parallelism needs torch >= 2.8 (xccl) or oneccl_bindings_for_pytorch (ccl)") from e
+    return "ccl"
+
+
+def worker_env(kind: DeviceKind) -> dict[str, str]:
+    """Environment for spawned TP workers."""
+    env: dict[str, str] = {}
+    if kind == "cpu":
+        # Each rank gets its share of the cores instead of oversubscribing them.
+        env["OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "1")
+    return env

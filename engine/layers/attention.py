@@ -1,0 +1,31 @@
+"""Attention over the paged KV cache: writes this step's k/v, then attends (kernel chosen per device)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.forward_context import get_context
+from kernels.attention import paged_attention_ref, write_kv
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        # Bound by the model runner once the cache is allocated: [num_blocks, block_size, kv_heads, head_dim].
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
+        meta = get_context().attn
+        assert meta is not None, "attention needs attention metadata"
+        t = q.size(0)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        o = paged_attention_ref(q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_q_list,
+                                meta.context_lens_list, self.scale)
+        return o.reshape(t, self.num_heads * self.head_dim)

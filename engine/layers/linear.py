@@ -1,0 +1,197 @@
+"""Tensor-parallel linear layers. Each shards its own weights in `weight_loader`; collectives are
+explicit in `forward`. At tp=1 every layer is a plain linear.
+
+ColumnParallelLinear splits the output features, RowParallelLinear the input features; the merged
+variants pack several checkpoint tensors (gate/up, q/k/v) into one matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.distributed import all_reduce, tp_rank, tp_size
+from engine.layers.quant import LinearMethod, ShardSpec, UnquantizedLinearMethod
+
+
+class WeightShapeError(ValueError):
+    """A checkpoint tensor does not have the shape the model expects."""
+
+
+def _divide(a: int, b: int, what: str) -> int:
+    if a % b:
+        raise ValueError(f"{what}: {a} is not divisible by the tensor-parallel size {b}")
+    return a // b
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, where: str) -> None:
+    if dst.shape != src.shape:
+        raise WeightShapeError(f"{where}: checkpoint shard has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)
+
+
+def _take_shard(loaded: torch.Tensor, dim: int, size: int, index: int, count: int, where: str) -> torch.Tensor:
+    """Block `index` of `count` equal blocks of `loaded` along dim, after checking the full size."""
+    if loaded.dim() <= dim or loaded.size(dim) != size * count:
+        raise WeightShapeError(f"{where}: checkpoint tensor has shape {tuple(loaded.shape)}, expected "
+                               f"{size * count} along dim {dim}")
+    return loaded.narrow(dim, index * size, size)
+
+
+class LinearBase(nn.Module):
+    """A linear layer whose storage and matmul belong to a LinearMethod (fp16 or int4)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, method: LinearMethod | None,
+                 dtype: torch.dtype, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+        self.method: LinearMethod = method or UnquantizedLinearMethod()
+        self.in_features, self.out_features = in_features, out_features  # this rank's shard
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.method.create_weights(self, in_features, out_features, dtype)
+        for p in self.parameters(recurse=False):
+            p.weight_loader = self.weight_loader
+        if bias:
+            b = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
+            b.shard_spec = ShardSpec(output_dim=0, input_dim=None)
+            b.weight_loader = self.weight_loader
+            self.bias = b
+        else:
+            self.register_parameter("bias", None)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live, whatever the method (the LoRA wrappers place their buffers here)."""
+        return self.method.device(self)
+
+    def dense_weight(self) -> torch.Tensor:
+        """This shard's weight as a dense [out, in] tensor (tests and oracles only)."""
+        return self.method.dense_weight(self)
+
+    def process_after_loading(self) -> None:
+        self.method.process_after_loading(self)
+
+    def apply_base(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self.method.apply(self, x, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        raise NotImplementedError
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, method: LinearMethod | None = None,
+                 dtype: torch.dtype = torch.float32, prefix: str = "") -> None:
+        super().__init__(in_features, out_features, bias, method, dtype, prefix)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        _copy_checked(param.data, loaded, self.prefix)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.apply_base(x, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split over ranks; y stays sharded (no collective)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, method: LinearMethod | None = None,
+                 dtype: torch.dtype = torch.float32, prefix: str = "") -> None:
+        self.full_out = out_features
+        super().__init__(in_features, _divide(out_features, tp_size(), prefix), bias, method, dtype, prefix)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        spec: ShardSpec = param.shard_spec
+        d = spec.output_dim
+        if d is not None:
+            loaded = _take_shard(loaded, d, param.size(d), self.tp_rank, self.tp_size, self.prefix)
+        _copy_checked(param.data, loaded, self.prefix)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.apply_base(x, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column layers with the same input in one matmul (gate_proj + up_proj)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False, method: LinearMethod | None = None,
+                 dtype: torch.dtype = torch.float32, prefix: str = "") -> None:
+        self.out_sizes = list(out_sizes)
+        self.local_sizes = [_divide(n, tp_size(), prefix) for n in out_sizes]
+        super().__init__(in_features, sum(out_sizes), bias, method, dtype, prefix)
+
+    def shard_range(self, shard_id: int) -> tuple[int, int]:
+        """(offset, size) of one slice in this rank's output features."""
+        return sum(self.local_sizes[:shard_id]), self.local_sizes[shard_id]
+
+    def shard_source(self, shard_id: int) -> int:
+        """Which block of the checkpoint slice this rank reads (its rank, except for replicated kv heads)."""
+        return self.tp_rank
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        spec: ShardSpec = param.shard_spec
+        d = spec.output_dim
+        if shard_id is None or d is None:
+            raise WeightShapeError(f"{self.prefix}: fused layer needs a shard id for {tuple(loaded.shape)}")
+        idx = self.shard_index(shard_id)
+        off, size = self.shard_range(idx)
+        off, size = spec.units(d, off), spec.units(d, size)
+        where = f"{self.prefix} (part {shard_id})"
+        loaded = _take_shard(loaded, d, size, self.shard_source(idx), self.num_sources(idx), where)
+        _copy_checked(param.data.narrow(d, off, size), loaded, where)
+
+    def num_sources(self, shard_id: int) -> int:
+        """Into how many blocks the checkpoint slice is cut."""
+        return self.tp_size
+
+    def shard_index(self, shard_id: str | int | None) -> int:
+        assert isinstance(shard_id, int)
+        return shard_id
+
+
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v projections in one matmul; heads split over ranks, kv heads replicated when tp > kv heads."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 method: LinearMethod | None = None, dtype: torch.dtype = torch.float32, prefix: str = "") -> None:
+        tp = tp_size()
+        self.num_heads = _divide(num_heads, tp, f"{prefix} attention heads")
+        if tp >= num_kv_heads:
+            _divide(tp, num_kv_heads, f"{prefix} (tp must be a multiple of the kv heads)")
+            self.num_kv_heads, self.kv_replicas = 1, tp // num_kv_heads
+        else:
+            self.num_kv_heads, self.kv_replicas = _divide(num_kv_heads, tp, f"{prefix} kv heads"), 1
+        self.head_dim = head_dim
+        # Sizes as if every rank held num_kv_heads (the replicated heads are counted per rank).
+        sizes = [self.num_heads * head_dim * tp, self.num_kv_heads * head_dim * tp, self.num_kv_heads * head_dim * tp]
+        super().__init__(hidden, sizes, bias, method, dtype, prefix)
+
+    def shard_index(self, shard_id: str | int | None) -> int:
+        return {"q": 0, "k": 1, "v": 2}[str(shard_id)]
+
+    def shard_source(self, shard_id: int) -> int:
+        return self.tp_rank if shard_id == 0 else self.tp_rank // self.kv_replicas
+
+    def num_sources(self, shard_id: int) -> int:
+        return self.tp_size if shard_id == 0 else self.tp_size // self.kv_replicas
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split over ranks; the partial products are summed by an all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, method: LinearMethod | None = None,
+                 dtype: torch.dtype = torch.float32, prefix: str = "", reduce_results: bool = True) -> None:
+        self.full_in = in_features
+        self.reduce_results = reduce_results
+        super().__init__(_divide(in_features, tp_size(), prefix), out_features, bias, method, dtype, prefix)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        spec: ShardSpec = param.shard_spec
+        d = spec.input_dim
+        if d is not None:
+            loaded = _take_shard(loaded, d, param.size(d), self.tp_rank, self.tp_size, self.prefix)
+        _copy_checked(param.data, loaded, self.prefix)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The bias is added once (rank 0) so that the all-reduce sums it exactly once.
+        bias = self.bias if self.tp_rank == 0 else None
+        y = self.apply_base(x, bias)
+        return all_reduce(y) if self.reduce_results else y

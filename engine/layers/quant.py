@@ -1,0 +1,200 @@
+"""Linear methods: how a linear layer stores its weight and computes y = x W^T (+ b).
+
+Each method creates its parameters with sharding metadata (`ShardSpec`), and the parallel layer's
+weight_loader uses that metadata to cut the checkpoint tensor. The quantization config decides,
+per layer name, which method a layer gets.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+
+from kernels.int4 import Int4Layout, int4_mm, prepare_int4
+
+SUPPORTED_FORMATS = ("auto_round:auto_gptq", "auto_round", "auto_round:gptqmodel")
+
+
+class QuantConfigError(ValueError):
+    """The checkpoint's quantization_config is one we cannot serve."""
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """How a parameter maps onto the logical [out, in] weight.
+
+    output_dim / input_dim: which tensor dim runs along the output / input features (None: absent).
+    packed_dim: the dim on which `pack` logical elements share one stored element (int4 in int32).
+    group_dim_size: for per-group tensors (scales, zeros) the input dim counts groups, not features.
+    """
+
+    output_dim: int | None
+    input_dim: int | None
+    packed_dim: int | None = None
+    pack: int = 1
+    group_size: int = 1
+
+    def units(self, dim: int, logical: int) -> int:
+        """Stored elements along `dim` for `logical` features."""
+        n = logical
+        if dim == self.input_dim and self.group_size > 1:
+            n //= self.group_size
+        if dim == self.packed_dim:
+            n //= self.pack
+        return n
+
+
+def set_spec(param: nn.Parameter, spec: ShardSpec) -> nn.Parameter:
+    param.shard_spec = spec  # read by the parallel layers' weight_loader
+    return param
+
+
+class LinearMethod(Protocol):
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None: ...
+    def process_after_loading(self, layer: nn.Module) -> None: ...
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+    def device(self, layer: nn.Module) -> torch.device: ...
+    def dense_weight(self, layer: nn.Module) -> torch.Tensor: ...
+
+
+class UnquantizedLinearMethod:
+    """16/32-bit weight stored as [out, in] (the Hugging Face layout)."""
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        w = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+        layer.register_parameter("weight", set_spec(w, ShardSpec(output_dim=0, input_dim=1)))
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        return None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return nn.functional.linear(x, layer.weight, bias)
+
+    def device(self, layer: nn.Module) -> torch.device:
+        return layer.weight.device
+
+    def dense_weight(self, layer: nn.Module) -> torch.Tensor:
+        return layer.weight.data
+
+
+@dataclass
+class Int4LinearMethod:
+    """GPTQ-layout int4 weight (qweight [K/8, N], qzeros [K/G, N/8], scales [K/G, N])."""
+
+    group_size: int
+    zero_offset: int
+    """1 for GPTQ-v1 zeros (stored zp - 1, auto_round:auto_gptq), 0 for v2 (auto_round, gptqmodel)."""
+    backend: str = "reference"
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        g = self.group_size
+        if in_features % g or out_features % 8 or in_features % 8:
+            raise QuantConfigError(
+                f"{layer.prefix}: int4 shard [{out_features} x {in_features}] is not a multiple of the "
+                f"group size {g} (inputs) and of 8 (outputs)")
+        qw = nn.Parameter(torch.empty(in_features // 8, out_features, dtype=torch.int32), requires_grad=False)
+        qz = nn.Parameter(torch.empty(in_features // g, out_features // 8, dtype=torch.int32), requires_grad=False)
+        sc = nn.Parameter(torch.empty(in_features // g, out_features, dtype=torch.float16), requires_grad=False)
+        layer.register_parameter("qweight", set_spec(qw, ShardSpec(1, 0, packed_dim=0, pack=8)))
+        layer.register_parameter("qzeros", set_spec(qz, ShardSpec(1, 0, packed_dim=1, pack=8, group_size=g)))
+        layer.register_parameter("scales", set_spec(sc, ShardSpec(1, 0, group_size=g)))
+        layer.int4_layout = Int4Layout(g, self.zero_offset, in_features, out_features)
+        layer.compute_dtype = dtype
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        layer.int4 = prepare_int4(layer.qweight.data, layer.qzeros.data, layer.scales.data,
+                                  layer.int4_layout, self.backend, dtype=layer.compute_dtype)  # type: ignore[arg-type]
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return int4_mm(x, layer.int4, bias)
+
+    def device(self, layer: nn.Module) -> torch.device:
+        return layer.qweight.device
+
+    def dense_weight(self, layer: nn.Module) -> torch.Tensor:
+        from kernels.reference import dequant_int4
+
+        w = dequant_int4(layer.qweight.data, layer.qzeros.data, layer.scales.data, self.group_size,
+                         self.zero_offset, dtype=torch.float32)
+        return w.t()
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """The checkpoint's quantization_config, resolved per layer name."""
+
+    method: Literal["none", "int4"]
+    group_size: int = 128
+    zero_offset: int = 1
+    sym: bool = True
+    blocks: tuple[str, ...] = ()
+    """Name prefixes whose linears are quantized (block_name_to_quantize); empty: all."""
+    overrides: tuple[tuple[str, int], ...] = ()
+    """(exact name or regex, bits) from extra_config."""
+
+    @staticmethod
+    def from_hf(qc: dict[str, Any] | None) -> QuantConfig:
+        if not qc:
+            return QuantConfig("none")
+        qm = str(qc.get("quant_method", "")).lower().replace("_", "-")
+        fmt = str(qc.get("packing_format", "auto_round:auto_gptq"))
+        if qm not in ("auto-round", "intel/auto-round"):
+            raise QuantConfigError(
+                f"quantization method {qc.get('quant_method')!r} is not supported; this engine serves "
+                f"AutoRound int4 checkpoints (quant_method 'auto-round', packing {', '.join(SUPPORTED_FORMATS)}) "
+                "and unquantized bf16/fp16/fp32 ones")
+        if fmt not in SUPPORTED_FORMATS:
+            raise QuantConfigError(
+                f"AutoRound packing_format {fmt!r} is not supported (supported: {', '.join(SUPPORTED_FORMATS)}); "
+                "re-export with format='auto_round' or 'auto_round:auto_gptq'")
+        bits = int(qc.get("bits", 4))
+        dtype = str(qc.get("data_type", "int"))
+        if bits != 4 or dtype != "int":
+            raise QuantConfigError(f"AutoRound bits={bits} data_type={dtype!r} is not supported; only 4-bit int "
+                                   "weight-only (W4A16) is served")
+        act_bits = int(qc.get("act_bits", 16) or 16)
+        if act_bits < 16:
+            raise QuantConfigError(f"activation quantization (act_bits={act_bits}) is not supported; W4A16 only")
+        group = int(qc.get("group_size", 128))
+        if group <= 0:
+            raise QuantConfigError(f"group_size {group} is not supported (per-channel -1 is not served); use 32..256")
+        blocks = qc.get("block_name_to_quantize") or ()
+        if isinstance(blocks, str):
+            blocks = tuple(b.strip() for b in blocks.split(",") if b.strip())
+        overrides = []
+        for name, cfg in (qc.get("extra_config") or {}).items():
+            b = int(cfg.get("bits", bits))
+            if b not in (4, 16, 32) or (b == 4 and str(cfg.get("data_type", "int")) != "int"):
+                raise QuantConfigError(f"extra_config for {name!r}: bits={b} is not supported (4 or 16)")
+            overrides.append((name, b))
+        # v1 (auto_gptq) stores zp - 1; the auto_round and gptqmodel packings store zp itself.
+        zero_offset = 1 if fmt == "auto_round:auto_gptq" else 0
+        return QuantConfig("int4", group, zero_offset, bool(qc.get("sym", True)), tuple(blocks), tuple(overrides))
+
+    def bits_for(self, name: str) -> int:
+        """Bits of the linear with this checkpoint name (e.g. model.layers.0.self_attn.q_proj)."""
+        if self.method == "none":
+            return 16
+        for key, b in self.overrides:
+            if key == name:
+                return b
+        for key, b in self.overrides:
+            if any(c in key for c in "*[]()\\+?^$|") and re.fullmatch(key, name):
+                return b
+        if self.blocks and not any(name.startswith(p + ".") for p in self.blocks):
+            return 16
+        return 4
+
+    def method_for(self, names: list[str], backend: str) -> LinearMethod:
+        """Method for a (possibly fused) layer; every fused part must agree."""
+        bits = {self.bits_for(n) for n in names}
+        if len(bits) > 1:
+            raise QuantConfigError(f"{', '.join(names)} are fused into one layer here but quantized differently "
+                                   f"({sorted(bits)} bits); this mix is not supported")
+        if bits.pop() == 4:
+            return Int4LinearMethod(self.group_size, self.zero_offset, backend)
+        return UnquantizedLinearMethod()

@@ -1,0 +1,227 @@
+"""The engine: add_request / step / abort over a scheduler and a model runner.
+
+Requests are validated here (bad input raises RequestError and leaves nothing behind); each step
+schedules, runs the model, appends sampled tokens, detokenizes, applies stop conditions and
+reports per-request deltas.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.block_manager import BlockManager
+from engine.config import ConfigError, EngineConfig
+from engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+from engine.device import detect, rank_device
+from engine.loader import inspect_checkpoint
+from engine.model_runner import ModelRunner
+from engine.protocol import FinishReason, RequestError, RequestOutput, SamplingParams, TokenLogprob
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    emitted: int = 0
+    """Characters of text already reported."""
+    logprobs: list[TokenLogprob] | None = None
+    reported_tokens: int = 0
+    text_override: str | None = None
+    """Final text when a stop string cut it."""
+
+
+@dataclass
+class GenerationResult:
+    """One finished request (offline API)."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    error: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+
+
+def _eos_ids(path: str, tokenizer: PreTrainedTokenizerBase, hf: dict) -> frozenset[int]:
+    ids: set[int] = set()
+    sources: list[object] = [hf.get("eos_token_id"), tokenizer.eos_token_id]
+    gen = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen):
+        with open(gen) as f:
+            sources.append(json.load(f).get("eos_token_id"))
+    for s in sources:
+        if isinstance(s, int):
+            ids.add(s)
+        elif isinstance(s, list):
+            ids.update(int(x) for x in s)
+    return frozenset(ids)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, progress: bool = False) -> None:
+        self.config = config
+        info = inspect_checkpoint(config.model.path)
+        self.hf_config = info.hf_config
+        limit = int(info.hf_config.get("max_position_embeddings", 32768))
+        self.max_model_len = config.model.max_model_len or limit
+        if self.max_model_len > limit:
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        self.eos_ids = _eos_ids(config.model.path, self.tokenizer, info.hf_config)
+        self.served_model_name = config.model.served_model_name or os.path.basename(
+            os.path.normpath(config.model.path))
+        kind = detect(config.parallel.device)
+        if config.parallel.tensor_parallel_size != 1:
+            raise ConfigError("tensor_parallel_size > 1 is not available yet")
+        self.device = rank_device(kind, 0)
+        self.device.activate()
+        self.runner = ModelRunner(config, info, self.device, self.max_model_len, progress)
+        self.vocab_size = int(info.hf_config["vocab_size"])
+        kv = self.runner.kv
+        if kv.num_blocks * kv.block_size < self.max_model_len:
+            raise ConfigError(f"the KV cache ({kv.num_blocks} blocks x {kv.block_size} tokens) cannot hold one "
+                              f"sequence of max_model_len={self.max_model_len}; raise num_blocks or lower max_model_len")
+        self.blocks = BlockManager(kv.num_blocks, kv.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len)
+        self.requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self.num_preemptions = 0
+
+    # -- requests ----------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt))
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            raise RequestError("a token-id prompt must be a list of integers")
+        return list(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    lora_id: int | None = None) -> list[int]:
+        """Queue a request; raises RequestError (nothing queued) if it cannot be served."""
+        if request_id in self.requests:
+            raise RequestError(f"duplicate request id {request_id!r}")
+        params.validate(self.config.max_logprobs)
+        ids = self.tokenize(prompt)
+        if not ids:
+            raise RequestError("the prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise RequestError(f"the prompt has {len(ids)} tokens; this model's max_model_len is "
+                               f"{self.max_model_len} (prompt + output)")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                               f"max_model_len {self.max_model_len}")
+        seq = Sequence(next(self._seq_ids), request_id, ids, params, lora_id)
+        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        self.requests[request_id] = _Request(seq, detok, logprobs=[] if params.logprobs is not None else None)
+        self.scheduler.add(seq)
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        self.scheduler.finish(req.seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # -- one step ----------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        step = self.scheduler.schedule()
+        self.num_preemptions += step.num_preempted
+        if not step.seqs:
+            return []
+        seqs = self.scheduler.scheduled_sequences()
+        sampled = self.runner.execute(step)
+        outputs: list[RequestOutput] = []
+        k = 0
+        for entry, seq in zip(step.seqs, seqs):
+            seq.num_computed_tokens += len(entry.token_ids)
+            if not entry.sample:
+                continue
+            tok, lp = sampled.token_ids[k], sampled.logprobs[k]
+            k += 1
+            outputs.append(self._append(seq, tok, lp))
+        return outputs
+
+    def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> RequestOutput:
+        req = self.requests[seq.request_id]
+        p = seq.params
+        seq.output_token_ids.append(tok)
+        if req.logprobs is not None and lp is not None:
+            req.logprobs.append(lp)
+        req.detok.add(tok)
+        text = req.detok.text
+        reason: FinishReason | None = None
+        if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
+            reason = "stop"
+        elif p.stop:
+            cut = find_stop(text, p.stop, req.emitted)
+            if cut is not None:
+                reason, req.text_override = "stop", text[:cut]
+        if reason is None and (len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            if req.text_override is None:
+                req.detok.flush()
+                req.text_override = req.detok.text
+            text = req.text_override
+            new_text = text[req.emitted:]
+        else:
+            hold = stop_holdback(text, p.stop) if p.stop else 0
+            new_text = text[req.emitted: len(text) - hold]
+        req.emitted += len(new_text)
+        new_tokens = seq.output_token_ids[req.reported_tokens:]
+        req.reported_tokens = len(seq.output_token_ids)
+        out = RequestOutput(
+            request_id=seq.request_id, new_token_ids=new_tokens, new_text=new_text,
+            new_logprobs=req.logprobs[-len(new_tokens):] if req.logprobs is not None else None,
+            finished=reason is not None, finish_reason=reason,
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=len(seq.output_token_ids))
+        if reason is not None:
+            self.scheduler.finish(seq)
+            del self.requests[seq.request_id]
+        return out
+
+    # -- offline convenience -----------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
+                 ) -> list[GenerationResult]:
+        """Run all prompts to completion; a request that cannot be served gets its error, the rest run."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        results: dict[str, GenerationResult] = {}
+        order: list[str] = []
+        for i, (prompt, sp) in enumerate(zip(prompts, plist)):
+            rid = f"gen-{i}"
+            order.append(rid)
+            try:
+                ids = self.add_request(rid, prompt, sp)
+                results[rid] = GenerationResult(rid, "", [], None, [] if sp.logprobs is not None else None,
+                                                len(ids), prompt_token_ids=ids)
+            except RequestError as e:
+                results[rid] = GenerationResult(rid, "", [], "error", error=str(e))
+        while self.has_unfinished():
+            for out in self.step():
+                r = results[out.request_id]
+                r.text += out.new_text
+                r.token_ids.extend(out.new_token_ids)
+                if r.logprobs is not None and out.new_logprobs is not None:
+                    r.logprobs.extend(out.new_logprobs)
+                if out.finished:
+                    r.finish_reason = out.finish_reason
+        return [results[rid] for rid in order]

@@ -1,0 +1,153 @@
+"""Checkpoint loading: config.json -> model, safetensors -> param.weight_loader(param, tensor, shard_id).
+
+The loader only dispatches by name; each layer cuts its own shard. Every checkpoint tensor must be
+used and every parameter filled, except the known extras (vision tower, MTP head), skipped with one
+log line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import nn
+from tqdm import tqdm
+
+from engine.layers.linear import LinearBase
+from engine.layers.quant import QuantConfig
+from engine.models.qwen import QwenArgs, QwenForCausalLM
+
+log = logging.getLogger(__name__)
+SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class CheckpointError(ValueError):
+    """The checkpoint folder cannot be served as it is; the message names the file and tensor."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: str
+    hf_config: dict[str, Any]
+    quant: QuantConfig
+    files: tuple[str, ...]
+    """safetensors files, absolute paths."""
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise CheckpointError(f"{path}: no config.json (expected a Hugging Face model folder)")
+    try:
+        with open(cfg_path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from e
+
+
+def inspect_checkpoint(path: str) -> CheckpointInfo:
+    if not os.path.isdir(path):
+        raise CheckpointError(f"model path {path!r} is not a folder")
+    hf = read_hf_config(path)
+    quant = QuantConfig.from_hf(hf.get("quantization_config"))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+        missing = [fn for fn in files if not os.path.isfile(os.path.join(path, fn))]
+        if missing:
+            raise CheckpointError(f"{path}: shard(s) listed in model.safetensors.index.json are missing: "
+                                  f"{', '.join(missing)}")
+    else:
+        files = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
+        if not files:
+            if any(fn.endswith((".bin", ".pt", ".pth")) for fn in os.listdir(path)):
+                raise CheckpointError(f"{path}: only pickled weights found; this engine loads safetensors only")
+            raise CheckpointError(f"{path}: no *.safetensors files")
+    return CheckpointInfo(path, hf, quant, tuple(os.path.join(path, fn) for fn in files))
+
+
+def iter_tensors(files: tuple[str, ...]) -> Iterator[tuple[str, str, torch.Tensor]]:
+    """(file, name, tensor) for every tensor; a truncated or corrupt file fails naming the file."""
+    for fn in files:
+        try:
+            with safe_open(fn, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    try:
+                        t = f.get_tensor(name)
+                    except (SafetensorError, RuntimeError, OSError) as e:
+                        raise CheckpointError(f"{fn}: cannot read tensor {name!r} ({e}); is the file truncated?") from e
+                    yield fn, name, t
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{fn}: not a readable safetensors file ({e}); is it truncated or corrupt?") from e
+
+
+def build_model(info: CheckpointInfo, dtype: torch.dtype, device: torch.device, int4_backend: str) -> nn.Module:
+    args = QwenArgs.from_hf(info.hf_config)
+    with torch.device(device):
+        return QwenForCausalLM(args, info.quant, int4_backend, dtype)
+
+
+def load_weights(model: nn.Module, info: CheckpointInfo, progress: bool = False) -> None:
+    params = dict(model.named_parameters())
+    packed: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules", {})
+    expected: dict[str, set[str | int | None]] = {}
+    for name, p in params.items():
+        parts = name.rsplit(".", 2)
+        layer = parts[-2] if len(parts) >= 2 else ""
+        expected[name] = {sid for ck, (fused, sid) in packed.items() if fused == layer} or {None}
+    filled: dict[str, set[str | int | None]] = {n: set() for n in params}
+    tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
+    skipped = 0
+    total = sum(_count(fn) for fn in info.files) if progress else None
+    bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress)
+    for fn, name, tensor in iter_tensors(info.files):
+        bar.update(1)
+        if name.startswith(SKIPPED_PREFIXES) or name.endswith(IGNORED_SUFFIXES):
+            skipped += 1
+            continue
+        if tied and name == "lm_head.weight":
+            continue  # some exporters write the tied head too
+        target, shard = name, None
+        module_path, _, leaf = name.rpartition(".")
+        mod_parent, _, mod_name = module_path.rpartition(".")
+        if mod_name in packed:
+            fused, shard = packed[mod_name]
+            target = f"{mod_parent}.{fused}.{leaf}"
+        p = params.get(target)
+        if p is None:
+            raise CheckpointError(f"{fn}: tensor {name!r} is not used by the model ({type(model).__name__}); "
+                                  "is this the right architecture or quantization config?")
+        if shard in filled[target]:
+            raise CheckpointError(f"{fn}: tensor {name!r} appears twice")
+        try:
+            p.weight_loader(p, tensor, shard) if shard is not None else p.weight_loader(p, tensor)
+        except ValueError as e:
+            raise CheckpointError(f"{fn}: tensor {name!r}: {e}") from e
+        filled[target].add(shard)
+    bar.close()
+    missing = [n for n in params if filled[n] != expected[n]]
+    if missing:
+        raise CheckpointError(f"{info.path}: checkpoint lacks tensors for {len(missing)} parameter(s), e.g. "
+                              f"{', '.join(missing[:5])}")
+    if skipped:
+        log.info("skipped %d tensors not used for text generation (vision tower / MTP)", skipped)
+    for m in model.modules():
+        if isinstance(m, LinearBase):
+            m.process_after_loading()
+
+
+def _count(fn: str) -> int:
+    try:
+        with safe_open(fn, framework="pt") as f:
+            return len(list(f.keys()))
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{fn}: not a readable safetensors file ({e}); is it truncated or corrupt?") from e

@@ -1,0 +1,151 @@
+"""Turns a scheduler step into device tensors, runs the model, samples. The only place that creates
+device tensors for a step; everything above it deals in plain Python objects."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.device import Device
+from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
+from engine.layers.attention import Attention
+from engine.loader import CheckpointInfo, build_model, load_weights
+from engine.sampler import Sampler, SamplerOutput, make_generator
+from engine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    num_blocks: int
+    block_size: int
+
+
+def resolve_dtype(name: str, device: Device) -> torch.dtype:
+    return device.default_dtype() if name == "auto" else DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, info: CheckpointInfo, device: Device, max_model_len: int,
+                 progress: bool = False) -> None:
+        self.config, self.device = config, device
+        self.dtype = resolve_dtype(config.model.dtype, device)
+        self.max_model_len = max_model_len
+        self.model = build_model(info, self.dtype, device.torch_device, device.int4_backend())
+        load_weights(self.model, info, progress=progress)
+        self.model.eval()
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.kv = self._allocate_kv_cache()
+        self.sampler = Sampler()
+        self.generators: dict[int, torch.Generator] = {}
+
+    # -- KV cache --------------------------------------------------------------------------------
+    def _block_bytes(self) -> int:
+        a = self.attn_layers[0]
+        el = torch.empty(0, dtype=self.dtype).element_size()
+        return 2 * len(self.attn_layers) * self.config.cache.block_size * a.num_kv_heads * a.head_dim * el
+
+    def _num_blocks(self) -> int:
+        cc, bs = self.config.cache, self.config.cache.block_size
+        per_seq = (self.max_model_len + bs - 1) // bs
+        if cc.num_blocks is not None:
+            return cc.num_blocks
+        if self.device.kind == "cpu":
+            # Enough for every sequence at full length, capped at a quarter of the free RAM.
+            free, _ = self.device.mem_get_info()
+            want = per_seq * self.config.scheduler.max_num_seqs
+            return max(per_seq, min(want, int(free * 0.25) // self._block_bytes()))
+        free, total = self.device.mem_get_info()
+        budget = total * cc.gpu_memory_utilization - (total - free) - 512 * 2**20  # activations headroom
+        n = int(budget // self._block_bytes())
+        if n < per_seq:
+            raise RuntimeError(f"not enough device memory for one sequence of {self.max_model_len} tokens "
+                               f"({n} KV blocks fit); lower --max-model-len or raise gpu_memory_utilization")
+        return n
+
+    def _allocate_kv_cache(self) -> KVCacheSpec:
+        n, bs = self._num_blocks(), self.config.cache.block_size
+        for a in self.attn_layers:
+            shape = (n, bs, a.num_kv_heads, a.head_dim)
+            a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device.torch_device)
+            a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device.torch_device)
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, bs, n * self._block_bytes() / 2**20)
+        return KVCacheSpec(n, bs)
+
+    # -- one step ----------------------------------------------------------------------------------
+    def _prepare(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.kv.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        ctx_lens: list[int] = []
+        sample_rows: list[int] = []
+        for s in step.seqs:
+            n = len(s.token_ids)
+            ids.extend(s.token_ids)
+            r = range(s.start_pos, s.start_pos + n)
+            pos.extend(r)
+            slots.extend(s.block_table[p // bs] * bs + p % bs for p in r)
+            cu.append(cu[-1] + n)
+            ctx_lens.append(s.start_pos + n)
+            if s.sample:
+                sample_rows.append(cu[-1] - 1)
+        max_blocks = max(len(s.block_table) for s in step.seqs)
+        table = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in step.seqs]
+        dev = self.device.torch_device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(table, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+            cu_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            cu_q_list=cu, context_lens_list=ctx_lens,
+            max_q_len=max(len(s.token_ids) for s in step.seqs), max_context_len=max(ctx_lens),
+            decode_only=all(len(s.token_ids) == 1 for s in step.seqs))
+        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
+                meta, sample_rows)
+
+    @torch.inference_mode()
+    def execute(self, step: SchedulerOutput) -> SamplerOutput:
+        for sid in step.finished_seq_ids:
+            self.generators.pop(sid, None)
+        input_ids, positions, meta, rows = self._prepare(step)
+        with forward_context(ForwardContext(attn=meta)):
+            h = self.model(input_ids, positions)
+        sampled = [s for s in step.seqs if s.sample]
+        if not sampled:
+            return SamplerOutput([], [])
+        logits = self.model.compute_logits(h[torch.tensor(rows, device=h.device)])
+        gens = [self._generator(s.seq_id, s.params.seed) for s in sampled]
+        return self.sampler(logits.float(), [s.params for s in sampled], gens)
+
+    def _generator(self, seq_id: int, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        g = self.generators.get(seq_id)
+        if g is None:
+            g = self.generators[seq_id] = make_generator(seed, self.device.torch_device)
+        return g
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits for every position of one prompt (tests and echo); uses blocks past the pool end? No:
+        it runs on a private block table of the cache's first blocks and must only be called when idle."""
+        bs = self.kv.block_size
+        nblk = (len(token_ids) + bs - 1) // bs
+        if nblk > self.kv.num_blocks:
+            raise ValueError("prompt longer than the KV cache")
+        from engine.scheduler import ScheduledSeq
+        from engine.protocol import SamplingParams
+
+        step = SchedulerOutput([ScheduledSeq(-1, token_ids, 0, list(range(nblk)), False, SamplingParams())])
+        input_ids, positions, meta, _ = self._prepare(step)
+        with forward_context(ForwardContext(attn=meta)):
+            h = self.model(input_ids, positions)
+        return self.model.compute_logits(h).float()

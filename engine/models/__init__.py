@@ -1,0 +1,1 @@
+"""Model definitions built only from engine.layers."""

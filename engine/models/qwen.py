@@ -1,0 +1,183 @@
+"""Qwen2 / Qwen2.5 (qkv bias) and Qwen3 (q/k RMSNorm) dense decoders."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from engine.layers.activation import SiluAndMul
+from engine.layers.attention import Attention
+from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.norm import RMSNorm
+from engine.layers.quant import QuantConfig
+from engine.layers.rotary import RotaryEmbedding, rope_theta_of
+
+SUPPORTED_ARCHS = ("qwen2", "qwen3")
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class QwenArgs:
+    """The architecture fields this model reads from config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @staticmethod
+    def from_hf(hf: dict[str, Any]) -> QwenArgs:
+        mt = hf.get("model_type")
+        if mt not in SUPPORTED_ARCHS:
+            raise UnsupportedModelError(f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_ARCHS)}")
+        if hf.get("use_sliding_window"):
+            raise UnsupportedModelError("sliding-window attention (use_sliding_window: true) is not supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"hidden_act {hf.get('hidden_act')!r} is not supported (silu only)")
+        heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        return QwenArgs(
+            model_type=mt,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta_of(hf),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v bias; Qwen3 has attention_bias (normally false).
+            qkv_bias=True if mt == "qwen2" else bool(hf.get("attention_bias", False)),
+            qk_norm=mt == "qwen3",
+        )
+
+
+class QwenAttention(nn.Module):
+    def __init__(self, a: QwenArgs, quant: QuantConfig, backend: str, dtype: torch.dtype, prefix: str) -> None:
+        super().__init__()
+        names = [f"{prefix}.{n}" for n in ("q_proj", "k_proj", "v_proj")]
+        self.qkv_proj = QKVParallelLinear(a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, a.qkv_bias,
+                                          quant.method_for(names, backend), dtype, f"{prefix}.qkv_proj")
+        self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, a.hidden_size, False,
+                                        quant.method_for([f"{prefix}.o_proj"], backend), dtype, f"{prefix}.o_proj")
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = a.head_dim
+        self.q_size, self.kv_size = self.num_heads * a.head_dim, self.num_kv_heads * a.head_dim
+        self.attn = Attention(self.num_heads, self.num_kv_heads, a.head_dim, a.head_dim**-0.5)
+        self.qk_norm = a.qk_norm
+        if a.qk_norm:
+            self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: nn.Module) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = x.size(0)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v.contiguous())
+        return self.o_proj(o)
+
+
+class QwenMLP(nn.Module):
+    def __init__(self, a: QwenArgs, quant: QuantConfig, backend: str, dtype: torch.dtype, prefix: str) -> None:
+        super().__init__()
+        names = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
+        self.gate_up_proj = MergedColumnParallelLinear(a.hidden_size, [a.intermediate_size] * 2, False,
+                                                       quant.method_for(names, backend), dtype, f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(a.intermediate_size, a.hidden_size, False,
+                                           quant.method_for([f"{prefix}.down_proj"], backend), dtype,
+                                           f"{prefix}.down_proj")
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class QwenDecoderLayer(nn.Module):
+    def __init__(self, a: QwenArgs, quant: QuantConfig, backend: str, dtype: torch.dtype, prefix: str) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.self_attn = QwenAttention(a, quant, backend, dtype, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.mlp = QwenMLP(a, quant, backend, dtype, f"{prefix}.mlp")
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
+                rotary: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, h, rotary)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class QwenModel(nn.Module):
+    def __init__(self, a: QwenArgs, quant: QuantConfig, backend: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            QwenDecoderLayer(a, quant, backend, dtype, f"model.layers.{i}") for i in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
+        self.rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(positions, h, residual, self.rotary)
+        h, _ = self.norm(h, residual)
+        return h
+
+
+class QwenForCausalLM(nn.Module):
+    """Checkpoint names map onto the fused layers through `packed_modules`."""
+
+    packed_modules: dict[str, tuple[str, str | int]] = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+    # LoRA targets: checkpoint module name -> (our layer, slice index within it).
+    lora_targets: dict[str, tuple[str, int]] = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
+    }
+
+    def __init__(self, a: QwenArgs, quant: QuantConfig, backend: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.args = a
+        self.model = QwenModel(a, quant, backend, dtype)
+        self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, dtype)
+        if a.tie_word_embeddings:
+            self.lm_head.tie(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(h)

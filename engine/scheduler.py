@@ -1,0 +1,127 @@
+"""Continuous batching under token, sequence and KV budgets. Returns plain objects (no tensors).
+
+Each step first continues the running sequences (one decode token, or the next prefill chunk),
+preempting the newest running sequence (by recompute) when KV blocks run out, then admits waiting
+sequences in arrival order while the budgets allow. Prompts longer than the token budget are
+prefilled in chunks.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.config import SchedulerConfig
+from engine.protocol import SamplingParams
+from engine.sequence import Sequence, SeqStatus
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    seq_id: int
+    token_ids: list[int]
+    """Tokens whose K/V this step computes (prompt chunk, recompute, or the last sampled token)."""
+    start_pos: int
+    """Position of token_ids[0] (= tokens already in the cache)."""
+    block_table: list[int]
+    sample: bool
+    """True when this step reaches the end of the sequence, so a next token is sampled."""
+    params: SamplingParams
+    lora_id: int | None = None
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    seqs: list[ScheduledSeq]
+    finished_seq_ids: list[int] = field(default_factory=list)
+    """Sequences that ended since the previous step (the runner drops their per-sequence state)."""
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._ended: list[int] = []
+        self._scheduled: list[Sequence] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence (finished or aborted) and free its blocks."""
+        if seq.status == SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self.blocks.free(seq.block_table)
+        self._ended.append(seq.seq_id)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _entry(self, seq: Sequence, n: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        return ScheduledSeq(seq.seq_id, seq.token_slice(start, start + n), start, list(seq.block_table),
+                            start + n == seq.num_tokens, seq.params, seq.lora_id)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        out: list[ScheduledSeq] = []
+        self._scheduled = []
+        preempted = 0
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted += 1
+                if victim is seq:
+                    break
+            if seq.status != SeqStatus.RUNNING:
+                break
+            self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
+            out.append(self._entry(seq, n))
+            self._scheduled.append(seq)
+            budget -= n
+            i += 1
+        # Admit new work only when nothing was preempted (the freed blocks go to the preempted first).
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.append(self._entry(seq, n))
+            self._scheduled.append(seq)
+            budget -= n
+        ended, self._ended = self._ended, []
+        return SchedulerOutput(out, ended, preempted)
+
+    def scheduled_sequences(self) -> list[Sequence]:
+        """The Sequence objects behind the last schedule() output, in the same order."""
+        return self._scheduled

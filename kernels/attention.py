@@ -1,0 +1,52 @@
+"""Paged KV cache attention: pure-torch reference (the CPU path and the oracle).
+
+Cache layout per layer: k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache.flat[slot_mapping[t]] = k[t]; v likewise (slots < 0 are skipped)."""
+    kf = k_cache.view(-1, k_cache.size(-2), k_cache.size(-1))
+    vf = v_cache.view(-1, v_cache.size(-2), v_cache.size(-1))
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
+    kf.index_copy_(0, slot_mapping, k.to(kf.dtype))
+    vf.index_copy_(0, slot_mapping, v.to(vf.dtype))
+
+
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        cu_q: list[int], context_lens: list[int], scale: float) -> torch.Tensor:
+    """out[t] = softmax(scale * q[t] K_s^T, causal) V_s for the sequence s owning row t.
+
+    q [T, Hq, D]; sequence s has query rows cu_q[s]:cu_q[s+1], which are its LAST tokens: query i of
+    a sequence with n queries and context c sits at position c - n + i and sees keys 0..c - n + i.
+    """
+    out = torch.empty_like(q)
+    bs = k_cache.size(1)
+    hq, hkv = q.size(1), k_cache.size(2)
+    for s, ctx in enumerate(context_lens):
+        a, b = cu_q[s], cu_q[s + 1]
+        n = b - a
+        if n == 0:
+            continue
+        nblk = (ctx + bs - 1) // bs
+        blocks = block_tables[s, :nblk].long()
+        keys = k_cache[blocks].reshape(-1, hkv, k_cache.size(-1))[:ctx]
+        vals = v_cache[blocks].reshape(-1, hkv, v_cache.size(-1))[:ctx]
+        qs = q[a:b].transpose(0, 1)  # [Hq, n, D]
+        ks, vs = keys.transpose(0, 1), vals.transpose(0, 1)
+        if hkv != hq:
+            ks = ks.repeat_interleave(hq // hkv, dim=0)
+            vs = vs.repeat_interleave(hq // hkv, dim=0)
+        qpos = torch.arange(ctx - n, ctx, device=q.device).unsqueeze(1)
+        mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= qpos
+        o = F.scaled_dot_product_attention(qs.float(), ks.float(), vs.float(), attn_mask=mask, scale=scale)
+        out[a:b] = o.transpose(0, 1).to(q.dtype)
+    return out

@@ -1,0 +1,425 @@
+"""int4 weight-only matmul (W4A16) for the AutoRound / GPTQ layout, behind one interface.
+
+    w = prepare_int4(qweight, qzeros, scales, layout, backend)  # once, after loading and TP slicing
+    y = int4_mm(x, w, bias)  # y = x @ W + bias, W as in kernels.reference
+
+Backends (each checked against kernels.reference.int4_matmul by tests/kernels/test_int4.py):
+  reference    dequantize once to a dense [K, N] weight; torch.matmul. Any device, any layout.
+  native_cpu   torch._weight_int4pack_mm_for_cpu         (tinygemm-style: (q - 8) * scale + zero)
+  native_cuda  torch._weight_int4pack_mm                 (tinygemm on tensor cores, bf16 only)
+  native_xpu   torch._weight_int4pack_mm_with_scales_and_zeros  (oneDNN: (q - zp) * scale, int8 zp)
+  triton       our Triton kernel, reading qweight / packed qzeros / scales as stored in the checkpoint
+This module never picks a device: the caller (engine/device.py) chooses the backend; a native backend
+only accepts tensors on the device its name says.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import torch
+
+from kernels.reference import dequant_int4, unpack_int4_cols, unpack_int4_rows
+
+try:  # guarded: `import kernels.int4` must work where triton is absent (XPU boxes without triton-xpu, CI)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+
+__all__ = [
+    "INT4_BACKENDS",
+    "Int4Backend",
+    "Int4Layout",
+    "PreparedInt4",
+    "int4_mm",
+    "native_supported",
+    "prepare_int4",
+]
+
+Int4Backend = Literal["reference", "native_cpu", "native_cuda", "native_xpu", "triton"]
+INT4_BACKENDS: tuple[Int4Backend, ...] = get_args(Int4Backend)
+
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+_TINYGEMM_GROUPS = (32, 64, 128, 256)  # what the CPU and CUDA int4pack ops accept (TORCH_CHECK in aten)
+
+
+@dataclass(frozen=True)
+class Int4Layout:
+    """One quantized Linear: W is [in_features=K, out_features=N] in groups of group_size along K.
+
+    group_size is the real group length (map AutoRound's -1, "per channel", to in_features before).
+    zero_offset: 1 for GPTQ-v1 ("auto_round:auto_gptq", stored zero = zp - 1), 0 for v2.
+    """
+
+    group_size: int
+    zero_offset: int
+    in_features: int
+    out_features: int
+
+    def __post_init__(self) -> None:
+        k, n, g = self.in_features, self.out_features, self.group_size
+        if g <= 0 or k <= 0 or n <= 0:
+            raise ValueError(f"int4 layout needs positive sizes, got K={k}, N={n}, group_size={g}")
+        if k % g or k % 8 or n % 8:
+            raise ValueError(
+                f"int4 layout needs K % group_size == 0, K % 8 == 0 and N % 8 == 0; got K={k}, N={n}, "
+                f"group_size={g}"
+            )
+        if self.zero_offset not in (0, 1):
+            raise ValueError(f"zero_offset must be 0 (GPTQ v2) or 1 (GPTQ v1), got {self.zero_offset}")
+
+    @property
+    def num_groups(self) -> int:
+        return self.in_features // self.group_size
+
+
+@dataclass
+class PreparedInt4:
+    """What one backend needs for y = x @ W; built by prepare_int4, read only by int4_mm.
+
+    weight: reference -> dense W [K, N] (dtype); native_cpu -> uint8 [N, K/2]; native_cuda -> int32
+    [N/8, K/(16*t), 32, t/2]; native_xpu -> int32 [N, K/8]; triton -> the checkpoint's qweight [K/8, N].
+    scales / zeros: triton -> scales [K/G, N] and packed qzeros [K/G, N/8]; native_xpu -> scales
+    [K/G, N] (dtype) and int8 zero points [K/G, N]. scales_and_zeros: native_cpu/cuda [K/G, N, 2].
+    """
+
+    backend: Int4Backend
+    layout: Int4Layout
+    dtype: torch.dtype  # activation dtype the backend computes in (x is cast to it, y cast back)
+    weight: torch.Tensor
+    scales: torch.Tensor | None = None
+    zeros: torch.Tensor | None = None
+    scales_and_zeros: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        """Where the prepared tensors live (the LoRA wrappers ask this instead of guessing)."""
+        return self.weight.device
+
+
+# ----------------------------------------------------------------------------------------------------
+# capability checks
+
+
+def _device_type(backend: Int4Backend) -> str:
+    # The device a native backend runs on is part of its name ("native_cpu" -> "cpu").
+    return backend.removeprefix("native_")
+
+
+def _aten_has(op: str) -> bool:
+    try:
+        getattr(torch.ops.aten, op)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+@functools.cache
+def _device_available(device_type: str) -> bool:
+    mod = getattr(torch, device_type, None)
+    is_available = getattr(mod, "is_available", None)
+    try:
+        return bool(is_available()) if callable(is_available) else False
+    except RuntimeError:
+        return False
+
+
+@functools.cache
+def _triton_usable() -> bool:
+    if triton is None:
+        return False
+    if _interpreting():
+        return True  # the interpreter runs kernels on CPU tensors
+    try:
+        triton.runtime.driver.active.get_current_target()
+    except Exception:  # no GPU driver: triton raises various errors here
+        return False
+    return True
+
+
+def native_supported(backend: Int4Backend, layout: Int4Layout, dtype: torch.dtype) -> bool:
+    """True where `backend` can run `layout` with activations of `dtype` in this process.
+
+    native_cpu:  group 32/64/128/256, N % 16 == 0, dtype f32/bf16/f16 (found by experiment, torch 2.13).
+    native_cuda: group 32/64/128/256, K % 32 == 0, N % 8 == 0, dtype bf16 only, sm80+ (tinygemm).
+    native_xpu:  group % 32 == 0, dtype f16/bf16 (oneDNN u4 weights, s8 zero points).
+    triton:      group % 16 == 0 (a K tile never straddles two groups), dtype f32/bf16/f16.
+    reference:   always, for floating dtypes.
+    """
+    g, k, n = layout.group_size, layout.in_features, layout.out_features
+    if dtype not in _FLOATS:
+        return False
+    if backend == "reference":
+        return True
+    if backend == "triton":
+        return g % 16 == 0 and _triton_usable()
+    if backend not in INT4_BACKENDS:
+        raise ValueError(f"unknown int4 backend {backend!r}; expected one of {INT4_BACKENDS}")
+    if not _device_available(_device_type(backend)):
+        return False
+    if backend == "native_cpu":
+        return (
+            g in _TINYGEMM_GROUPS
+            and n % 16 == 0
+            and _aten_has("_weight_int4pack_mm_for_cpu")
+            and _aten_has("_convert_weight_to_int4pack_for_cpu")
+        )
+    if backend == "native_cuda":
+        mod = getattr(torch, _device_type(backend))
+        return (
+            g in _TINYGEMM_GROUPS
+            and k % 32 == 0
+            and n % 8 == 0
+            and dtype == torch.bfloat16
+            and tuple(mod.get_device_capability()) >= (8, 0)
+        )
+    # native_xpu
+    return (
+        g % 32 == 0
+        and dtype in (torch.bfloat16, torch.float16)
+        and _aten_has("_weight_int4pack_mm_with_scales_and_zeros")
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# prepare
+
+
+def _check_inputs(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, layout: Int4Layout
+) -> None:
+    k, n, ng = layout.in_features, layout.out_features, layout.num_groups
+    want = {"qweight": (k // 8, n), "qzeros": (ng, n // 8), "scales": (ng, n)}
+    got = {"qweight": qweight, "qzeros": qzeros, "scales": scales}
+    for name, shape in want.items():
+        if tuple(got[name].shape) != shape:
+            raise ValueError(f"int4 {name} has shape {tuple(got[name].shape)}, expected {shape} for {layout}")
+    if qweight.dtype != torch.int32 or qzeros.dtype != torch.int32:
+        raise TypeError(f"qweight/qzeros must be int32, got {qweight.dtype}/{qzeros.dtype}")
+    if not scales.is_floating_point():
+        raise TypeError(f"scales must be floating point, got {scales.dtype}")
+
+
+def _zq(qzeros: torch.Tensor, layout: Int4Layout) -> torch.Tensor:
+    """zq[g, n] = z(g, n) + zero_offset as int16 (0..16)."""
+    return unpack_int4_cols(qzeros) + layout.zero_offset
+
+
+def _tinygemm_scales_and_zeros(
+    qzeros: torch.Tensor, scales: torch.Tensor, layout: Int4Layout, dtype: torch.dtype
+) -> torch.Tensor:
+    # tinygemm dequantizes (q - 8) * s + zero; GPTQ is s * (q - zq), so zero = s * (8 - zq).
+    # Computed in fp32 then rounded once; valid for negative scales too.
+    s = scales.to(torch.float32)
+    zero = s * (8.0 - _zq(qzeros, layout).to(torch.float32))
+    return torch.stack([s, zero], dim=-1).to(dtype).contiguous()  # [K/G, N, 2]
+
+
+def _inner_k_tiles(k: int) -> int:
+    # The CUDA/XPU packers need K % (16 * inner_k_tiles) == 0; bigger tiles mean wider loads.
+    for t in (8, 4, 2):
+        if k % (16 * t) == 0:
+            return t
+    raise ValueError(f"K={k} is not a multiple of 32")
+
+
+def prepare_int4(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    layout: Int4Layout,
+    backend: Int4Backend,
+    dtype: torch.dtype | None = None,
+) -> PreparedInt4:
+    """PreparedInt4 such that int4_mm(x, w) == x @ dequant_int4(qweight, qzeros, scales, G, zero_offset).
+
+    dtype is the activation dtype to compute in (default scales.dtype). Tensors must already be on the
+    device the backend runs on; the checkpoint tensors may be freed afterwards except for "triton",
+    which keeps them (contiguous) as its operands.
+    """
+    _check_inputs(qweight, qzeros, scales, layout)
+    dtype = dtype or scales.dtype
+    if not native_supported(backend, layout, dtype):
+        raise ValueError(
+            f"int4 backend {backend!r} does not support {layout} with {dtype} here "
+            "(see kernels.int4.native_supported); use 'triton' or 'reference'"
+        )
+    if backend.startswith("native_") and qweight.device.type != _device_type(backend):
+        raise ValueError(
+            f"int4 backend {backend!r} needs tensors on {_device_type(backend)!r}, got {qweight.device}"
+        )
+    g, k = layout.group_size, layout.in_features
+
+    if backend == "reference":
+        dense = dequant_int4(qweight, qzeros, scales, g, layout.zero_offset, dtype=dtype)
+        return PreparedInt4(backend, layout, dtype, weight=dense.contiguous())
+
+    if backend == "triton":
+        return PreparedInt4(
+            backend,
+            layout,
+            dtype,
+            weight=qweight.contiguous(),
+            scales=scales.contiguous(),  # kept as stored (fp16 -> bf16 would lose bits); read as fp32
+            zeros=qzeros.contiguous(),
+        )
+
+    u_nk = unpack_int4_rows(qweight).t().to(torch.int32)  # [N, K], values 0..15
+
+    if backend == "native_cpu":
+        # The CPU packer takes plain int32 [N, K] codes (inner_k_tiles is ignored on CPU).
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u_nk.contiguous(), 2)
+        sz = _tinygemm_scales_and_zeros(qzeros, scales, layout, dtype)
+        return PreparedInt4(backend, layout, dtype, weight=packed, scales_and_zeros=sz)
+
+    if backend == "native_cuda":
+        # CUDA packer input: uint8 [N, K/2], byte i = (u[2i] << 4) | u[2i+1] (even k in the HIGH nibble).
+        u8 = ((u_nk[:, 0::2] << 4) | u_nk[:, 1::2]).to(torch.uint8).contiguous()
+        packed = torch.ops.aten._convert_weight_to_int4pack(u8, _inner_k_tiles(k))
+        sz = _tinygemm_scales_and_zeros(qzeros, scales, layout, dtype)
+        return PreparedInt4(backend, layout, dtype, weight=packed, scales_and_zeros=sz)
+
+    # native_xpu: oneDNN reads u4 weights [N, K/8] int32 (k contiguous, LSB nibble first), scales
+    # [K/G, N] in the activation dtype and s8 zero points [K/G, N]: W = (u - zp) * scale, i.e. GPTQ as is.
+    # XPU packer input: uint8 [N, K/2], byte i = (u[2i+1] << 4) | u[2i] (even k in the LOW nibble).
+    u8 = ((u_nk[:, 1::2] << 4) | u_nk[:, 0::2]).to(torch.uint8).contiguous()
+    packed = torch.ops.aten._convert_weight_to_int4pack(u8, _inner_k_tiles(k))
+    zp = _zq(qzeros, layout).to(torch.int8).contiguous()
+    return PreparedInt4(backend, layout, dtype, weight=packed, scales=scales.to(dtype).contiguous(), zeros=zp)
+
+
+# ----------------------------------------------------------------------------------------------------
+# matmul
+
+
+def int4_mm(x: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y[..., n] = sum_k x[..., k] * W[k, n] + bias[n]  (fp32 accumulate), returned in x.dtype."""
+    k, n = w.layout.in_features, w.layout.out_features
+    if x.shape[-1] != k:
+        raise ValueError(f"int4_mm: x has {x.shape[-1]} input features, the weight expects {k}")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] == 0:
+        return x.new_empty(*lead, n)
+
+    if w.backend == "triton":
+        y = _triton_mm(x2, w, bias)
+        return y.reshape(*lead, n)
+
+    xc = x2.to(w.dtype).contiguous()  # the native ops require a contiguous 2-D A in their dtype
+    if w.backend == "reference":
+        y = xc @ w.weight
+    elif w.backend == "native_cpu":
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xc, w.weight, w.layout.group_size, w.scales_and_zeros)
+    elif w.backend == "native_cuda":
+        y = torch.ops.aten._weight_int4pack_mm(xc, w.weight, w.layout.group_size, w.scales_and_zeros)
+    elif w.backend == "native_xpu":
+        y = torch.ops.aten._weight_int4pack_mm_with_scales_and_zeros(
+            xc, w.weight, w.layout.group_size, w.scales, w.zeros
+        )
+        y = y[:, :n]  # the XPU op may pad N to its tile width
+    else:
+        raise ValueError(f"unknown int4 backend {w.backend!r}")
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.to(x.dtype).reshape(*lead, n)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton W4A16 kernel (GPTQ layout read directly)
+
+if triton is not None:
+
+    @triton.jit
+    def _w4a16_gptq_kernel(
+        x_ptr, qw_ptr, s_ptr, qz_ptr, b_ptr, y_ptr,
+        M, N, K,
+        stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
+        stride_zg, stride_zn, stride_ym, stride_yn,
+        GROUP_SIZE: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
+        FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """y[m, n] = sum_g s[g, n] * sum_{k in g} x[m, k] * (u(k, n) - zq(g, n)) (+ bias[n])."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
+        qw_ptrs = qw_ptr + (offs_k[:, None] // 8) * stride_qk + offs_n[None, :] * stride_qn
+        w_shift = ((offs_k % 8) * 4)[:, None]  # nibble of k inside its word
+        z_ptrs = qz_ptr + (offs_n // 8) * stride_zn
+        z_shift = (offs_n % 8) * 4  # nibble of n inside its zero word
+        s_ptrs = s_ptr + offs_n * stride_sn
+
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # The host guarantees GROUP_SIZE % BLOCK_K == 0 and K % BLOCK_K == 0: one group per K tile,
+        # so the scale can be applied to the tile's partial product.
+        for k0 in range(0, K, BLOCK_K):
+            g = k0 // GROUP_SIZE
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            words = tl.load(qw_ptrs, mask=mask_n[None, :], other=0)
+            u = (words >> w_shift) & 0xF  # & 0xF also drops the sign bits of negative words
+            zw = tl.load(z_ptrs + g * stride_zg, mask=mask_n, other=0)
+            zq = ((zw >> z_shift) & 0xF) + ZERO_OFFSET
+            s = tl.load(s_ptrs + g * stride_sg, mask=mask_n, other=0.0).to(tl.float32)
+            q = u - zq[None, :]  # integers in [-16, 15]: exact in fp16/bf16, so the products are exact
+            if FP32_DOT:
+                part = tl.dot(x.to(tl.float32), q.to(tl.float32), input_precision="ieee")
+            else:
+                part = tl.dot(x, q.to(x.dtype))  # fp32 accumulate
+            acc += part * s[None, :]
+            x_ptrs += BLOCK_K * stride_xk
+            qw_ptrs += (BLOCK_K // 8) * stride_qk
+
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _interpreting() -> bool:
+    # Triton's CPU interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584); there
+    # we dot in fp32 instead, which is exact for bf16 x and the small-integer q, so tests stay meaningful.
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _triton_blocks(m: int, group_size: int) -> tuple[int, int, int]:
+    # Simple size heuristic (tuning is a later issue). tl.dot needs every block dim >= 16.
+    block_k = 64 if group_size % 64 == 0 else 32 if group_size % 32 == 0 else 16
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 32 if m <= 16 else 64 if m <= 64 else 128
+    return block_m, block_n, block_k
+
+
+def _triton_mm(x2: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None) -> torch.Tensor:
+    if triton is None:
+        raise RuntimeError("int4 backend 'triton' needs the triton package")
+    assert w.scales is not None and w.zeros is not None
+    m, k = x2.shape
+    n, g = w.layout.out_features, w.layout.group_size
+    if x2.dtype not in _FLOATS:
+        raise TypeError(f"int4_mm: unsupported activation dtype {x2.dtype}")
+    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    block_m, block_n, block_k = _triton_blocks(m, g)
+    b = bias.contiguous() if bias is not None else y  # dummy pointer when HAS_BIAS is False
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    fp32_dot = x2.dtype == torch.float32 or (x2.dtype == torch.bfloat16 and _interpreting())
+    _w4a16_gptq_kernel[grid](
+        x2, w.weight, w.scales, w.zeros, b, y,
+        m, n, k,
+        x2.stride(0), x2.stride(1), w.weight.stride(0), w.weight.stride(1),
+        w.scales.stride(0), w.scales.stride(1), w.zeros.stride(0), w.zeros.stride(1),
+        y.stride(0), y.stride(1),
+        GROUP_SIZE=g, ZERO_OFFSET=w.layout.zero_offset, HAS_BIAS=bias is not None,
+        FP32_DOT=fp32_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )  # fmt: skip
+    return y

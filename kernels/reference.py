@@ -1,0 +1,112 @@
+"""Pure-torch reference kernels: the oracles every fast backend is tested against, and the CPU fallback.
+
+int4 layout (AutoRound / GPTQ, no g_idx), for a Linear with in=K, out=N, group G:
+  qweight int32 [K/8, N]   word [r, n] holds u(k=8r+j, n) in bits 4j..4j+3 (LSB first)
+  qzeros  int32 [K/G, N/8] word [g, c] holds z(g, n=8c+j)  in bits 4j..4j+3
+  scales  fp    [K/G, N]   may be negative
+  W[k, n] = scales[k//G, n] * (u(k, n) - (z(k//G, n) + zero_offset))
+zero_offset is 1 for GPTQ-v1 checkpoints ("auto_round:auto_gptq": stored zero = zp - 1) and 0 for v2.
+"""
+
+import torch
+
+__all__ = [
+    "dequant_int4",
+    "int4_matmul",
+    "pack_int4_cols",
+    "pack_int4_rows",
+    "unpack_int4_cols",
+    "unpack_int4_rows",
+]
+
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)  # nibble j sits at bits 4j..4j+3
+
+
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    """out[..., j] = (uint32(words[...]) >> 4j) & 0xF  (int16, last dim 8)."""
+    if words.dtype != torch.int32:
+        raise TypeError(f"packed int4 tensors must be int32, got {words.dtype}")
+    # Widen to int64 and mask so negative int32 words (top bit set) read as uint32.
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    return ((w.unsqueeze(-1) >> _SHIFTS.to(w.device)) & 0xF).to(torch.int16)
+
+
+def _pack8(u: torch.Tensor) -> torch.Tensor:
+    """words[...] = sum_j u[..., j] << 4j, returned as int32 (two's complement of the uint32)."""
+    if u.shape[-1] != 8:
+        raise ValueError("internal: expected a last dim of 8 nibbles")
+    v = u.to(torch.int64)
+    if bool(((v < 0) | (v > 15)).any()):
+        raise ValueError("int4 values must be in 0..15")
+    w = (v << _SHIFTS.to(v.device)).sum(dim=-1)
+    # Map 0..2^32-1 to int32's range (a checkpoint stores uint32 bit patterns in int32).
+    return torch.where(w >= 2**31, w - 2**32, w).to(torch.int32)
+
+
+def unpack_int4_rows(qweight: torch.Tensor) -> torch.Tensor:
+    """u[k, n] = (uint32(qweight[k // 8, n]) >> 4*(k % 8)) & 0xF;  [K/8, N] int32 -> [K, N] int16."""
+    kw, n = qweight.shape
+    return _nibbles(qweight).permute(0, 2, 1).reshape(kw * 8, n)
+
+
+def unpack_int4_cols(qzeros: torch.Tensor) -> torch.Tensor:
+    """z[g, n] = (uint32(qzeros[g, n // 8]) >> 4*(n % 8)) & 0xF;  [K/G, N/8] int32 -> [K/G, N] int16."""
+    g, nw = qzeros.shape
+    return _nibbles(qzeros).reshape(g, nw * 8)
+
+
+def pack_int4_rows(u: torch.Tensor) -> torch.Tensor:
+    """qweight[r, n] = sum_j u[8r + j, n] << 4j  (as int32);  [K, N] ints 0..15 -> [K/8, N]."""
+    k, n = u.shape
+    if k % 8:
+        raise ValueError(f"K={k} must be a multiple of 8")
+    return _pack8(u.reshape(k // 8, 8, n).permute(0, 2, 1))
+
+
+def pack_int4_cols(z: torch.Tensor) -> torch.Tensor:
+    """qzeros[g, c] = sum_j z[g, 8c + j] << 4j  (as int32);  [K/G, N] ints 0..15 -> [K/G, N/8]."""
+    g, n = z.shape
+    if n % 8:
+        raise ValueError(f"N={n} must be a multiple of 8")
+    return _pack8(z.reshape(g, n // 8, 8))
+
+
+def dequant_int4(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    zero_offset: int,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """W[k, n] = scales[k // G, n] * (u(k, n) - (z(k // G, n) + zero_offset))  in fp32, returned as dtype."""
+    u = unpack_int4_rows(qweight)
+    z = unpack_int4_cols(qzeros)
+    k, n = u.shape
+    if k % group_size or scales.shape != (k // group_size, n) or z.shape != scales.shape:
+        raise ValueError(
+            f"inconsistent int4 shapes: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
+            f"scales {tuple(scales.shape)}, group_size {group_size}"
+        )
+    zq = z.to(torch.float32) + float(zero_offset)
+    w = scales.to(torch.float32).repeat_interleave(group_size, dim=0) * (
+        u.to(torch.float32) - zq.repeat_interleave(group_size, dim=0)
+    )
+    return w.to(dtype or scales.dtype)
+
+
+def int4_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    group_size: int,
+    zero_offset: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y[..., n] = sum_k fp32(x[..., k]) * W[k, n] + bias[n]  (fp32 accumulate), returned in x.dtype."""
+    w = dequant_int4(qweight, qzeros, scales, group_size, zero_offset, dtype=torch.float32)
+    y = x.to(torch.float32) @ w
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)

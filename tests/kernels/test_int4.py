@@ -1,0 +1,340 @@
+"""int4 (AutoRound / GPTQ layout) kernels: packing, dequant, and every backend against the reference.
+
+Run: .venv/bin/python -m pytest tests/kernels -q
+The Triton kernel runs on the CPU under TRITON_INTERPRET=1, which must be set before triton is
+imported, so those cases run in a child process (this file run as a script, see _main).
+On a machine with an accelerator (CUDA / XPU) the native op of that device and the compiled Triton
+kernel are checked too.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kernels.int4 import INT4_BACKENDS, Int4Layout, PreparedInt4, int4_mm, native_supported, prepare_int4
+from kernels.reference import (
+    dequant_int4,
+    int4_matmul,
+    pack_int4_cols,
+    pack_int4_rows,
+    unpack_int4_cols,
+    unpack_int4_rows,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Tolerances against kernels.reference.int4_matmul (fp32 dequant, fp32 accumulate, one final rounding),
+# as (rtol, atol relative to max|ref|):
+# - float32: backends differ only in summation order / fused multiply-add: ~1e-6 of the output scale.
+# - bfloat16: the output itself is rounded to bf16 (8 mantissa bits: 2^-8 = 0.4% relative), and the
+#   dense-reference / tinygemm backends also round W or (scale, zero) to bf16 once (another ~2^-9 per
+#   weight). 1.6e-2 relative (two bf16 ulps) plus 1e-2 of the output scale for near-zero outputs.
+# - float16: 11 mantissa bits, same reasoning: 2e-3.
+# A wrong nibble, zero offset or scale sign moves outputs by ~10% of their scale, far above all of these
+# (test_tolerance_detects_zero_offset_mixup checks that the bf16 tolerance still catches one).
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-5, 1e-5),
+    torch.bfloat16: (1.6e-2, 1e-2),
+    torch.float16: (2e-3, 2e-3),
+}
+
+
+def _assert_matches(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
+    rtol, atol_rel = TOLERANCES[dtype]
+    ref32 = ref.float()
+    atol = atol_rel * max(ref32.abs().max().item(), 1e-6)
+    torch.testing.assert_close(
+        y.detach().cpu().float(), ref32, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}"
+    )
+
+
+def _random_int4(k: int, n: int, g: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random checkpoint tensors: full-range int32 words (many negative) and ~half negative fp16 scales."""
+    gen = torch.Generator().manual_seed(seed)
+    words = lambda *shape: torch.randint(-(2**31), 2**31, shape, dtype=torch.int64, generator=gen)
+    qweight = words(k // 8, n).to(torch.int32)
+    qzeros = words(k // g, n // 8).to(torch.int32)
+    mag = torch.rand(k // g, n, generator=gen) * 0.02 + 0.005
+    sign = torch.where(torch.rand(k // g, n, generator=gen) < 0.5, -1.0, 1.0)
+    return qweight, qzeros, (mag * sign).to(torch.float16)
+
+
+def _cases() -> list[dict[str, Any]]:
+    cases: list[dict[str, Any]] = [
+        dict(zero_offset=zo, m=m, g=g, dtype=dt, k=256, n=96)
+        for zo in (1, 0)
+        for m in (1, 5, 33)
+        for g in (32, 128)
+        for dt in (torch.float32, torch.bfloat16)
+    ]
+    # Edges: N not a multiple of any tile (and of 16, so native_cpu skips it), a 3-D activation.
+    cases.append(dict(zero_offset=1, m=17, g=32, dtype=torch.float32, k=64, n=40))
+    cases.append(dict(zero_offset=0, m=6, g=64, dtype=torch.bfloat16, k=128, n=64, lead=(2, 3)))
+    return cases
+
+
+def _case_id(c: dict[str, Any]) -> str:
+    dt = str(c["dtype"]).removeprefix("torch.")
+    return f"v{2 - c['zero_offset']}-m{c['m']}-g{c['g']}-k{c['k']}-n{c['n']}-{dt}"
+
+
+def _check_case(backend: str, case: dict[str, Any], device: torch.device | str = "cpu") -> bool:
+    """Assert int4_mm(backend) == reference for one case; False where the backend doesn't support it."""
+    zo, m, g, dtype, k, n = (case[key] for key in ("zero_offset", "m", "g", "dtype", "k", "n"))
+    layout = Int4Layout(group_size=g, zero_offset=zo, in_features=k, out_features=n)
+    if not native_supported(backend, layout, dtype):  # type: ignore[arg-type]
+        return False
+    seed = 1000 * zo + 10 * m + g
+    qweight, qzeros, scales = _random_int4(k, n, g, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    lead = case.get("lead", (m,))
+    x = torch.randn(*lead, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype) if m in (5, 17) else None
+    ref = int4_matmul(x, qweight, qzeros, scales, g, zo, bias)
+
+    dev = torch.device(device)
+    w = prepare_int4(qweight.to(dev), qzeros.to(dev), scales.to(dev), layout, backend, dtype=dtype)  # type: ignore[arg-type]
+    y = int4_mm(x.to(device), w, None if bias is None else bias.to(device))
+    assert y.shape == (*lead, n) and y.dtype == dtype, (y.shape, y.dtype)
+    _assert_matches(y, ref, dtype, f"{backend} {_case_id(case)}")
+    return True
+
+
+# ----------------------------------------------------------------------------------------------------
+# packing
+
+
+def test_unpack_known_words_with_top_bit_set() -> None:
+    # 0xFEDCBA98 has the top bit set: as int32 it is negative; nibble j (LSB first) is 8 + j.
+    word = 0xFEDCBA98 - 2**32
+    qweight = torch.tensor([[word, 0x76543210]], dtype=torch.int32)  # [K/8=1, N=2]
+    u = unpack_int4_rows(qweight)
+    assert u.shape == (8, 2)
+    assert u[:, 0].tolist() == list(range(8, 16))
+    assert u[:, 1].tolist() == list(range(8))
+    qzeros = torch.tensor([[word]], dtype=torch.int32)  # [K/G=1, N/8=1]: n = j
+    assert unpack_int4_cols(qzeros)[0].tolist() == list(range(8, 16))
+
+
+@pytest.mark.parametrize("k,n,g", [(64, 16, 32), (256, 96, 128)])
+def test_pack_unpack_round_trips(k: int, n: int, g: int) -> None:
+    gen = torch.Generator().manual_seed(k + n)
+    u = torch.randint(0, 16, (k, n), generator=gen)
+    u[7::8] = 15  # top nibble of every word = 0xF: every packed word is negative
+    qweight = pack_int4_rows(u)
+    assert qweight.dtype == torch.int32 and qweight.shape == (k // 8, n)
+    assert bool((qweight < 0).all())
+    torch.testing.assert_close(unpack_int4_rows(qweight).long(), u, rtol=0, atol=0)
+
+    z = torch.randint(0, 16, (k // g, n), generator=gen)
+    qzeros = pack_int4_cols(z)
+    assert qzeros.dtype == torch.int32 and qzeros.shape == (k // g, n // 8)
+    torch.testing.assert_close(unpack_int4_cols(qzeros).long(), z, rtol=0, atol=0)
+
+    # And from words: every int32 bit pattern survives unpack -> pack.
+    words = torch.randint(-(2**31), 2**31, (k // 8, n), dtype=torch.int64, generator=gen).to(torch.int32)
+    torch.testing.assert_close(pack_int4_rows(unpack_int4_rows(words)), words, rtol=0, atol=0)
+    torch.testing.assert_close(pack_int4_cols(unpack_int4_cols(words)), words, rtol=0, atol=0)
+
+
+def test_pack_rejects_out_of_range() -> None:
+    with pytest.raises(ValueError):
+        pack_int4_rows(torch.full((8, 8), 16))
+
+
+# ----------------------------------------------------------------------------------------------------
+# dequant
+
+
+@pytest.mark.parametrize("zero_offset", [1, 0])
+def test_dequant_matches_loop_formula(zero_offset: int) -> None:
+    k, n, g = 16, 8, 8
+    qweight, qzeros, scales = _random_int4(k, n, g, seed=7 + zero_offset)
+    w = dequant_int4(qweight, qzeros, scales, g, zero_offset, dtype=torch.float32)
+    # Independent formula on Python ints, straight from the layout description.
+    expected = torch.empty(k, n)
+    for kk in range(k):
+        for nn in range(n):
+            u = ((int(qweight[kk // 8, nn]) & 0xFFFFFFFF) >> (4 * (kk % 8))) & 0xF
+            z = ((int(qzeros[kk // g, nn // 8]) & 0xFFFFFFFF) >> (4 * (nn % 8))) & 0xF
+            expected[kk, nn] = float(scales[kk // g, nn]) * (u - (z + zero_offset))
+    assert bool((scales < 0).any()) and bool((scales > 0).any())
+    torch.testing.assert_close(w, expected, rtol=1e-6, atol=1e-7)
+    assert dequant_int4(qweight, qzeros, scales, g, zero_offset).dtype == torch.float16
+
+
+def test_int4_matmul_is_x_at_dequant_plus_bias() -> None:
+    qweight, qzeros, scales = _random_int4(64, 16, 32, seed=3)
+    x = torch.randn(3, 64)
+    bias = torch.randn(16)
+    w = dequant_int4(qweight, qzeros, scales, 32, 1, dtype=torch.float32)
+    torch.testing.assert_close(int4_matmul(x, qweight, qzeros, scales, 32, 1, bias), x @ w + bias)
+
+
+def test_dequant_matches_auto_round_packers() -> None:
+    """auto-round's own quantizer + packers (v1 "auto_round:auto_gptq", v2 "auto_round") vs our dequant."""
+    int_dt = pytest.importorskip("auto_round.data_type.int")
+    qlinear_v2 = pytest.importorskip("auto_round_extension.torch.qlinear_torch")
+    qlinear_v1 = pytest.importorskip("auto_round_extension.torch.qlinear_torch_zp")
+    torch.manual_seed(0)
+    k, n, g = 256, 128, 128
+    lin = torch.nn.Linear(k, n, bias=True)
+    for quant in (int_dt.quant_tensor_sym, int_dt.quant_tensor_asym):
+        qdq, scale, zp = quant(lin.weight.data, bits=4, group_size=g)  # qdq: [N, K] fake-quant weight
+        scale = scale.reshape(n, k // g)
+        zp = zp.reshape(n, k // g) if isinstance(zp, torch.Tensor) else zp
+        if quant is int_dt.quant_tensor_sym:
+            assert 0.2 < (scale < 0).float().mean().item() < 0.8  # sym scales carry the sign
+        for cls, zero_offset in ((qlinear_v1.QuantLinear, 1), (qlinear_v2.QuantLinear, 0)):
+            ql = cls(4, g, k, n, bias=True, weight_dtype=torch.float32)
+            ql.device = torch.device("cpu")  # auto-round's exporter sets this before packing
+            ql.pack(lin, scale, zp, None, device="cpu")
+            w = dequant_int4(ql.qweight, ql.qzeros, ql.scales, g, zero_offset, dtype=torch.float32)
+            # Same fp16 scales times the same integers: exact.
+            torch.testing.assert_close(w.t(), qdq, rtol=0, atol=0)
+            x = torch.randn(5, k).half()
+            with torch.no_grad():
+                y_ar = ql(x)  # auto-round's torch inference path, in fp16
+            y = int4_matmul(x, ql.qweight, ql.qzeros, ql.scales, g, zero_offset, ql.bias)
+            _assert_matches(y, y_ar, torch.float16, f"{cls.__module__} {quant.__name__}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# backends on the CPU
+
+
+@pytest.mark.parametrize("case", _cases(), ids=_case_id)
+@pytest.mark.parametrize("backend", ["reference", "native_cpu"])
+def test_cpu_backend_matches_reference(backend: str, case: dict[str, Any]) -> None:
+    if not _check_case(backend, case):
+        pytest.skip(f"{backend} does not support {_case_id(case)}")
+
+
+def test_native_cpu_support_matrix() -> None:
+    lay = lambda g, n: Int4Layout(group_size=g, zero_offset=1, in_features=256, out_features=n)
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        for g in (32, 64, 128, 256):
+            assert native_supported("native_cpu", lay(g, 64), dt)
+    assert not native_supported("native_cpu", lay(16, 64), torch.float32)  # the op rejects group 16
+    assert not native_supported("native_cpu", lay(32, 40), torch.float32)  # the packer needs N % 16 == 0
+    assert not native_supported("native_cpu", lay(32, 64), torch.int32)
+    assert native_supported("reference", lay(16, 40), torch.bfloat16)
+
+
+def test_tolerance_detects_zero_offset_mixup() -> None:
+    """The bf16 tolerance must still see a v1/v2 mix-up (one zero step = ~15% of a weight's scale)."""
+    k, n, g = 256, 96, 128
+    qweight, qzeros, scales = _random_int4(k, n, g, seed=11)
+    x = torch.randn(5, k).bfloat16()
+    w = prepare_int4(qweight, qzeros, scales, Int4Layout(g, 0, k, n), "reference", dtype=torch.bfloat16)
+    ref_v1 = int4_matmul(x, qweight, qzeros, scales, g, 1)
+    with pytest.raises(AssertionError):
+        _assert_matches(int4_mm(x, w), ref_v1, torch.bfloat16)
+
+
+def test_prepare_validates() -> None:
+    qweight, qzeros, scales = _random_int4(64, 16, 32, seed=5)
+    with pytest.raises(ValueError, match="qweight"):
+        prepare_int4(qweight[:4], qzeros, scales, Int4Layout(32, 1, 64, 16), "reference")
+    with pytest.raises(ValueError):
+        Int4Layout(group_size=48, zero_offset=1, in_features=64, out_features=16)  # K % G != 0
+    with pytest.raises(ValueError):
+        Int4Layout(group_size=32, zero_offset=2, in_features=64, out_features=16)
+    qw40, qz40, s40 = _random_int4(64, 40, 32, seed=6)
+    with pytest.raises(ValueError, match="native_cpu"):
+        prepare_int4(qw40, qz40, s40, Int4Layout(32, 1, 64, 40), "native_cpu")  # N % 16 != 0
+    w = prepare_int4(qweight, qzeros, scales, Int4Layout(32, 1, 64, 16), "reference")
+    assert isinstance(w, PreparedInt4) and w.device == qweight.device and w.dtype == torch.float16
+    with pytest.raises(ValueError, match="input features"):
+        int4_mm(torch.randn(2, 32), w)
+    assert int4_mm(torch.randn(0, 64).half(), w).shape == (0, 16)
+
+
+def test_import_without_triton() -> None:
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
+        "import torch, kernels.int4 as m\n"
+        "assert m.triton is None\n"
+        "lay = m.Int4Layout(32, 1, 64, 16)\n"
+        "assert not m.native_supported('triton', lay, torch.float32)\n"
+        "assert m.native_supported('reference', lay, torch.float32)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton under the CPU interpreter (child process: TRITON_INTERPRET=1 must precede `import triton`)
+
+
+def test_triton_interpreter_matches_reference() -> None:
+    pytest.importorskip("triton")
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, __file__, "--triton-interpreter"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert f"checked {len(_cases())} cases" in proc.stdout, proc.stdout
+
+
+def _main(argv: list[str]) -> int:
+    if argv != ["--triton-interpreter"]:
+        print("usage: test_int4.py --triton-interpreter  (with TRITON_INTERPRET=1)")
+        return 2
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    checked = 0
+    for case in _cases():
+        if not _check_case("triton", case):
+            print(f"triton unsupported for {_case_id(case)}")
+            return 1
+        checked += 1
+    print(f"checked {checked} cases")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# On an accelerator: its native op and the compiled Triton kernel (skipped on CPU-only machines)
+
+
+def _accelerator() -> torch.device | None:
+    acc = getattr(torch, "accelerator", None)
+    if acc is None or not acc.is_available():
+        return None
+    return acc.current_accelerator()
+
+
+_ACC = _accelerator()
+_ACC_BACKENDS = [f"native_{_ACC.type}", "triton"] if _ACC is not None else ["triton"]
+_ACC_CASES = _cases() + [dict(c, dtype=torch.float16) for c in _cases() if c["dtype"] == torch.bfloat16]
+
+
+@pytest.mark.skipif(_ACC is None, reason="no accelerator")
+@pytest.mark.parametrize("case", _ACC_CASES, ids=_case_id)
+@pytest.mark.parametrize("backend", _ACC_BACKENDS)
+def test_accelerator_backend_matches_reference(backend: str, case: dict[str, Any]) -> None:
+    if backend not in INT4_BACKENDS:
+        pytest.skip(f"no int4 backend for {backend}")
+    assert _ACC is not None
+    if not _check_case(backend, case, device=_ACC):
+        pytest.skip(f"{backend} does not support {_case_id(case)}")
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -1,0 +1,1 @@
+"""Developer tools shared by tests, the demo model and benchmarks (not part of the served package)."""

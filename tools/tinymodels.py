@@ -1,0 +1,92 @@
+"""Tiny Qwen checkpoints built offline (transformers + auto-round), for tests and the demo.
+
+Sizes follow the rule that makes int4 and TP=2 both work: every quantized input size and its half
+is a multiple of 128 (hidden 256, intermediate 768, heads x head_dim = 256). The vocab in the
+config is padded above the tokenizer's size, as real Qwen checkpoints are.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Literal
+
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from tools.tokenizer import build_byte_bpe_tokenizer
+
+Arch = Literal["qwen2", "qwen3"]
+PackingFormat = Literal["auto_round", "auto_round:auto_gptq", "auto_round:gptqmodel"]
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world, hello engine: serving many adapters on one model.",
+    "Numbers 0 1 2 3 4 5 6 7 8 9 10 11 12 and letters a b c d e f g h i j k l m n o p.",
+    "Tensor parallel LoRA on int4 AutoRound Qwen checkpoints, on CPU, CUDA and XPU.",
+    "Café, naïve, façade; 你好，世界; emoji 🚀🙂; Grüße aus München.",
+] * 4
+
+
+def tiny_tokenizer(vocab_size: int = 420) -> PreTrainedTokenizerFast:
+    return build_byte_bpe_tokenizer(CORPUS, vocab_size)
+
+
+def tiny_config(arch: Arch, vocab_size: int, tie: bool = False, layers: int = 2, hidden: int = 256,
+                intermediate: int = 768, heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
+                max_pos: int = 1024, eos_token_id: int | None = None, init_std: float = 0.02):
+    from transformers import Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=intermediate,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=max_pos, tie_word_embeddings=tie, rms_norm_eps=1e-6,
+                  initializer_range=init_std, eos_token_id=eos_token_id, bos_token_id=None,
+                  pad_token_id=eos_token_id)
+    if arch == "qwen3":
+        return Qwen3Config(head_dim=head_dim, **common)
+    if head_dim * heads != hidden:
+        raise ValueError("Qwen2 derives head_dim = hidden / heads")
+    return Qwen2Config(**common)
+
+
+def make_model(out_dir: str, arch: Arch = "qwen3", tie: bool = False, seed: int = 0,
+               dtype: torch.dtype = torch.bfloat16, init_std: float = 0.05, **cfg) -> str:
+    """Write a random tiny model (weights in `dtype`) plus tokenizer to out_dir."""
+    from transformers import AutoModelForCausalLM
+
+    tok = tiny_tokenizer()
+    config = tiny_config(arch, vocab_size=512, tie=tie, eos_token_id=tok.eos_token_id, init_std=init_std, **cfg)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    if arch == "qwen2":
+        # Qwen2's q/k/v biases start at zero; make them matter so the bias path is exercised.
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.05)
+    model.save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return out_dir
+
+
+def quantize(src: str, out_dir: str, fmt: PackingFormat = "auto_round", sym: bool = True,
+             group_size: int = 128, bits: int = 4, iters: int = 0) -> str:
+    """AutoRound RTN (iters=0, no calibration data) of the model at src, written to out_dir."""
+    from auto_round import AutoRound
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(src)
+    kwargs = dict(disable_opt_rtn=True) if iters == 0 else {}
+    ar = AutoRound(model, tok, bits=bits, group_size=group_size, sym=sym, iters=iters, device_map="cpu", **kwargs)
+    tmp = out_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    ar.quantize_and_save(tmp, format=fmt)
+    # In-memory models are written into tmp/<name>-w4g128/; flatten that.
+    inner = [d for d in os.listdir(tmp) if os.path.isdir(os.path.join(tmp, d))]
+    src_dir = os.path.join(tmp, inner[0]) if len(inner) == 1 and not os.path.isfile(
+        os.path.join(tmp, "config.json")) else tmp
+    shutil.rmtree(out_dir, ignore_errors=True)
+    shutil.move(src_dir, out_dir)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
