@@ -153,7 +153,8 @@ def dist_backend(kind: DeviceKind) -> str:
     try:
         importlib.import_module("oneccl_bindings_for_pytorch")
     except ImportError as e:
-        raise RuntimeError("XPU tensor parallelism needs torch >= 2.8 (xccl) or oneccl_bindings_for_pytorch (ccl)") from e
+        raise RuntimeError("XPU tensor parallelism needs torch >= 2.8 (xccl) or "
+                           "oneccl_bindings_for_pytorch (ccl)") from e
     return "ccl"
 
 

@@ -92,7 +92,8 @@ class LLMEngine:
         kv = self.runner.kv
         if kv.num_blocks * kv.block_size < self.max_model_len:
             raise ConfigError(f"the KV cache ({kv.num_blocks} blocks x {kv.block_size} tokens) cannot hold one "
-                              f"sequence of max_model_len={self.max_model_len}; raise num_blocks or lower max_model_len")
+                              f"sequence of max_model_len={self.max_model_len}; raise num_blocks or lower "
+                              "max_model_len")
         self.blocks = BlockManager(kv.num_blocks, kv.block_size)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len)
         self.requests: dict[str, _Request] = {}
@@ -108,8 +109,10 @@ class LLMEngine:
         return list(prompt)
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    lora_id: int | None = None) -> list[int]:
-        """Queue a request; raises RequestError (nothing queued) if it cannot be served."""
+                    lora_name: str | None = None) -> list[int]:
+        """Queue a request (lora_name None: the base model); raises RequestError, queuing nothing,
+        if it cannot be served. Returns the prompt's token ids."""
+        lora_id = self._resolve_lora(lora_name)
         if request_id in self.requests:
             raise RequestError(f"duplicate request id {request_id!r}")
         params.validate(self.config.max_logprobs)
@@ -130,6 +133,11 @@ class LLMEngine:
         self.requests[request_id] = _Request(seq, detok, logprobs=[] if params.logprobs is not None else None)
         self.scheduler.add(seq)
         return ids
+
+    def _resolve_lora(self, lora_name: str | None) -> int | None:
+        if lora_name is None:
+            return None
+        raise RequestError(f"model {lora_name!r}: LoRA is not enabled on this engine (start it with --enable-lora)")
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.pop(request_id, None)

@@ -100,7 +100,7 @@ def load_weights(model: nn.Module, info: CheckpointInfo, progress: bool = False)
     params = dict(model.named_parameters())
     packed: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules", {})
     expected: dict[str, set[str | int | None]] = {}
-    for name, p in params.items():
+    for name in params:
         parts = name.rsplit(".", 2)
         layer = parts[-2] if len(parts) >= 2 else ""
         expected[name] = {sid for ck, (fused, sid) in packed.items() if fused == layer} or {None}
@@ -116,6 +116,9 @@ def load_weights(model: nn.Module, info: CheckpointInfo, progress: bool = False)
             continue
         if tied and name == "lm_head.weight":
             continue  # some exporters write the tied head too
+        if name.endswith(".g_idx"):
+            _check_trivial_g_idx(fn, name, tensor, info.quant.group_size)
+            continue
         target, shard = name, None
         module_path, _, leaf = name.rpartition(".")
         mod_parent, _, mod_name = module_path.rpartition(".")
@@ -143,6 +146,14 @@ def load_weights(model: nn.Module, info: CheckpointInfo, progress: bool = False)
     for m in model.modules():
         if isinstance(m, LinearBase):
             m.process_after_loading()
+
+
+def _check_trivial_g_idx(fn: str, name: str, g_idx: torch.Tensor, group_size: int) -> None:
+    """gptqmodel writes g_idx even without act-order; only the trivial k // G order is served."""
+    trivial = torch.arange(g_idx.numel(), dtype=torch.int64) // group_size
+    if not torch.equal(g_idx.to(torch.int64).flatten(), trivial):
+        raise CheckpointError(f"{fn}: {name} is a non-trivial group index (act-order / desc_act); "
+                              "this is not supported, re-export without act-order")
 
 
 def _count(fn: str) -> int:

@@ -13,8 +13,9 @@ from engine.device import Device
 from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from engine.layers.attention import Attention
 from engine.loader import CheckpointInfo, build_model, load_weights
+from engine.protocol import SamplingParams
 from engine.sampler import Sampler, SamplerOutput, make_generator
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledSeq, SchedulerOutput
 
 log = logging.getLogger(__name__)
 
@@ -135,15 +136,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits for every position of one prompt (tests and echo); uses blocks past the pool end? No:
-        it runs on a private block table of the cache's first blocks and must only be called when idle."""
+        """Logits at every position of one prompt, for tests. It writes the first KV blocks, so call it
+        only while no request is running."""
         bs = self.kv.block_size
         nblk = (len(token_ids) + bs - 1) // bs
         if nblk > self.kv.num_blocks:
             raise ValueError("prompt longer than the KV cache")
-        from engine.scheduler import ScheduledSeq
-        from engine.protocol import SamplingParams
-
         step = SchedulerOutput([ScheduledSeq(-1, token_ids, 0, list(range(nblk)), False, SamplingParams())])
         input_ids, positions, meta, _ = self._prepare(step)
         with forward_context(ForwardContext(attn=meta)):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
 from engine.protocol import SamplingParams
-from engine.sequence import Sequence, SeqStatus
+from engine.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
         if loaded.dim() != 2 or loaded.shape != (self.vocab, param.size(1)):
-            raise ValueError(f"embedding: checkpoint shape {tuple(loaded.shape)}, expected ({self.vocab}, {param.size(1)})")
+            raise ValueError(f"embedding: checkpoint shape {tuple(loaded.shape)}, "
+                             f"expected ({self.vocab}, {param.size(1)})")
         end = min(self.start + self.per_rank, self.vocab)
         param.data.zero_()
         if end > self.start:

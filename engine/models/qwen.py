@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -107,7 +107,8 @@ class QwenMLP(nn.Module):
         super().__init__()
         names = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
         self.gate_up_proj = MergedColumnParallelLinear(a.hidden_size, [a.intermediate_size] * 2, False,
-                                                       quant.method_for(names, backend), dtype, f"{prefix}.gate_up_proj")
+                                                       quant.method_for(names, backend), dtype,
+                                                       f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(a.intermediate_size, a.hidden_size, False,
                                            quant.method_for([f"{prefix}.down_proj"], backend), dtype,
                                            f"{prefix}.down_proj")
@@ -158,12 +159,12 @@ class QwenModel(nn.Module):
 class QwenForCausalLM(nn.Module):
     """Checkpoint names map onto the fused layers through `packed_modules`."""
 
-    packed_modules: dict[str, tuple[str, str | int]] = {
+    packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
     # LoRA targets: checkpoint module name -> (our layer, slice index within it).
-    lora_targets: dict[str, tuple[str, int]] = {
+    lora_targets: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
     }

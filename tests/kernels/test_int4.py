@@ -50,15 +50,16 @@ def _assert_matches(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what
     rtol, atol_rel = TOLERANCES[dtype]
     ref32 = ref.float()
     atol = atol_rel * max(ref32.abs().max().item(), 1e-6)
-    torch.testing.assert_close(
-        y.detach().cpu().float(), ref32, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}"
-    )
+    torch.testing.assert_close(y.detach().cpu().float(), ref32, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
 def _random_int4(k: int, n: int, g: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Random checkpoint tensors: full-range int32 words (many negative) and ~half negative fp16 scales."""
     gen = torch.Generator().manual_seed(seed)
-    words = lambda *shape: torch.randint(-(2**31), 2**31, shape, dtype=torch.int64, generator=gen)
+
+    def words(*shape: int) -> torch.Tensor:
+        return torch.randint(-(2**31), 2**31, shape, dtype=torch.int64, generator=gen)
+
     qweight = words(k // 8, n).to(torch.int32)
     qzeros = words(k // g, n // 8).to(torch.int32)
     mag = torch.rand(k // g, n, generator=gen) * 0.02 + 0.005
@@ -218,7 +219,9 @@ def test_cpu_backend_matches_reference(backend: str, case: dict[str, Any]) -> No
 
 
 def test_native_cpu_support_matrix() -> None:
-    lay = lambda g, n: Int4Layout(group_size=g, zero_offset=1, in_features=256, out_features=n)
+    def lay(g: int, n: int) -> Int4Layout:
+        return Int4Layout(group_size=g, zero_offset=1, in_features=256, out_features=n)
+
     for dt in (torch.float32, torch.bfloat16, torch.float16):
         for g in (32, 64, 128, 256):
             assert native_supported("native_cpu", lay(g, 64), dt)

@@ -1,0 +1,23 @@
+"""Small helpers shared by tests: prompts and engine construction."""
+
+from __future__ import annotations
+
+import random
+
+from engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig, SchedulerConfig
+
+WORDS = ("the quick brown fox jumps over lazy dog hello world engine serving many adapters on one model "
+         "numbers letters tensor parallel int4 café naïve 你好 世界 🚀").split()
+
+
+def prompts(n: int, seed: int = 0, min_words: int = 1, max_words: int = 30) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))) for _ in range(n)]
+
+
+def make_engine(path: str, max_model_len: int = 256, num_blocks: int | None = None, max_num_seqs: int = 64,
+                max_num_batched_tokens: int = 2048) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        ModelConfig(path, dtype="float32", max_model_len=max_model_len),
+        cache=CacheConfig(num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)))
