@@ -8,12 +8,14 @@ from collections.abc import Callable
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+MIXED_LAYERS = {"model.layers.0.mlp.down_proj": {"bits": 16}, "model.layers.1.self_attn.o_proj": {"bits": 16}}
 
 
 @pytest.fixture(scope="session")
 def model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str]:
     """model_factory(arch, quant, tie) -> folder; quant None (bf16) or an auto-round packing format
-    ("auto_round", "auto_round:auto_gptq", "auto_round:gptqmodel", with ":asym" to make it asymmetric)."""
+    ("auto_round", "auto_round:auto_gptq", "auto_round:gptqmodel"), with ":asym" for asymmetric and
+    "+mixed" to keep two linears at 16 bits through extra_config."""
     cache: dict[tuple, str] = {}
     root = tmp_path_factory.mktemp("models")
 
@@ -28,10 +30,14 @@ def model_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., str
             cache[base_key] = make_model(str(root / f"{arch}-tie{int(tie)}-l{layers}-bf16"), arch, tie=tie,
                                          layers=layers)
         if quant is not None:
-            asym = quant.endswith(":asym")
-            fmt = quant.removesuffix(":asym")
-            name = f"{arch}-tie{int(tie)}-l{layers}-{fmt.replace(':', '_')}-{'asym' if asym else 'sym'}"
-            cache[key] = quantize(cache[base_key], str(root / name), fmt=fmt, sym=not asym)  # type: ignore[arg-type]
+            spec, mixed = quant.removesuffix("+mixed"), quant.endswith("+mixed")
+            asym = spec.endswith(":asym")
+            fmt = spec.removesuffix(":asym")
+            kind = ("asym" if asym else "sym") + ("-mixed" if mixed else "")
+            name = f"{arch}-tie{int(tie)}-l{layers}-{fmt.replace(':', '_')}-{kind}"
+            lc = MIXED_LAYERS if mixed else None
+            cache[key] = quantize(cache[base_key], str(root / name), fmt=fmt, sym=not asym,  # type: ignore[arg-type]
+                                  layer_config=lc)
         return cache[key]
 
     return make

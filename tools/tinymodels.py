@@ -70,14 +70,18 @@ def make_model(out_dir: str, arch: Arch = "qwen3", tie: bool = False, seed: int 
 
 
 def quantize(src: str, out_dir: str, fmt: PackingFormat = "auto_round", sym: bool = True,
-             group_size: int = 128, bits: int = 4, iters: int = 0) -> str:
-    """AutoRound RTN (iters=0, no calibration data) of the model at src, written to out_dir."""
+             group_size: int = 128, bits: int = 4, iters: int = 0,
+             layer_config: dict[str, dict[str, int]] | None = None) -> str:
+    """AutoRound RTN (iters=0, no calibration data) of the model at src, written to out_dir.
+    layer_config overrides single layers (e.g. {"model.layers.0.mlp.down_proj": {"bits": 16}})."""
     from auto_round import AutoRound
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(src)
-    kwargs = dict(disable_opt_rtn=True) if iters == 0 else {}
+    kwargs: dict = dict(disable_opt_rtn=True) if iters == 0 else {}
+    if layer_config:
+        kwargs["layer_config"] = layer_config
     ar = AutoRound(model, tok, bits=bits, group_size=group_size, sym=sym, iters=iters, device_map="cpu", **kwargs)
     tmp = out_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)

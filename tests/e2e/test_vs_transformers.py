@@ -24,6 +24,7 @@ CASES = [
     ("qwen3", "auto_round:auto_gptq:asym", False),
     ("qwen2", None, True),  # qkv bias, tied embeddings
     ("qwen2", "auto_round:auto_gptq", False),
+    ("qwen3", "auto_round+mixed", False),  # extra_config keeps two linears at 16 bits
 ]
 MAX_NEW = 12
 
