@@ -20,9 +20,18 @@ from engine.config import ConfigError, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from engine.device import detect, rank_device
 from engine.loader import inspect_checkpoint
+from engine.lora.adapter import AdapterError
+from engine.lora.manager import LoRAManager
 from engine.model_runner import ModelRunner
-from engine.protocol import FinishReason, RequestError, RequestOutput, SamplingParams, TokenLogprob
-from engine.scheduler import Scheduler
+from engine.protocol import (
+    FinishReason,
+    ModelNotFoundError,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    TokenLogprob,
+)
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -95,7 +104,12 @@ class LLMEngine:
                               f"sequence of max_model_len={self.max_model_len}; raise num_blocks or lower "
                               "max_model_len")
         self.blocks = BlockManager(kv.num_blocks, kv.block_size)
-        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len)
+        self.lora: LoRAManager | None = None
+        if config.lora.enable_lora:
+            self.lora = LoRAManager(config.lora, self.runner.lora_target_shapes())
+            for name, path in config.lora.lora_modules:
+                self.lora.load(name, path)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, self.lora)
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
@@ -130,6 +144,8 @@ class LLMEngine:
                                f"max_model_len {self.max_model_len}")
         seq = Sequence(next(self._seq_ids), request_id, ids, params, lora_id)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        if lora_id is not None and self.lora is not None:
+            self.lora.add_user(lora_id)
         self.requests[request_id] = _Request(seq, detok, logprobs=[] if params.logprobs is not None else None)
         self.scheduler.add(seq)
         return ids
@@ -137,13 +153,39 @@ class LLMEngine:
     def _resolve_lora(self, lora_name: str | None) -> int | None:
         if lora_name is None:
             return None
-        raise RequestError(f"model {lora_name!r}: LoRA is not enabled on this engine (start it with --enable-lora)")
+        if self.lora is None:
+            raise RequestError(f"model {lora_name!r}: LoRA is not enabled on this engine (start it with --enable-lora)")
+        lora_id = self.lora.resolve(lora_name)
+        if lora_id is None:
+            raise ModelNotFoundError(f"model {lora_name!r} does not exist (not the base model, not a loaded adapter)")
+        return lora_id
+
+    # -- adapters ------------------------------------------------------------------------------------
+    def load_lora_adapter(self, name: str, path: str, pin: bool = False) -> int:
+        """Validate and register an adapter (safe while the engine steps in another thread)."""
+        if self.lora is None:
+            raise AdapterError("LoRA is not enabled on this engine (start it with --enable-lora)")
+        if name == self.served_model_name:
+            raise AdapterError(f"adapter name {name!r} is the base model's name")
+        return self.lora.load(name, path, pin)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        if self.lora is None:
+            raise AdapterError("LoRA is not enabled on this engine (start it with --enable-lora)")
+        self.lora.unload(name)
+
+    def _end(self, req: _Request) -> None:
+        """Bookkeeping when a request leaves the engine (finished, aborted or failed)."""
+        self.scheduler.finish(req.seq)
+        del self.requests[req.seq.request_id]
+        if req.seq.lora_id is not None and self.lora is not None:
+            self.lora.remove_user(req.seq.lora_id)
 
     def abort(self, request_id: str) -> bool:
-        req = self.requests.pop(request_id, None)
+        req = self.requests.get(request_id)
         if req is None:
             return False
-        self.scheduler.finish(req.seq)
+        self._end(req)
         return True
 
     def has_unfinished(self) -> bool:
@@ -156,8 +198,12 @@ class LLMEngine:
         if not step.seqs:
             return []
         seqs = self.scheduler.scheduled_sequences()
-        sampled = self.runner.execute(step)
         outputs: list[RequestOutput] = []
+        if step.lora_loads:
+            step, seqs, outputs = self._load_slots(step, seqs)
+            if not step.seqs:
+                return outputs
+        sampled = self.runner.execute(step)
         k = 0
         for entry, seq in zip(step.seqs, seqs):
             seq.num_computed_tokens += len(entry.token_ids)
@@ -203,22 +249,47 @@ class LLMEngine:
             finished=reason is not None, finish_reason=reason,
             num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=len(seq.output_token_ids))
         if reason is not None:
-            self.scheduler.finish(seq)
-            del self.requests[seq.request_id]
+            self._end(req)
         return out
 
+    def _load_slots(self, step: SchedulerOutput, seqs: list[Sequence]
+                    ) -> tuple[SchedulerOutput, list[Sequence], list[RequestOutput]]:
+        """Copy newly needed adapters into their slots; requests whose adapter can no longer be read fail."""
+        assert self.lora is not None
+        failed: dict[int, str] = {}
+        for slot, lora_id in step.lora_loads:
+            try:
+                self.runner.load_lora(slot, self.lora.adapter(lora_id))
+            except (AdapterError, OSError) as e:
+                failed[slot] = str(e)
+        if not failed:
+            return step, seqs, []
+        outputs = []
+        keep = [(e, s) for e, s in zip(step.seqs, seqs) if e.lora_slot not in failed]
+        for e, s in zip(step.seqs, seqs):
+            if e.lora_slot in failed:
+                req = self.requests[s.request_id]
+                self._end(req)
+                outputs.append(RequestOutput(s.request_id, [], "", None, True, "error", error=failed[e.lora_slot],
+                                             num_prompt_tokens=s.num_prompt_tokens))
+        for slot in failed:
+            self.lora.forget_slot(slot)
+        step = SchedulerOutput([e for e, _ in keep], [], step.finished_seq_ids, step.num_preempted)
+        return step, [s for _, s in keep], outputs
+
     # -- offline convenience -----------------------------------------------------------------------
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams]
-                 ) -> list[GenerationResult]:
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
+                 lora_names: list[str | None] | None = None) -> list[GenerationResult]:
         """Run all prompts to completion; a request that cannot be served gets its error, the rest run."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
+        names = lora_names or [None] * len(prompts)
         results: dict[str, GenerationResult] = {}
         order: list[str] = []
         for i, (prompt, sp) in enumerate(zip(prompts, plist)):
             rid = f"gen-{i}"
             order.append(rid)
             try:
-                ids = self.add_request(rid, prompt, sp)
+                ids = self.add_request(rid, prompt, sp, names[i])
                 results[rid] = GenerationResult(rid, "", [], None, [] if sp.logprobs is not None else None,
                                                 len(ids), prompt_token_ids=ids)
             except RequestError as e:
@@ -232,4 +303,5 @@ class LLMEngine:
                     r.logprobs.extend(out.new_logprobs)
                 if out.finished:
                     r.finish_reason = out.finish_reason
+                    r.error = out.error
         return [results[rid] for rid in order]

@@ -13,6 +13,9 @@ from engine.device import Device
 from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from engine.layers.attention import Attention
 from engine.loader import CheckpointInfo, build_model, load_weights
+from engine.lora.adapter import LoRAAdapter
+from engine.lora.layers import BaseLayerWithLoRA, wrap_model
+from engine.lora.punica import build_mapping
 from engine.protocol import SamplingParams
 from engine.sampler import Sampler, SamplerOutput, make_generator
 from engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -42,6 +45,11 @@ class ModelRunner:
         load_weights(self.model, info, progress=progress)
         self.model.eval()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.lora_layers: list[BaseLayerWithLoRA] = []
+        if config.lora.enable_lora:
+            self.lora_layers = wrap_model(self.model, self.model.lora_targets, config.lora.max_loras,
+                                          config.lora.max_lora_rank, self.dtype)
+        self.lora_backend = device.lora_backend()
         self.kv = self._allocate_kv_cache()
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
@@ -79,12 +87,25 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, bs, n * self._block_bytes() / 2**20)
         return KVCacheSpec(n, bs)
 
+    # -- LoRA slots ------------------------------------------------------------------------------------
+    def lora_target_shapes(self) -> dict[str, tuple[int, int]]:
+        """Every module an adapter may target -> unsharded (in, out)."""
+        shapes: dict[str, tuple[int, int]] = {}
+        for w in self.lora_layers:
+            shapes.update(w.full_shapes())
+        return shapes
+
+    def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
+        for w in self.lora_layers:
+            w.set_slot(slot, adapter.modules)
+
     # -- one step ----------------------------------------------------------------------------------
-    def _prepare(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+    def _prepare(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
         bs = self.kv.block_size
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
+        lora_slots: list[int] = []
         cu = [0]
         ctx_lens: list[int] = []
         sample_rows: list[int] = []
@@ -94,6 +115,7 @@ class ModelRunner:
             r = range(s.start_pos, s.start_pos + n)
             pos.extend(r)
             slots.extend(s.block_table[p // bs] * bs + p % bs for p in r)
+            lora_slots.extend([s.lora_slot] * n)
             cu.append(cu[-1] + n)
             ctx_lens.append(s.start_pos + n)
             if s.sample:
@@ -109,15 +131,16 @@ class ModelRunner:
             cu_q_list=cu, context_lens_list=ctx_lens,
             max_q_len=max(len(s.token_ids) for s in step.seqs), max_context_len=max(ctx_lens),
             decode_only=all(len(s.token_ids) == 1 for s in step.seqs))
+        lora = build_mapping(lora_slots, dev, self.lora_backend) if self.lora_layers else None
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
-                meta, sample_rows)
+                ForwardContext(attn=meta, lora=lora), sample_rows)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> SamplerOutput:
         for sid in step.finished_seq_ids:
             self.generators.pop(sid, None)
-        input_ids, positions, meta, rows = self._prepare(step)
-        with forward_context(ForwardContext(attn=meta)):
+        input_ids, positions, ctx, rows = self._prepare(step)
+        with forward_context(ctx):
             h = self.model(input_ids, positions)
         sampled = [s for s in step.seqs if s.sample]
         if not sampled:
@@ -135,15 +158,16 @@ class ModelRunner:
         return g
 
     @torch.inference_mode()
-    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+    def prompt_logits(self, token_ids: list[int], lora_slot: int = -1) -> torch.Tensor:
         """Logits at every position of one prompt, for tests. It writes the first KV blocks, so call it
         only while no request is running."""
         bs = self.kv.block_size
         nblk = (len(token_ids) + bs - 1) // bs
         if nblk > self.kv.num_blocks:
             raise ValueError("prompt longer than the KV cache")
-        step = SchedulerOutput([ScheduledSeq(-1, token_ids, 0, list(range(nblk)), False, SamplingParams())])
-        input_ids, positions, meta, _ = self._prepare(step)
-        with forward_context(ForwardContext(attn=meta)):
+        step = SchedulerOutput([ScheduledSeq(-1, token_ids, 0, list(range(nblk)), False, SamplingParams(),
+                                                lora_slot)])
+        input_ids, positions, ctx, _ = self._prepare(step)
+        with forward_context(ctx):
             h = self.model(input_ids, positions)
         return self.model.compute_logits(h).float()

@@ -9,7 +9,11 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 class RequestError(ValueError):
-    """A request the engine refuses; the message is meant for the client."""
+    """A request the engine refuses; the message is meant for the client (HTTP 400)."""
+
+
+class ModelNotFoundError(RequestError):
+    """The request names a model that is neither the base nor a loaded adapter (HTTP 404)."""
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,11 @@ Each step first continues the running sequences (one decode token, or the next p
 preempting the newest running sequence (by recompute) when KV blocks run out, then admits waiting
 sequences in arrival order while the budgets allow. Prompts longer than the token budget are
 prefilled in chunks.
+
+LoRA: a sequence takes its adapter's device slot when it starts running, so one step never holds
+more distinct adapters than there are slots. A request whose adapter cannot get a slot waits; once
+one waits, later adapter requests are not admitted ahead of it (base-model requests still are), so
+the running adapters drain, a slot frees and no adapter starves.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import SchedulerConfig
+from engine.lora.manager import LoRAManager
 from engine.protocol import SamplingParams
 from engine.sequence import SeqStatus, Sequence
 
@@ -28,12 +34,15 @@ class ScheduledSeq:
     sample: bool
     """True when this step reaches the end of the sequence, so a next token is sampled."""
     params: SamplingParams
-    lora_id: int | None = None
+    lora_slot: int = -1
+    """Adapter slot of this sequence's tokens (-1: base model)."""
 
 
 @dataclass(frozen=True)
 class SchedulerOutput:
     seqs: list[ScheduledSeq]
+    lora_loads: list[tuple[int, int]] = field(default_factory=list)
+    """(slot, adapter id) pairs to copy into the device slots before this step runs."""
     finished_seq_ids: list[int] = field(default_factory=list)
     """Sequences that ended since the previous step (the runner drops their per-sequence state)."""
     num_preempted: int = 0
@@ -44,8 +53,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int,
+                 lora: LoRAManager | None = None) -> None:
         self.config = config
+        self.lora = lora
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -65,14 +76,21 @@ class Scheduler:
         """Remove a sequence (finished or aborted) and free its blocks."""
         if seq.status == SeqStatus.RUNNING:
             self.running.remove(seq)
+            self._release(seq)
         elif seq.status == SeqStatus.WAITING:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         self.blocks.free(seq.block_table)
         self._ended.append(seq.seq_id)
 
+    def _release(self, seq: Sequence) -> None:
+        if seq.lora_id is not None and self.lora is not None and seq.lora_slot >= 0:
+            self.lora.release_slot(seq.lora_id)
+        seq.lora_slot = -1
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._release(seq)
         self.blocks.free(seq.block_table)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
@@ -82,7 +100,7 @@ class Scheduler:
     def _entry(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
         return ScheduledSeq(seq.seq_id, seq.token_slice(start, start + n), start, list(seq.block_table),
-                            start + n == seq.num_tokens, seq.params, seq.lora_id)
+                            start + n == seq.num_tokens, seq.params, seq.lora_slot)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -107,12 +125,26 @@ class Scheduler:
             budget -= n
             i += 1
         # Admit new work only when nothing was preempted (the freed blocks go to the preempted first).
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
-            seq = self.waiting[0]
+        loads: list[tuple[int, int]] = []
+        lora_blocked = False
+        for seq in list(self.waiting) if not preempted else []:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            if seq.lora_id is not None:
+                assert self.lora is not None
+                if lora_blocked or not self.lora.can_acquire(seq.lora_id):
+                    lora_blocked = True
+                    continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
                 break
-            self.waiting.popleft()
+            if seq.lora_id is not None:
+                got = self.lora.acquire_slot(seq.lora_id)  # type: ignore[union-attr]
+                assert got is not None
+                seq.lora_slot = got[0]
+                if got[1]:
+                    loads.append((got[0], seq.lora_id))
+            self.waiting.remove(seq)
             self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -120,7 +152,7 @@ class Scheduler:
             self._scheduled.append(seq)
             budget -= n
         ended, self._ended = self._ended, []
-        return SchedulerOutput(out, ended, preempted)
+        return SchedulerOutput(out, loads, ended, preempted)
 
     def scheduled_sequences(self) -> list[Sequence]:
         """The Sequence objects behind the last schedule() output, in the same order."""

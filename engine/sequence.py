@@ -23,6 +23,8 @@ class Sequence:
     params: SamplingParams
     lora_id: int | None = None
     """Internal adapter id (changes on every reload); None = base model."""
+    lora_slot: int = -1
+    """Device slot of the adapter while running (-1: none)."""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     """Tokens whose K/V are in the cache."""

@@ -110,3 +110,43 @@ def int4_matmul(
     if bias is not None:
         y = y + bias.to(torch.float32)
     return y.to(x.dtype)
+
+
+# -- LoRA (punica-style batched shrink / expand) --------------------------------------------------------
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, ranks: list[int]) -> torch.Tensor:
+    """buf[t, :r] = x[t] @ a[slot[t], :r].T with r = ranks[slot[t]]; rows with slot -1 (and columns past r) are 0.
+
+    x [T, in], a [S, r_max, in], token_slots [T] (int, -1 = no adapter) -> buf [T, r_max] float32.
+    """
+    buf = torch.zeros(x.size(0), a.size(1), dtype=torch.float32, device=x.device)
+    for slot in torch.unique(token_slots).tolist():
+        r = ranks[slot] if slot >= 0 else 0
+        if r == 0:
+            continue
+        rows = (token_slots == slot).nonzero(as_tuple=True)[0]
+        buf[rows, :r] = x[rows].float() @ a[slot, :r].float().t()
+    return buf
+
+
+def lora_expand(y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, ranks: list[int],
+                offset: int, add_inputs: bool) -> torch.Tensor:
+    """y[t, offset:offset+n] (+)= buf[t, :r] @ b[slot[t], :, :r].T, r = ranks[slot[t]]; rows with slot -1 untouched.
+
+    y [T, N], buf [T, w] (w >= r: only the first r columns are read), b [S, n, r_max]. With add_inputs the
+    product is added to y, otherwise it replaces that slice of y. Returns y (updated in place).
+    """
+    n = b.size(1)
+    if offset < 0 or offset + n > y.size(1):
+        raise ValueError(f"lora_expand: slice [{offset}, {offset + n}) outside y of width {y.size(1)}")
+    for slot in torch.unique(token_slots).tolist():
+        r = ranks[slot] if slot >= 0 else 0
+        if slot < 0:
+            continue
+        rows = (token_slots == slot).nonzero(as_tuple=True)[0]
+        out = buf[rows, :r] @ b[slot, :, :r].float().t() if r > 0 else torch.zeros(
+            rows.numel(), n, dtype=torch.float32, device=y.device)
+        if add_inputs:
+            y[rows, offset:offset + n] += out.to(y.dtype)
+        else:
+            y[rows, offset:offset + n] = out.to(y.dtype)
+    return y

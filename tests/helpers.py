@@ -21,3 +21,16 @@ def make_engine(path: str, max_model_len: int = 256, num_blocks: int | None = No
         ModelConfig(path, dtype="float32", max_model_len=max_model_len),
         cache=CacheConfig(num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)))
+
+
+def make_lora_engine(path: str, adapters: dict[str, str] | None = None, max_loras: int = 4, max_lora_rank: int = 64,
+                     max_cpu_loras: int | None = None, max_model_len: int = 256, max_num_seqs: int = 64,
+                     num_blocks: int | None = None) -> LLMEngine:
+    from engine import LoRAConfig
+
+    return LLMEngine(EngineConfig(
+        ModelConfig(path, dtype="float32", max_model_len=max_model_len),
+        cache=CacheConfig(num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
+        lora=LoRAConfig(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank,
+                        max_cpu_loras=max_cpu_loras, lora_modules=tuple((adapters or {}).items()))))

@@ -94,3 +94,26 @@ def quantize(src: str, out_dir: str, fmt: PackingFormat = "auto_round", sym: boo
     shutil.move(src_dir, out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def make_peft_adapter(base_dir: str, out_dir: str, r: int, targets: list[str] | str, alpha: float | None = None,
+                      seed: int = 0, rslora: bool = False, zero_b: bool = False, b_std: float = 0.05,
+                      rank_pattern: dict[str, int] | None = None, alpha_pattern: dict[str, float] | None = None) -> str:
+    """A real PEFT LoRA adapter on the 16-bit model at base_dir, with random NON-zero A and B (or zero B)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    cfg = LoraConfig(r=r, lora_alpha=alpha if alpha is not None else 2 * r, target_modules=targets,
+                     use_rslora=rslora, rank_pattern=rank_pattern or {}, alpha_pattern=alpha_pattern or {},
+                     lora_dropout=0.0, bias="none", task_type="CAUSAL_LM")
+    peft_model = get_peft_model(model, cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_A" in name:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+            elif "lora_B" in name:
+                p.copy_(torch.zeros(p.shape) if zero_b else torch.randn(p.shape, generator=g) * b_std)
+    peft_model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir

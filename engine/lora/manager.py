@@ -1,0 +1,213 @@
+"""Adapter registry, host LRU cache and device-slot bookkeeping (pure Python + CPU tensors).
+
+- Names map to internal ids; every (re)load gets a new id, so nothing kept under an old id (slot
+  contents, cached state) is reused by a same-name reload.
+- Host cache: at most `max_cpu_loras` adapters keep their tensors in memory (LRU); an evicted one is
+  re-read from disk when it next needs a slot, and refused if its files changed meanwhile.
+- Device slots: `max_loras`, LRU, refcounted by running sequences, pinnable. A slot is only reused
+  when no running sequence holds it.
+- Unload removes the name at once; the adapter lives on until its last request ends.
+Load/unload come from server threads while the engine steps: one lock guards all state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from engine.config import LoRAConfig
+from engine.lora.adapter import AdapterError, LoRAAdapter, load_adapter, read_checksum
+
+
+class AdapterNotLoadedError(KeyError):
+    """No adapter of that name is registered (HTTP 404)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "adapter not loaded"
+
+
+@dataclass
+class _Entry:
+    id: int
+    name: str
+    path: str
+    checksum: str
+    rank: int
+    pinned: bool = False
+    users: int = 0
+    """Sequences (waiting or running) that use this adapter."""
+    slot_refs: int = 0
+    """Running sequences holding its slot."""
+    registered: bool = True
+    """False after unload; the entry goes away with its last user."""
+
+
+class LoRAManager:
+    def __init__(self, config: LoRAConfig, target_shapes: Mapping[str, tuple[int, int]]) -> None:
+        self.config = config
+        self.target_shapes = dict(target_shapes)
+        self._lock = threading.RLock()
+        self._ids = itertools.count(1)
+        self._by_name: dict[str, _Entry] = {}
+        self._by_id: dict[int, _Entry] = {}
+        self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()
+        self._slots: list[int | None] = [None] * config.max_loras
+        self._slot_lru: OrderedDict[int, None] = OrderedDict()  # slot -> None, least recent first
+        self.num_loads = self.num_unloads = self.num_evictions = 0
+
+    # -- registry ------------------------------------------------------------------------------------
+    def load(self, name: str, path: str, pin: bool = False) -> int:
+        """Validate and register; raises AdapterError (nothing registered) on any problem."""
+        with self._lock:
+            if name in self._by_name:
+                raise AdapterError(f"adapter {name!r} is already loaded; unload it first")
+        adapter = load_adapter(name, path, self.target_shapes, self.config.max_lora_rank)  # slow part, unlocked
+        with self._lock:
+            if name in self._by_name:
+                raise AdapterError(f"adapter {name!r} is already loaded; unload it first")
+            e = _Entry(next(self._ids), name, adapter.path, adapter.checksum, adapter.rank, pinned=pin)
+            self._by_name[name] = e
+            self._by_id[e.id] = e
+            self._cache(e.id, adapter)
+            self.num_loads += 1
+            return e.id
+
+    def unload(self, name: str) -> None:
+        with self._lock:
+            e = self._by_name.pop(name, None)
+            if e is None:
+                raise AdapterNotLoadedError(f"adapter {name!r} is not loaded")
+            e.registered = False
+            self.num_unloads += 1
+            self._maybe_drop(e)
+
+    def resolve(self, name: str) -> int | None:
+        with self._lock:
+            e = self._by_name.get(name)
+            return e.id if e is not None else None
+
+    def list_adapters(self) -> list[tuple[str, str, int]]:
+        """(name, path, id) of every registered adapter, in load order."""
+        with self._lock:
+            return [(e.name, e.path, e.id) for e in self._by_name.values()]
+
+    def name_of(self, adapter_id: int) -> str | None:
+        with self._lock:
+            e = self._by_id.get(adapter_id)
+            return e.name if e is not None else None
+
+    def __contains__(self, name: str) -> bool:
+        with self._lock:
+            return name in self._by_name
+
+    # -- users (requests) -----------------------------------------------------------------------------
+    def add_user(self, adapter_id: int) -> None:
+        with self._lock:
+            self._by_id[adapter_id].users += 1
+
+    def remove_user(self, adapter_id: int) -> None:
+        with self._lock:
+            e = self._by_id[adapter_id]
+            e.users -= 1
+            self._maybe_drop(e)
+
+    def _maybe_drop(self, e: _Entry) -> None:
+        if e.registered or e.users > 0 or e.slot_refs > 0:
+            return
+        self._by_id.pop(e.id, None)
+        self._host.pop(e.id, None)
+        for s, held in enumerate(self._slots):
+            if held == e.id:
+                self._slots[s] = None
+                self._slot_lru.pop(s, None)
+
+    # -- host cache ------------------------------------------------------------------------------------
+    def _cache(self, adapter_id: int, adapter: LoRAAdapter) -> None:
+        self._host[adapter_id] = adapter
+        self._host.move_to_end(adapter_id)
+        while len(self._host) > self.config.cpu_cache_size:
+            self._host.popitem(last=False)
+
+    def adapter(self, adapter_id: int) -> LoRAAdapter:
+        """The adapter's tensors, from the host cache or re-read (and checked unchanged) from disk."""
+        with self._lock:
+            e = self._by_id[adapter_id]
+            hit = self._host.get(adapter_id)
+            if hit is not None:
+                self._host.move_to_end(adapter_id)
+                return hit
+        if read_checksum(e.path) != e.checksum:
+            raise AdapterError(f"adapter {e.name!r}: files under {e.path} changed on disk since it was loaded; "
+                               "unload and load it again")
+        adapter = load_adapter(e.name, e.path, self.target_shapes, self.config.max_lora_rank)
+        if adapter.checksum != e.checksum:
+            raise AdapterError(f"adapter {e.name!r}: files under {e.path} changed while being read")
+        with self._lock:
+            self._cache(adapter_id, adapter)
+        return adapter
+
+    # -- device slots (scheduler) ------------------------------------------------------------------------
+    def slot_of(self, adapter_id: int) -> int | None:
+        with self._lock:
+            for s, held in enumerate(self._slots):
+                if held == adapter_id:
+                    return s
+            return None
+
+    def acquire_slot(self, adapter_id: int) -> tuple[int, bool] | None:
+        """(slot, needs_load) for a sequence starting to run, or None if every slot is busy."""
+        with self._lock:
+            e = self._by_id[adapter_id]
+            slot = self.slot_of(adapter_id)
+            needs_load = False
+            if slot is None:
+                slot = self._free_slot()
+                if slot is None:
+                    return None
+                self._slots[slot] = adapter_id
+                needs_load = True
+            e.slot_refs += 1
+            self._slot_lru.pop(slot, None)
+            self._slot_lru[slot] = None
+            return slot, needs_load
+
+    def _free_slot(self) -> int | None:
+        for s, held in enumerate(self._slots):
+            if held is None:
+                return s
+        for s in self._slot_lru:  # least recently used first
+            held = self._slots[s]
+            e = self._by_id.get(held) if held is not None else None
+            if e is None or (e.slot_refs == 0 and not e.pinned):
+                self._slots[s] = None
+                self.num_evictions += 1
+                return s
+        return None
+
+    def can_acquire(self, adapter_id: int) -> bool:
+        with self._lock:
+            if self.slot_of(adapter_id) is not None:
+                return True
+            if any(h is None for h in self._slots):
+                return True
+            return any((e := self._by_id.get(h)) is None or (e.slot_refs == 0 and not e.pinned)  # type: ignore[arg-type]
+                       for h in self._slots)
+
+    def release_slot(self, adapter_id: int) -> None:
+        with self._lock:
+            e = self._by_id[adapter_id]
+            e.slot_refs -= 1
+            self._maybe_drop(e)
+
+    def forget_slot(self, slot: int) -> None:
+        """The slot's contents are unknown (a failed copy): never treat it as holding its adapter."""
+        with self._lock:
+            self._slots[slot] = None
+            self._slot_lru.pop(slot, None)
+
+    def slots_snapshot(self) -> list[int | None]:
+        with self._lock:
+            return list(self._slots)
