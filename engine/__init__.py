@@ -1,5 +1,14 @@
 """xpulora engine: what the server and the CLI may use."""
 
+from engine.async_engine import (
+    AdapterPathForbiddenError,
+    AsyncEngine,
+    EngineDeadError,
+    EngineStats,
+    OverloadedError,
+    RequestStream,
+    resolve_under_roots,
+)
 from engine.config import (
     CacheConfig,
     ConfigError,
@@ -11,21 +20,35 @@ from engine.config import (
 )
 from engine.llm_engine import GenerationResult, LLMEngine
 from engine.loader import CheckpointError
-from engine.protocol import RequestError, RequestOutput, SamplingParams, TokenLogprob
+from engine.lora.adapter import AdapterError, AdapterNotFoundError, validate_name
+from engine.lora.manager import AdapterNotLoadedError
+from engine.protocol import ModelNotFoundError, RequestError, RequestOutput, SamplingParams, TokenLogprob
 
 __all__ = [
+    "AdapterError",
+    "AdapterNotFoundError",
+    "AdapterNotLoadedError",
+    "AdapterPathForbiddenError",
+    "AsyncEngine",
     "CacheConfig",
     "CheckpointError",
     "ConfigError",
     "EngineConfig",
+    "EngineDeadError",
+    "EngineStats",
     "GenerationResult",
     "LLMEngine",
     "LoRAConfig",
     "ModelConfig",
+    "ModelNotFoundError",
+    "OverloadedError",
     "ParallelConfig",
     "RequestError",
     "RequestOutput",
+    "RequestStream",
     "SamplingParams",
     "SchedulerConfig",
     "TokenLogprob",
+    "resolve_under_roots",
+    "validate_name",
 ]

@@ -107,6 +107,11 @@ class Device:
         elif self.kind == "xpu":
             torch.xpu.empty_cache()
 
+    @property
+    def dist_device_id(self) -> torch.device | None:
+        """Device a process group binds to (None on the CPU, where gloo needs none)."""
+        return None if self.kind == "cpu" else self.torch_device
+
     def default_dtype(self) -> torch.dtype:
         # float32 on the CPU: bf16 matmuls are slow there and exactness helps tests.
         return torch.float32 if self.kind == "cpu" else torch.bfloat16

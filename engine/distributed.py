@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
@@ -17,14 +18,17 @@ class TPGroup:
 _GROUP = TPGroup()
 
 
-def init_tp(rank: int, size: int, backend: str, init_method: str, device_id: torch.device | None = None) -> None:
+def init_tp(rank: int, size: int, backend: str, init_method: str, device_id: torch.device | None = None,
+            timeout_s: float = 120.0) -> None:
     """Join the process group (size > 1) and record this process's TP coordinates.
 
-    device_id binds the group to an accelerator (None on the CPU); engine.device decides it.
+    device_id binds the group to an accelerator (None on the CPU); engine.device decides it. The
+    timeout bounds how long a collective waits for a dead peer before raising.
     """
     global _GROUP
     if size > 1:
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, device_id=device_id)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, device_id=device_id,
+                                timeout=datetime.timedelta(seconds=timeout_s))
     _GROUP = TPGroup(rank, size)
 
 
@@ -54,6 +58,16 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _GROUP.size > 1:
         dist.all_reduce(x)
     return x
+
+
+def all_reduce_min(value: int, device: torch.device) -> int:
+    """The smallest of every rank's integer (e.g. KV blocks that fit on every device); device is where
+    this rank's collectives run."""
+    if _GROUP.size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -20,7 +20,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from engine.device import detect, rank_device
 from engine.loader import inspect_checkpoint
-from engine.lora.adapter import AdapterError
+from engine.lora.adapter import AdapterError, LoRAAdapter
 from engine.lora.manager import LoRAManager
 from engine.model_runner import ModelRunner
 from engine.protocol import (
@@ -33,6 +33,7 @@ from engine.protocol import (
 )
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.worker import EngineDeadError, make_executor
 
 log = logging.getLogger(__name__)
 
@@ -92,13 +93,11 @@ class LLMEngine:
         self.served_model_name = config.model.served_model_name or os.path.basename(
             os.path.normpath(config.model.path))
         kind = detect(config.parallel.device)
-        if config.parallel.tensor_parallel_size != 1:
-            raise ConfigError("tensor_parallel_size > 1 is not available yet")
         self.device = rank_device(kind, 0)
-        self.device.activate()
-        self.runner = ModelRunner(config, info, self.device, self.max_model_len, progress)
+        self.executor = make_executor(config, info, kind, self.max_model_len, progress)
+        self.dead: str | None = None
         self.vocab_size = int(info.hf_config["vocab_size"])
-        kv = self.runner.kv
+        kv = self.executor.kv
         if kv.num_blocks * kv.block_size < self.max_model_len:
             raise ConfigError(f"the KV cache ({kv.num_blocks} blocks x {kv.block_size} tokens) cannot hold one "
                               f"sequence of max_model_len={self.max_model_len}; raise num_blocks or lower "
@@ -106,13 +105,28 @@ class LLMEngine:
         self.blocks = BlockManager(kv.num_blocks, kv.block_size)
         self.lora: LoRAManager | None = None
         if config.lora.enable_lora:
-            self.lora = LoRAManager(config.lora, self.runner.lora_target_shapes())
+            self.lora = LoRAManager(config.lora, self.executor.lora_target_shapes())
             for name, path in config.lora.lora_modules:
                 self.lora.load(name, path)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, self.lora)
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
+
+    @property
+    def runner(self) -> ModelRunner:
+        """Rank 0's model runner (tests read logits through it)."""
+        return self.executor.runner
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers (no-op at tp=1)."""
+        self.executor.shutdown()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     # -- requests ----------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -197,13 +211,20 @@ class LLMEngine:
         self.num_preemptions += step.num_preempted
         if not step.seqs:
             return []
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
         seqs = self.scheduler.scheduled_sequences()
         outputs: list[RequestOutput] = []
+        loads: list[tuple[int, LoRAAdapter]] = []
         if step.lora_loads:
-            step, seqs, outputs = self._load_slots(step, seqs)
+            step, seqs, outputs, loads = self._resolve_loads(step, seqs)
             if not step.seqs:
                 return outputs
-        sampled = self.runner.execute(step)
+        try:
+            sampled = self.executor.execute(step, loads)
+        except EngineDeadError as e:
+            self.dead = str(e)
+            raise
         k = 0
         for entry, seq in zip(step.seqs, seqs):
             seq.num_computed_tokens += len(entry.token_ids)
@@ -252,18 +273,19 @@ class LLMEngine:
             self._end(req)
         return out
 
-    def _load_slots(self, step: SchedulerOutput, seqs: list[Sequence]
-                    ) -> tuple[SchedulerOutput, list[Sequence], list[RequestOutput]]:
-        """Copy newly needed adapters into their slots; requests whose adapter can no longer be read fail."""
+    def _resolve_loads(self, step: SchedulerOutput, seqs: list[Sequence]
+                       ) -> tuple[SchedulerOutput, list[Sequence], list[RequestOutput], list[tuple[int, LoRAAdapter]]]:
+        """Fetch the adapters that must be copied into slots; requests whose adapter can no longer be read fail."""
         assert self.lora is not None
         failed: dict[int, str] = {}
+        loads: list[tuple[int, LoRAAdapter]] = []
         for slot, lora_id in step.lora_loads:
             try:
-                self.runner.load_lora(slot, self.lora.adapter(lora_id))
+                loads.append((slot, self.lora.adapter(lora_id)))
             except (AdapterError, OSError) as e:
                 failed[slot] = str(e)
         if not failed:
-            return step, seqs, []
+            return step, seqs, [], loads
         outputs = []
         keep = [(e, s) for e, s in zip(step.seqs, seqs) if e.lora_slot not in failed]
         for e, s in zip(step.seqs, seqs):
@@ -275,7 +297,7 @@ class LLMEngine:
         for slot in failed:
             self.lora.forget_slot(slot)
         step = SchedulerOutput([e for e, _ in keep], [], step.finished_seq_ids, step.num_preempted)
-        return step, [s for _, s in keep], outputs
+        return step, [s for _, s in keep], outputs, loads
 
     # -- offline convenience -----------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],

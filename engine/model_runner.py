@@ -10,6 +10,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.device import Device
+from engine.distributed import all_reduce_min, tp_rank
 from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from engine.layers.attention import Attention
 from engine.loader import CheckpointInfo, build_model, load_weights
@@ -48,7 +49,7 @@ class ModelRunner:
         self.lora_layers: list[BaseLayerWithLoRA] = []
         if config.lora.enable_lora:
             self.lora_layers = wrap_model(self.model, self.model.lora_targets, config.lora.max_loras,
-                                          config.lora.max_lora_rank, self.dtype)
+                                          config.lora.max_lora_rank, self.dtype, config.lora.fully_sharded_loras)
         self.lora_backend = device.lora_backend()
         self.kv = self._allocate_kv_cache()
         self.sampler = Sampler()
@@ -79,7 +80,8 @@ class ModelRunner:
         return n
 
     def _allocate_kv_cache(self) -> KVCacheSpec:
-        n, bs = self._num_blocks(), self.config.cache.block_size
+        # Every rank must agree on the block count (the scheduler's block ids index all of them).
+        n, bs = all_reduce_min(self._num_blocks(), self.device.torch_device), self.config.cache.block_size
         for a in self.attn_layers:
             shape = (n, bs, a.num_kv_heads, a.head_dim)
             a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device.torch_device)
@@ -137,6 +139,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> SamplerOutput:
+        """Run one step on this rank; only rank 0 samples (the others return an empty output)."""
         for sid in step.finished_seq_ids:
             self.generators.pop(sid, None)
         input_ids, positions, ctx, rows = self._prepare(step)
@@ -144,6 +147,10 @@ class ModelRunner:
             h = self.model(input_ids, positions)
         sampled = [s for s in step.seqs if s.sample]
         if not sampled:
+            return SamplerOutput([], [])
+        if tp_rank() != 0:
+            # The lm_head gathers logits across ranks, so every rank must still compute them.
+            self.model.compute_logits(h[torch.tensor(rows, device=h.device)])
             return SamplerOutput([], [])
         logits = self.model.compute_logits(h[torch.tensor(rows, device=h.device)])
         gens = [self._generator(s.seq_id, s.params.seed) for s in sampled]

@@ -30,6 +30,33 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_
     for a, b, r, off in zip(lora_a, lora_b, ranks, offsets):
         if a.size(-1) != x.size(-1):
             raise ValueError(f"add_lora: A has {a.size(-1)} inputs, x has {x.size(-1)}")
+        if a.size(1) != b.size(-1):
+            raise ValueError(f"add_lora: A rank dim {a.size(1)} != B rank dim {b.size(-1)}")
         buf = reference.lora_shrink(x, a, token_slots, r)
         reference.lora_expand(y, buf, b, token_slots, r, off, add_inputs)
     return y
+
+
+def shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, ranks: list[int],
+           backend: str = "reference") -> torch.Tensor:
+    """buf[t, :r] = x[t] @ a[slot[t], :r].T (float32 [T, a.size(1)]); slot -1 rows are zero."""
+    if backend != "reference":
+        raise ValueError(f"unknown LoRA backend {backend!r}; available: {', '.join(LORA_BACKENDS)}")
+    if a.size(-1) != x.size(-1):
+        raise ValueError(f"shrink: A has {a.size(-1)} inputs, x has {x.size(-1)}")
+    return reference.lora_shrink(x, a, token_slots, ranks)
+
+
+def expand(y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, ranks: list[int],
+           offset: int, add_inputs: bool = True, backend: str = "reference") -> torch.Tensor:
+    """y[t, offset:offset+n] (+)= buf[t, :r] @ b[slot[t], :, :r].T (r = the slot's true rank <= r_max).
+
+    buf must be exactly [T, r_max] with r_max = b.size(-1): a wider buffer means a shrink result was
+    gathered where it should not have been (seed bug 2), and is refused rather than silently cut.
+    """
+    if backend != "reference":
+        raise ValueError(f"unknown LoRA backend {backend!r}; available: {', '.join(LORA_BACKENDS)}")
+    if buf.size(-1) != b.size(-1) or buf.size(0) != y.size(0):
+        raise ValueError(f"expand: shrink result {tuple(buf.shape)} does not match LoRA B {tuple(b.shape)} "
+                         f"(rank dim {b.size(-1)}) for {y.size(0)} tokens")
+    return reference.lora_expand(y, buf, b, token_slots, ranks, offset, add_inputs)

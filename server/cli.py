@@ -131,9 +131,14 @@ def _line_request(line: dict[str, Any], base_names: set[str]) -> tuple[str | lis
 
 def cmd_generate(a: argparse.Namespace) -> int:
     from engine import LLMEngine
+
+    with LLMEngine(build_engine_config(a), progress=False) as engine:
+        return _generate(engine, a)
+
+
+def _generate(engine: Any, a: argparse.Namespace) -> int:
     from engine.protocol import RequestError
 
-    engine = LLMEngine(build_engine_config(a), progress=False)
     base_names = {engine.served_model_name, a.model}
     lines: list[dict[str, Any]] = []
     with open(a.requests) as f:

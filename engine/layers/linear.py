@@ -181,7 +181,14 @@ class RowParallelLinear(LinearBase):
                  dtype: torch.dtype = torch.float32, prefix: str = "", reduce_results: bool = True) -> None:
         self.full_in = in_features
         self.reduce_results = reduce_results
-        super().__init__(_divide(in_features, tp_size(), prefix), out_features, bias, method, dtype, prefix)
+        tp = tp_size()
+        g = (method or UnquantizedLinearMethod()).input_multiple
+        if in_features % tp or (in_features // tp) % g:
+            valid = [t for t in range(1, 65) if in_features % t == 0 and (in_features // t) % g == 0]
+            raise ValueError(f"{prefix}: {in_features} input features split over tensor-parallel size {tp} give "
+                             f"shards that are not a multiple of the int4 group size {g}; valid sizes for this "
+                             f"layer: {valid}")
+        super().__init__(in_features // tp, out_features, bias, method, dtype, prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
         spec: ShardSpec = param.shard_spec

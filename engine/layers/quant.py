@@ -54,6 +54,11 @@ def set_spec(param: nn.Parameter, spec: ShardSpec) -> nn.Parameter:
 
 
 class LinearMethod(Protocol):
+    input_multiple: int
+    """A row-parallel shard's input features must be a multiple of this (the int4 group size)."""
+    output_multiple: int
+    """A column-parallel shard's output features must be a multiple of this (8 int4 values per word)."""
+
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None: ...
     def process_after_loading(self, layer: nn.Module) -> None: ...
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
@@ -63,6 +68,9 @@ class LinearMethod(Protocol):
 
 class UnquantizedLinearMethod:
     """16/32-bit weight stored as [out, in] (the Hugging Face layout)."""
+
+    input_multiple = 1
+    output_multiple = 1
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         w = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
@@ -89,6 +97,14 @@ class Int4LinearMethod:
     zero_offset: int
     """1 for GPTQ-v1 zeros (stored zp - 1, auto_round:auto_gptq), 0 for v2 (auto_round, gptqmodel)."""
     backend: str = "reference"
+
+    @property
+    def input_multiple(self) -> int:
+        return self.group_size
+
+    @property
+    def output_multiple(self) -> int:
+        return 8
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         g = self.group_size

@@ -5,7 +5,7 @@ parts of peft 0.21's semantics that decide what an adapter computes:
 
 - scale per module: ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``), with ``r`` and
   ``lora_alpha`` overridden per module by ``rank_pattern`` / ``alpha_pattern``;
-- pattern keys (peft ``get_pattern_key``): the keys are tried in the config's order and the first key
+- pattern keys (peft ``get_pattern_key``): the keys are tried in the config file's order and the first key
   ``k`` for which ``re.match(rf"(.*\\.)?({k})$", module_name)`` succeeds wins, i.e. ``k`` is a regex that
   must match a whole dot-separated suffix of the module name; if none matches, the plain dict lookup
   of the module name itself is used, else the global value;
@@ -273,12 +273,20 @@ def _parse_config(name: str, cfg_path: str) -> _Config:
 # peft's matching rules, reproduced
 
 
+def _pattern_keys(pattern: Mapping[str, Any], names: tuple[str, ...]) -> list[str]:
+    """The keys (in config order) that peft's get_pattern_key would accept for any of `names`."""
+    return [key for key in pattern if any(re.match(rf"(.*\.)?({key})$", n) for n in names)]
+
+
 def _pattern_value(pattern: Mapping[str, Any], names: tuple[str, ...], default: Any) -> Any:
-    """peft get_pattern_key + dict lookup: first key (config order) matching a dot-suffix of the name."""
-    for key in pattern:
-        for n in names:
-            if re.match(rf"(.*\.)?({key})$", n):
-                return pattern[key]
+    """peft get_pattern_key + dict lookup: the first key in the file's order matching a dot-suffix of the name.
+
+    Note: peft's save_pretrained writes the config with sorted keys, so with overlapping keys the order
+    (and the winner) on reload can differ from training time; we follow the file, like
+    PeftModel.from_pretrained does."""
+    keys = _pattern_keys(pattern, names)
+    if keys:
+        return pattern[keys[0]]
     for n in names:
         if n in pattern:
             return pattern[n]
@@ -328,8 +336,10 @@ def _check_targets_exist(name: str, cfg: _Config, supported: Mapping[str, Any]) 
     """A list entry that names no LoRA-capable module of the base (e.g. lm_head) is refused."""
     if isinstance(cfg.target, str):
         return
+    spellings = [*supported, *("model.language_model." + m[len("model."):] for m in supported
+                               if m.startswith("model.layers."))]
     for t in cfg.target:
-        if not any(m == t or m.endswith("." + t) for m in supported):
+        if not any(m == t or m.endswith("." + t) for m in spellings):
             leaves = sorted({m.rsplit(".", 1)[-1] for m in supported})
             raise AdapterError(f"adapter {name!r}: target module {t!r} is not a LoRA-capable module of the base "
                                f"model (supported: {', '.join(leaves)})")
@@ -428,8 +438,12 @@ def _read_tensors(name: str, cfg: _Config, f, target_shapes: Mapping[str, tuple[
         shape_b = list(f.get_slice(slot["B"]).get_shape())
         want_a, want_b = [r, fin], [fout, r]
         if shape_a != want_a or shape_b != want_b:
+            hits = _pattern_keys(cfg.rank_pattern, names)
+            note = (f"; rank_pattern keys {hits} all match this module and the first one in the file wins "
+                    f"(peft saves the config with sorted keys)" if len(hits) > 1 else "")
             raise AdapterError(f"adapter {name!r}: module {canon}: lora_A shape {shape_a} / lora_B shape {shape_b} "
-                               f"!= expected {want_a} / {want_b} (rank {r} from the config, in/out from the base)")
+                               f"!= expected {want_a} / {want_b} (rank {r} from the config, in/out from the base)"
+                               + note)
         if r > max_rank:
             raise AdapterError(f"adapter {name!r}: module {canon} has rank {r} > max_lora_rank {max_rank}")
         for ab in ("A", "B"):

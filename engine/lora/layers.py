@@ -1,12 +1,17 @@
 """LoRA wrappers by composition over the parallel linear layers (any linear method: fp16 or int4).
 
-A wrapper holds per-slot stacked buffers for each slice of its layer, A [slots, r_max, in_local]
-and B [slots, out_local, r_max], zero-padded to max_lora_rank, plus each slot's true rank. It knows
-module names (to pick an adapter's tensors) but never adapter names or ids.
+A wrapper holds per-slot stacked buffers for each slice of its layer, A [slots, rows, in_local] and
+B [slots, out_local, r_max], zero-padded, plus each slot's true rank. It knows module names (to pick
+an adapter's tensors) but never adapter names or ids.
 
-Tensor parallel (DESIGN.md §5, default mode): a column layer keeps A whole and takes the rows of B
-for its output shard; a row layer takes the columns of A for its input shard and keeps B whole,
-adding its partial x_i A_i^T B^T before the base all-reduce, so no extra collective is needed.
+Tensor parallel (DESIGN.md §5):
+- default: a column layer keeps A whole and takes the rows of B for its output shard; a row layer
+  takes the columns of A for its input shard and keeps B whole, adding its partial x_i A_i^T B^T
+  before the base all-reduce. No extra collective.
+- fully sharded: a column layer also splits A's rank dim at r_max/tp and all-gathers the T x r_max/tp
+  shrink results; a row layer splits B's rows, all-reduces the T x r shrink result and expands into
+  its own slice of the output before the base all-reduce.
+The gather happens only in the fully sharded mode and only when tp > 1 (seed bug 2).
 """
 
 from __future__ import annotations
@@ -16,36 +21,43 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from engine.distributed import all_reduce
+from engine.distributed import all_gather, all_reduce
 from engine.forward_context import get_context
 from engine.layers.linear import ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, RowParallelLinear
 from engine.lora.adapter import LoRAModule
-from engine.lora.punica import add_lora
+from engine.lora.punica import add_lora, expand, shrink
+
+
+def shrink_needs_gather(fully_sharded: bool, tp_size: int) -> bool:
+    """Whether a column layer all-gathers its shrink output: only when A's rank dim is sharded."""
+    return fully_sharded and tp_size > 1
 
 
 class BaseLayerWithLoRA(nn.Module):
     def __init__(self, base: LinearBase, module_names: list[str], max_loras: int, max_rank: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, fully_sharded: bool = False) -> None:
         super().__init__()
         self.base = base
         self.module_names = module_names
         self.max_loras, self.max_rank = max_loras, max_rank
+        self.tp_rank, self.tp_size = base.tp_rank, base.tp_size
+        self.fully_sharded = fully_sharded and base.tp_size > 1
         dev = base.device  # the base layer's own API, whatever its linear method
-        self.lora_a = [torch.zeros(max_loras, max_rank, self.in_local, dtype=dtype, device=dev)
+        rows = self.a_rows()
+        self.lora_a = [torch.zeros(max_loras, rows, self.base.in_features, dtype=dtype, device=dev)
                        for _ in module_names]
-        self.lora_b = [torch.zeros(max_loras, n, max_rank, dtype=dtype, device=dev) for n in self.out_local_sizes()]
+        self.lora_b = [torch.zeros(max_loras, n, max_rank, dtype=dtype, device=dev) for n in self.b_sizes()]
         self.ranks: list[list[int]] = [[0] * max_loras for _ in module_names]
+        """True rank of each slot per slice (what the expand reads)."""
+        self.a_ranks: list[list[int]] = [[0] * max_loras for _ in module_names]
+        """Valid rows of this rank's A buffer per slot (= ranks unless A's rank dim is sharded)."""
 
-    # -- geometry (overridden per layer kind) ---------------------------------------------------------
-    @property
-    def in_local(self) -> int:
-        return self.base.in_features
+    # -- geometry, per layer kind ----------------------------------------------------------------------
+    def a_rows(self) -> int:
+        return self.max_rank
 
-    def out_local_sizes(self) -> list[int]:
+    def b_sizes(self) -> list[int]:
         return [self.base.out_features]
-
-    def offsets(self) -> list[int]:
-        return [0]
 
     def full_shapes(self) -> dict[str, tuple[int, int]]:
         """Checkpoint module name -> unsharded (in_features, out_features), for adapter validation."""
@@ -66,21 +78,17 @@ class BaseLayerWithLoRA(nn.Module):
             if m is None:
                 continue
             a, b = self.shard_a(i, m.a), self.shard_b(i, m.b)
-            self.lora_a[i][slot, : m.rank].copy_(a)
+            self.lora_a[i][slot, : a.size(0)].copy_(a)
             self.lora_b[i][slot, :, : m.rank].copy_(b)
             self.ranks[i][slot] = m.rank
+            self.a_ranks[i][slot] = a.size(0)
 
     def clear_slot(self, slot: int) -> None:
         for i in range(len(self.module_names)):
             self.lora_a[i][slot].zero_()
             self.lora_b[i][slot].zero_()
             self.ranks[i][slot] = 0
-
-    def _add(self, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        mapping = get_context().lora
-        if mapping is None:
-            return y
-        return add_lora(y, x, self.lora_a, self.lora_b, self.ranks, self.offsets(), mapping, add_inputs=True)
+            self.a_ranks[i][slot] = 0
 
 
 class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
@@ -92,33 +100,55 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
     def can_wrap(module: nn.Module) -> bool:
         return isinstance(module, ColumnParallelLinear)
 
-    def out_local_sizes(self) -> list[int]:
+    def a_rows(self) -> int:
+        if not self.fully_sharded:
+            return self.max_rank
+        if self.max_rank % self.tp_size:
+            raise ValueError(f"{self.base.prefix}: fully sharded LoRA needs max_lora_rank ({self.max_rank}) "
+                             f"divisible by the tensor-parallel size ({self.tp_size})")
+        return self.max_rank // self.tp_size
+
+    def b_sizes(self) -> list[int]:
         if isinstance(self.base, MergedColumnParallelLinear):
             return list(self.base.local_sizes)
         return [self.base.out_features]
 
     def offsets(self) -> list[int]:
-        sizes = self.out_local_sizes()
+        sizes = self.b_sizes()
         return [sum(sizes[:i]) for i in range(len(sizes))]
 
     def _source(self, i: int) -> tuple[int, int]:
         """(block index, block count) of this rank's rows in slice i's full output."""
         if isinstance(self.base, MergedColumnParallelLinear):
             return self.base.shard_source(i), self.base.num_sources(i)
-        return self.base.tp_rank, self.base.tp_size
+        return self.tp_rank, self.tp_size
 
     def full_shapes(self) -> dict[str, tuple[int, int]]:
-        sizes = self.out_local_sizes()
-        return {name: (self.base.in_features, sizes[i] * self._source(i)[1])
-                for i, name in enumerate(self.module_names)}
+        sizes = self.b_sizes()
+        return {name: (self.base.in_features, sizes[i] * self._source(i)[1]) for i, name in enumerate(self.module_names)}
+
+    def shard_a(self, i: int, a: torch.Tensor) -> torch.Tensor:
+        if not self.fully_sharded:
+            return a
+        rows = self.a_rows()  # this rank's rows of the zero-padded [r_max, in] A
+        return a[self.tp_rank * rows:(self.tp_rank + 1) * rows]
 
     def shard_b(self, i: int, b: torch.Tensor) -> torch.Tensor:
-        n = self.out_local_sizes()[i]
+        n = self.b_sizes()[i]
         idx, _ = self._source(i)
         return b[idx * n:(idx + 1) * n]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._add(self.base(x), x)
+        y = self.base(x)
+        mapping = get_context().lora
+        if mapping is None:
+            return y
+        if not shrink_needs_gather(self.fully_sharded, self.tp_size):
+            return add_lora(y, x, self.lora_a, self.lora_b, self.ranks, self.offsets(), mapping)
+        for i, off in enumerate(self.offsets()):
+            buf = all_gather(shrink(x, self.lora_a[i], self.a_ranks[i], mapping), dim=-1)  # [T, r_max]
+            expand(y, buf, self.lora_b[i], self.ranks[i], off, mapping)
+        return y
 
 
 class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
@@ -130,16 +160,35 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
     def can_wrap(module: nn.Module) -> bool:
         return isinstance(module, RowParallelLinear)
 
+    def b_sizes(self) -> list[int]:
+        out = self.base.out_features
+        if not self.fully_sharded:
+            return [out]
+        if out % self.tp_size:
+            raise ValueError(f"{self.base.prefix}: fully sharded LoRA needs {out} outputs divisible by tp")
+        return [out // self.tp_size]
+
     def full_shapes(self) -> dict[str, tuple[int, int]]:
         return {self.module_names[0]: (self.base.full_in, self.base.out_features)}
 
     def shard_a(self, i: int, a: torch.Tensor) -> torch.Tensor:
         k = self.base.in_features
-        return a[:, self.base.tp_rank * k:(self.base.tp_rank + 1) * k]
+        return a[:, self.tp_rank * k:(self.tp_rank + 1) * k]
+
+    def shard_b(self, i: int, b: torch.Tensor) -> torch.Tensor:
+        n = self.b_sizes()[0]
+        return b[self.tp_rank * n:(self.tp_rank + 1) * n] if self.fully_sharded else b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.base.bias if self.base.tp_rank == 0 else None
-        y = self._add(self.base.apply_base(x, bias), x)
+        bias = self.base.bias if self.tp_rank == 0 else None
+        y = self.base.apply_base(x, bias)
+        mapping = get_context().lora
+        if mapping is not None:
+            if self.fully_sharded:
+                buf = all_reduce(shrink(x, self.lora_a[0], self.a_ranks[0], mapping))  # full x A^T, [T, r]
+                expand(y, buf, self.lora_b[0], self.ranks[0], self.tp_rank * self.b_sizes()[0], mapping)
+            else:
+                add_lora(y, x, self.lora_a, self.lora_b, self.ranks, [0], mapping)
         return all_reduce(y) if self.base.reduce_results else y
 
 
@@ -147,7 +196,7 @@ WRAPPERS: tuple[type[BaseLayerWithLoRA], ...] = (ColumnParallelLinearWithLoRA, R
 
 
 def wrap_model(model: nn.Module, targets: Mapping[str, tuple[str, int]], max_loras: int, max_rank: int,
-               dtype: torch.dtype) -> list[BaseLayerWithLoRA]:
+               dtype: torch.dtype, fully_sharded: bool = False) -> list[BaseLayerWithLoRA]:
     """Replace every LoRA-targetable layer in place. targets: checkpoint leaf (q_proj) -> (our layer, slice)."""
     by_layer: dict[str, list[tuple[int, str]]] = {}
     for leaf, (layer, idx) in targets.items():
@@ -161,7 +210,7 @@ def wrap_model(model: nn.Module, targets: Mapping[str, tuple[str, int]], max_lor
         if cls is None:
             raise TypeError(f"{path}: no LoRA wrapper for {type(module).__name__}")
         names = [f"{parent_path}.{ckpt}" for _, ckpt in sorted(by_layer[leaf])]
-        w = cls(module, names, max_loras, max_rank, dtype)  # type: ignore[arg-type]
+        w = cls(module, names, max_loras, max_rank, dtype, fully_sharded)  # type: ignore[arg-type]
         setattr(model.get_submodule(parent_path), leaf, w)
         wrapped.append(w)
     return wrapped

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from kernels.lora import add_lora as _add_lora
+from kernels.lora import expand as _expand
+from kernels.lora import shrink as _shrink
 
 
 @dataclass(frozen=True)
@@ -31,3 +33,14 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_
              ranks: list[list[int]], offsets: list[int], mapping: LoRAMapping, add_inputs: bool = True) -> torch.Tensor:
     """y[:, slice s] (+)= (x A_s[slot]^T)[:, :rank] B_s[slot][:, :rank]^T for each token's slot."""
     return _add_lora(y, x, lora_a, lora_b, ranks, offsets, mapping.token_slots, add_inputs, mapping.backend)
+
+
+def shrink(x: torch.Tensor, a: torch.Tensor, ranks: list[int], mapping: LoRAMapping) -> torch.Tensor:
+    """buf = (x A[slot]^T)[:, :rank] per token, float32 [T, a.size(1)]."""
+    return _shrink(x, a, mapping.token_slots, ranks, mapping.backend)
+
+
+def expand(y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, ranks: list[int], offset: int,
+           mapping: LoRAMapping, add_inputs: bool = True) -> torch.Tensor:
+    """y[:, offset:offset+n] (+)= buf[:, :rank] B[slot][:, :rank]^T per token."""
+    return _expand(y, buf, b, mapping.token_slots, ranks, offset, add_inputs, mapping.backend)

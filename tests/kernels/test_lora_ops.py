@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.lora import add_lora
+from kernels.lora import add_lora, expand
 
 
 def _oracle(y, x, a_list, b_list, ranks, offsets, slots, add_inputs):
@@ -40,14 +40,20 @@ def test_add_lora_mixed_slots_and_ranks(add_inputs: bool) -> None:
     assert torch.equal(out[1], y[1]) and torch.equal(out[5], y[5])
 
 
-def test_shrink_result_wider_than_rank_uses_first_columns() -> None:
+def test_expand_truncates_to_each_slots_rank() -> None:
     g = torch.Generator().manual_seed(1)
     b = torch.randn(2, 6, 8, generator=g)
-    buf = torch.randn(3, 16, generator=g)  # e.g. a gathered, wider shrink result
+    buf = torch.randn(3, 8, generator=g)  # shrink result at r_max = 8; slot 1's adapter has rank 4
     y = torch.zeros(3, 6)
-    reference.lora_expand(y, buf, b, torch.tensor([0, 1, 0]), [8, 4], 0, True)
+    expand(y, buf, b, torch.tensor([0, 1, 0]), [8, 4], 0, True)
     torch.testing.assert_close(y[1], buf[1, :4] @ b[1, :, :4].t())
     torch.testing.assert_close(y[0], buf[0, :8] @ b[0].t())
+
+
+def test_expand_refuses_a_shrink_result_wider_than_b() -> None:
+    """A [T, r_max * tp] buffer (an all-gather where none belongs) must not be silently cut (seed bug 2)."""
+    with pytest.raises(ValueError, match=r"does not match LoRA B"):
+        expand(torch.zeros(3, 6), torch.zeros(3, 16), torch.zeros(2, 6, 8), torch.tensor([0, 1, 0]), [8, 4], 0)
 
 
 def test_shape_checks() -> None:
@@ -57,3 +63,6 @@ def test_shape_checks() -> None:
     with pytest.raises(ValueError, match="outside y"):
         reference.lora_expand(torch.zeros(2, 4), torch.zeros(2, 2), torch.zeros(1, 6, 2), torch.tensor([0, 0]), [2], 0,
                               True)
+    with pytest.raises(ValueError, match="rank dim"):
+        add_lora(torch.zeros(2, 4), torch.zeros(2, 3), [torch.zeros(1, 2, 3)], [torch.zeros(1, 4, 5)], [[2]], [0],
+                 torch.tensor([0, 0]))

@@ -16,6 +16,8 @@ from engine.lora import adapter as adapter_mod
 from engine.lora.adapter import AdapterError, AdapterNotFoundError, LoRAAdapter, load_adapter, read_checksum
 
 peft = pytest.importorskip("peft")
+pytestmark = [pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
+              pytest.mark.filterwarnings("ignore:The following alpha_pattern keys did not match")]
 transformers = pytest.importorskip("transformers")
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -141,12 +143,11 @@ def test_rslora_scale(tmp):
 
 
 def test_rank_and_alpha_pattern(tmp):
-    # peft: keys tried in order, the first one matching a whole dot-separated suffix wins. "q_proj" matches
-    # every q_proj (so the later layer-1 q_proj key never applies); a full name and a regex override single
-    # modules; "proj" and "self_attn" are fragments but not dot-suffixes, so they match nothing
+    # peft: the first key matching a whole dot-separated suffix wins. "q_proj" matches every q_proj; a full
+    # name and a regex override single modules; "proj" and "self_attn" are fragments but not dot-suffixes,
+    # so they match nothing (a search/endswith rule would apply them)
     path, pm = build(tmp, "patterns", seed=4, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
-                     rank_pattern={"q_proj": 4, r"layers\.1\.self_attn\.q_proj": 6, "model.layers.1.mlp.down_proj": 12,
-                                   r"layers\.0\.mlp\.down_\w+": 2},
+                     rank_pattern={"q_proj": 4, "model.layers.1.mlp.down_proj": 12, r"layers\.0\.mlp\.down_\w+": 2},
                      alpha_pattern={"proj": 99, "self_attn": 77, r"layers\.1\.self_attn\.v_proj": 3, "down_proj": 24})
     ad = load_adapter("pat", str(path), SHAPES, max_rank=64)
     assert_matches_peft(ad, pm)
@@ -161,6 +162,29 @@ def test_rank_and_alpha_pattern(tmp):
     assert ad.rank == 12
 
 
+def test_overlapping_patterns_follow_the_saved_file_like_peft_reload(tmp):
+    """With two keys matching one module, the first key IN THE FILE wins. peft writes the config with sorted
+    keys, so this can differ from training time; PeftModel.from_pretrained (the oracle here) does the same."""
+    path, pm = build(tmp, "overlap", seed=8, r=8, lora_alpha=16, target_modules=["q_proj"],
+                     alpha_pattern={"q_proj": 4, r"layers\.1\.self_attn\.q_proj": 60})
+    q1 = "model.layers.1.self_attn.q_proj"
+    assert peft_layers(pm)[q1].scaling["default"] == pytest.approx(4 / 8)  # training time: "q_proj" first
+    keys = list(json.loads((path / "adapter_config.json").read_text())["alpha_pattern"])
+    assert keys == [r"layers\.1\.self_attn\.q_proj", "q_proj"]  # saved sorted
+    reloaded = peft.PeftModel.from_pretrained(_tiny_model(), str(path))
+    assert peft_layers(reloaded)[q1].scaling["default"] == pytest.approx(60 / 8)
+    ad = load_adapter("ov", str(path), SHAPES, max_rank=8)
+    assert_matches_peft(ad, reloaded)
+    # the same overlap in rank_pattern cannot be reloaded by peft either; we refuse and say why
+    path, _ = build(tmp, "overlap-r", seed=9, r=8, lora_alpha=16, target_modules=["q_proj"],
+                    rank_pattern={"q_proj": 4, r"layers\.1\.self_attn\.q_proj": 6})
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        peft.PeftModel.from_pretrained(_tiny_model(), str(path))
+    with pytest.raises(AdapterError, match=r"q_proj: lora_A shape \[4, 256\].*expected \[6, 256\].*rank_pattern keys "
+                                           r"\['layers.*q_proj', 'q_proj'\] all match this module"):
+        load_adapter("ovr", str(path), SHAPES, max_rank=8)
+
+
 def test_regex_target_modules_and_layers_to_transform(tmp):
     path, pm = build(tmp, "regex", seed=5, r=8, lora_alpha=8, target_modules=r".*\.layers\.1\.(self_attn\.(q|k)|mlp\.up)_proj")
     ad = load_adapter("rx", str(path), SHAPES, max_rank=8)
@@ -171,6 +195,10 @@ def test_regex_target_modules_and_layers_to_transform(tmp):
     ad2 = load_adapter("ltt", str(path2), SHAPES, max_rank=8)
     assert set(ad2.modules) == {"model.layers.1.self_attn.o_proj"}
     assert_matches_peft(ad2, pm2)
+    # a string is a regex that must match the WHOLE module name (peft: re.fullmatch), not a fragment
+    p = copy_with(path, tmp / "regex-fragment", cfg_edit=lambda c: c.update(target_modules=r"layers\.1\.(self_attn\.(q|k)|mlp\.up)_proj"))
+    with pytest.raises(AdapterError, match=r"'rx'.*model\.layers\.1\.mlp\.up_proj has LoRA tensors but is not targeted"):
+        load_adapter("rx", str(p), SHAPES, max_rank=8)
     # a layer-0 tensor that layers_to_transform excludes is refused
     bad = copy_with(path2, tmp / "ltt-extra", tensors_edit=lambda t: t.update({
         f"{PFX}model.layers.0.self_attn.o_proj.lora_A.weight": torch.zeros(8, 256),
@@ -216,6 +244,11 @@ def test_key_namings(tmp, basic):
         assert set(ad.modules) == set(ref.modules), tag
         for n in ref.modules:
             assert torch.equal(ad.modules[n].a, ref.modules[n].a) and torch.equal(ad.modules[n].b, ref.modules[n].b)
+    # full module paths in target_modules, written in the vision-language spelling
+    vl_names = sorted({k.removeprefix(PFX).rsplit(".lora_", 1)[0].replace("model.layers.", "model.language_model.layers.")
+                       for k in load_file(str(path / "adapter_model.safetensors"))})
+    p = copy_with(tmp / "names-vl", tmp / "names-vl-full", cfg_edit=lambda c: c.update(target_modules=vl_names))
+    assert set(load_adapter("vlf", str(p), SHAPES, max_rank=64).modules) == set(ref.modules)
     # a rank_pattern written against the vision-language names (as peft saw them) still applies
     def vl_rank4(t):
         for k in list(t):

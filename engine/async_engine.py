@@ -1,0 +1,333 @@
+"""The engine behind an asyncio server: one background thread steps the LLMEngine.
+
+The model step is blocking CPU/GPU work, so it runs in its own thread and the event loop stays free.
+The event loop never calls into the engine directly: it posts commands (add, abort) to an inbox; the
+step thread applies them under the engine lock between steps and hands each step's outputs back to
+per-request asyncio queues through ``loop.call_soon_threadsafe``. Adapter load/unload only touch the
+LoRA manager (which has its own lock) and run in worker threads, so they are safe while stepping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from engine.llm_engine import LLMEngine
+from engine.lora.adapter import AdapterError, validate_name
+from engine.protocol import RequestError, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class OverloadedError(RuntimeError):
+    """The server cannot take the request now: waiting queue full, shutting down (HTTP 503)."""
+
+
+class EngineDeadError(OverloadedError):
+    """The step loop failed; the engine serves nothing more (HTTP 503, /health unhealthy)."""
+
+
+class AdapterPathForbiddenError(AdapterError):
+    """An adapter path outside every --lora-root, or runtime loads without a root (HTTP 403)."""
+
+
+def resolve_under_roots(path: str, roots: Sequence[str]) -> str:
+    """The real path of `path` if it lies inside one of `roots` (both resolved, so `..` and symlinks
+    cannot escape); a relative path is taken relative to each root in turn."""
+    if not roots:
+        raise AdapterPathForbiddenError("runtime adapter loads are disabled: start the server with --lora-root DIR")
+    real_roots = [os.path.realpath(r) for r in roots]
+    candidates = [path] if os.path.isabs(path) else [os.path.join(r, path) for r in real_roots]
+    for cand in candidates:
+        real = os.path.realpath(cand)
+        inside = any(os.path.commonpath([real, r]) == r for r in real_roots)
+        if not inside:
+            raise AdapterPathForbiddenError(f"adapter path {path} is outside every --lora-root")
+        if os.path.exists(real) or cand is candidates[-1]:
+            return real
+    raise AssertionError("unreachable")  # candidates is never empty
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot published by the step thread after every iteration (read lock-free by /metrics)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    num_preemptions: int = 0
+    running_adapters: tuple[str, ...] = ()
+    waiting_adapters: tuple[str, ...] = ()
+    timestamp: float = field(default_factory=time.time)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    lora_name: str | None
+
+
+_Item = list[int] | RequestOutput | BaseException  # accepted (prompt ids), an output, or a failure
+
+
+class RequestStream:
+    """The outputs of one accepted request. close() (or leaving `async with`) before the end aborts it,
+    which frees its KV blocks and adapter slot."""
+
+    def __init__(self, owner: AsyncEngine, request_id: str, queue: asyncio.Queue[_Item],
+                 prompt_token_ids: list[int]) -> None:
+        self.owner, self.request_id, self._queue = owner, request_id, queue
+        self.prompt_token_ids = prompt_token_ids
+        self.finished = False
+        self._closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        assert isinstance(item, RequestOutput)
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.owner._release(self.request_id, abort=not self.finished)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.lock = threading.Lock()  # everything that touches scheduler / request state
+        self._cv = threading.Condition()  # guards the inbox, the queued count and the stats
+        self._inbox: list[_Add | str] = []  # str: a request id to abort
+        self._queued = 0  # adds posted and not yet in the scheduler
+        self._stop = False
+        self._stats = EngineStats()
+        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._accepting = False
+        self._ids = itertools.count()
+        self._load_locks: dict[str, asyncio.Lock] = {}
+        self.error: BaseException | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="xpulora-step", daemon=True)
+        self._thread.start()
+        self._accepting = True
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def shutdown(self, grace_s: float = 30.0) -> None:
+        """Stop accepting, let in-flight requests finish for up to grace_s, abort the rest, join."""
+        self._accepting = False
+        deadline = time.monotonic() + grace_s
+        while self._streams and self.healthy and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30.0)
+
+    def stats(self) -> EngineStats:
+        with self._cv:
+            return self._stats
+
+    # -- requests ------------------------------------------------------------------------------------
+    def new_request_id(self, prefix: str = "req") -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          lora_name: str | None = None) -> RequestStream:
+        """Queue a request and wait until the engine accepts it. Raises RequestError (400; its
+        ModelNotFoundError subclass 404) or OverloadedError (503) with nothing left behind."""
+        if lora_name is not None:
+            await self.ensure_adapter(lora_name)
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        with self._cv:
+            self._check_accepting()
+            if self.max_waiting_requests is not None and \
+                    self._queued + self._stats.num_waiting >= self.max_waiting_requests:
+                raise OverloadedError(f"the server is overloaded ({self.max_waiting_requests} requests waiting); "
+                                      "retry later")
+            if request_id in self._streams:
+                raise RequestError(f"duplicate request id {request_id!r}")
+            self._streams[request_id] = queue
+            self._inbox.append(_Add(request_id, prompt, params, lora_name))
+            self._queued += 1
+            self._cv.notify()
+        try:
+            first = await queue.get()
+        except BaseException:  # cancelled while queued: the add may still happen, so abort after it
+            self._release(request_id, abort=True)
+            raise
+        if isinstance(first, BaseException):
+            self._release(request_id, abort=False)
+            raise first
+        assert isinstance(first, list)
+        return RequestStream(self, request_id, queue, first)
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       lora_name: str | None = None) -> AsyncIterator[RequestOutput]:
+        """add_request + iterate; closing or cancelling the iterator aborts the request."""
+        async with await self.add_request(request_id, prompt, params, lora_name) as stream:
+            async for out in stream:
+                yield out
+
+    def _release(self, request_id: str, abort: bool) -> None:
+        with self._cv:
+            self._streams.pop(request_id, None)
+            if abort:
+                self._inbox.append(request_id)
+                self._cv.notify()
+
+    def _check_accepting(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"the engine failed and serves no more requests: {self.error!r}")
+        if not self._accepting:
+            raise OverloadedError("the server is shutting down")
+
+    # -- adapters ------------------------------------------------------------------------------------
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load (validated) in a worker thread; serialized per name with autoload."""
+        async with self._name_lock(name):
+            await asyncio.to_thread(self.engine.load_lora_adapter, name, path)
+
+    async def unload_adapter(self, name: str) -> None:
+        if name == self.engine.served_model_name:
+            raise AdapterError(f"{name!r} is the base model; it cannot be unloaded")
+        self.engine.unload_lora_adapter(name)
+
+    async def ensure_adapter(self, name: str) -> None:
+        """Autoload: a model name that is not loaded but names a folder under a lora root is loaded
+        once (concurrent first requests wait for the same load)."""
+        lora = self.engine.lora
+        cfg = self.engine.config.lora
+        if lora is None or not cfg.lora_autoload or not cfg.lora_roots or name == self.engine.served_model_name \
+                or name in lora:
+            return
+        try:
+            validate_name(name)
+            path = resolve_under_roots(name, cfg.lora_roots)
+        except AdapterError:
+            return  # not a loadable name: add_request answers "model not found"
+        if not os.path.isdir(path):
+            return
+        async with self._name_lock(name):
+            if name in lora:
+                return
+            try:
+                await asyncio.to_thread(self.engine.load_lora_adapter, name, path)
+            except AdapterError as e:
+                raise RequestError(f"model {name!r}: loading it from {path} failed: {e}") from e
+            log.info("autoloaded adapter %r from %s", name, path)
+
+    def _name_lock(self, name: str) -> asyncio.Lock:
+        return self._load_locks.setdefault(name, asyncio.Lock())
+
+    # -- the step thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            with self._cv:
+                while not self._inbox and not self._stop and not engine.has_unfinished():
+                    self._cv.wait()
+                cmds, self._inbox = self._inbox, []
+                stop = self._stop
+            added: list[tuple[str, list[int] | BaseException]] = []
+            outs: list[RequestOutput] = []
+            try:
+                with self.lock:
+                    for cmd in cmds:
+                        if isinstance(cmd, str):
+                            engine.abort(cmd)
+                        else:
+                            added.append((cmd.request_id, self._add(cmd)))
+                    if stop:
+                        outs = [self._abort_output(rid) for rid in list(engine.requests)]
+                    elif engine.has_unfinished():
+                        outs = engine.step()
+                    stats = self._collect()
+            except Exception as e:  # the model step failed: nothing is served any more
+                log.exception("engine step failed; the server is now unhealthy")
+                with self._cv:
+                    self.error = e
+                self._publish(added, [], len(added), None)
+                return
+            self._publish(added, outs, len(added), stats)
+            if stop:
+                return
+
+    def _add(self, cmd: _Add) -> list[int] | BaseException:
+        try:
+            return self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.lora_name)
+        except RequestError as e:
+            return e
+
+    def _abort_output(self, request_id: str) -> RequestOutput:
+        self.engine.abort(request_id)
+        return RequestOutput(request_id, [], "", None, True, "abort")
+
+    def _collect(self) -> EngineStats:
+        e = self.engine
+        name_of = e.lora.name_of if e.lora is not None else (lambda _id: None)
+        running = {n for s in e.scheduler.running if s.lora_id is not None and (n := name_of(s.lora_id))}
+        waiting = {n for s in e.scheduler.waiting if s.lora_id is not None and (n := name_of(s.lora_id))}
+        return EngineStats(len(e.scheduler.running), len(e.scheduler.waiting), e.blocks.usage, e.num_preemptions,
+                           tuple(sorted(running)), tuple(sorted(waiting)))
+
+    def _publish(self, added: list[tuple[str, list[int] | BaseException]], outs: list[RequestOutput],
+                 num_adds: int, stats: EngineStats | None) -> None:
+        with self._cv:
+            self._queued -= num_adds
+            if stats is not None:
+                self._stats = stats
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, added, outs)
+        except RuntimeError:  # the loop is closed (interpreter exit): nobody is listening
+            log.warning("event loop closed; %d outputs dropped", len(outs))
+
+    def _deliver(self, added: list[tuple[str, list[int] | BaseException]], outs: list[RequestOutput]) -> None:
+        """On the event loop: feed acceptances, failures and outputs to the per-request queues."""
+        for rid, result in added:
+            if (q := self._streams.get(rid)) is not None:
+                q.put_nowait(result)
+        for out in outs:
+            if (q := self._streams.get(out.request_id)) is not None:
+                q.put_nowait(out)
+        if self.error is not None:
+            dead = EngineDeadError(f"the engine failed: {self.error!r}")
+            for q in self._streams.values():
+                q.put_nowait(dead)

@@ -1,0 +1,216 @@
+"""OpenAI request bodies (pydantic v2, strict). Nothing is silently ignored: an unknown field is a 400
+naming it, and a field OpenAI defines that we do not implement is accepted only at its neutral value
+(null / 0 / empty), otherwise a 400 naming it. Responses are built as plain dicts in serving.py."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    # strict: "5" is not an int, 1 is not a bool; extra="forbid": unknown fields are errors.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _neutral(v: Any, info: ValidationInfo) -> Any:
+    if v in (None, 0, 0.0, "", [], {}, "none", "auto", {"type": "text"}, "text") and not isinstance(v, bool):
+        return v
+    raise ValueError(f"'{info.field_name}' is not supported by this server")
+
+
+def _stop(v: Any) -> Any:
+    if v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)):
+        return v
+    raise ValueError("'stop' must be a string or a list of strings")
+
+
+def _is_ids(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    """Fields shared by completions and chat completions (plus vLLM's common extensions)."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int = Field(1, ge=1, le=128)
+    stop: Any = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    # Defined by OpenAI, not implemented here: only their neutral values pass.
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    best_of: Any = None
+
+    _check_stop = field_validator("stop", mode="before")(_stop)
+
+    @field_validator("best_of", mode="before")
+    @classmethod
+    def _best_of(cls, v: Any) -> Any:
+        if v is None or v == 1:
+            return v
+        raise ValueError("'best_of' is not supported by this server (use n)")
+
+    @field_validator("logit_bias", "presence_penalty", "frequency_penalty", mode="before")
+    @classmethod
+    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
+        return _neutral(v, info)
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _Sampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("'stream_options' is only allowed when 'stream' is true")
+        return self
+
+    @property
+    def stop_list(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Any
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: Any = None
+
+    @field_validator("suffix", mode="before")
+    @classmethod
+    def _unsupported_suffix(cls, v: Any, info: ValidationInfo) -> Any:
+        return _neutral(v, info)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        if isinstance(v, str) or _is_ids(v):
+            return v
+        if isinstance(v, list) and v and all(isinstance(p, str) for p in v):
+            return v
+        if isinstance(v, list) and v and all(_is_ids(p) for p in v):
+            return v
+        raise ValueError("'prompt' must be a string, a non-empty list of strings, a list of token ids or a "
+                         "non-empty list of token-id lists")
+
+    def prompts(self) -> list[str | list[int]]:
+        if isinstance(self.prompt, str) or _is_ids(self.prompt):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str):
+            return v
+        if isinstance(v, list):
+            for part in v:
+                if not isinstance(part, dict) or part.get("type") != "text" or set(part) != {"type", "text"} \
+                        or not isinstance(part["text"], str):
+                    raise ValueError("message content parts must be {\"type\": \"text\", \"text\": ...}; "
+                                     "images, audio and files are not supported")
+            return v
+        raise ValueError("message 'content' must be a string or a list of text parts")
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(p["text"] for p in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    service_tier: Any = None
+    store: Any = None
+    metadata: Any = None
+
+    @field_validator("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
+                     "audio", "modalities", "prediction", "reasoning_effort", "web_search_options", "service_tier",
+                     "store", "metadata", mode="before")
+    @classmethod
+    def _unsupported_chat(cls, v: Any, info: ValidationInfo) -> Any:
+        if info.field_name in ("parallel_tool_calls", "store") and v is False:
+            return v
+        return _neutral(v, info)
+
+    @model_validator(mode="after")
+    def _logprob_fields(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("'top_logprobs' requires 'logprobs': true")
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("give 'max_completion_tokens' or 'max_tokens', not both")
+        return self
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class LoadLoRAAdapterRequest(_Strict):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_Strict):
+    lora_name: str
+
+
+def format_validation_errors(errors: list[dict[str, Any]]) -> str:
+    """One readable line naming every offending field (FastAPI puts 'body' first in each loc)."""
+    parts: list[str] = []
+    for e in errors:
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        field = ".".join(loc)
+        kind, msg = e.get("type", ""), str(e.get("msg", ""))
+        if kind == "json_invalid":
+            text = f"malformed JSON: {e.get('ctx', {}).get('error', msg)}"
+        elif kind == "extra_forbidden":
+            text = f"unsupported field '{field}'"
+        elif kind == "missing":
+            text = f"missing field '{field}'"
+        elif kind == "value_error":
+            text = msg.removeprefix("Value error, ")
+        elif field:
+            text = f"field '{field}': {msg}"
+        else:
+            text = f"request body: {msg}"
+        if text not in parts:
+            parts.append(text)
+    return "; ".join(parts) or "invalid request"
