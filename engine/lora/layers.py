@@ -125,7 +125,8 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
 
     def full_shapes(self) -> dict[str, tuple[int, int]]:
         sizes = self.b_sizes()
-        return {name: (self.base.in_features, sizes[i] * self._source(i)[1]) for i, name in enumerate(self.module_names)}
+        return {name: (self.base.in_features, sizes[i] * self._source(i)[1])
+                for i, name in enumerate(self.module_names)}
 
     def shard_a(self, i: int, a: torch.Tensor) -> torch.Tensor:
         if not self.fully_sharded:
