@@ -33,6 +33,8 @@ class ForwardContext:
     attn: AttentionMetadata | None
     lora: object | None = None
     """The step's LoRA mapping (engine.lora.punica.LoRAMapping) or None when no token uses an adapter."""
+    state_slots: list[int] | None = None
+    """Per sequence in the step: its slot in the linear-attention state pool (hybrid models only)."""
 
 
 _CTX: ForwardContext | None = None

@@ -83,20 +83,20 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = False) -> None:
         self.config = config
         info = inspect_checkpoint(config.model.path)
-        self.hf_config = info.hf_config
-        limit = int(info.hf_config.get("max_position_embeddings", 32768))
+        self.hf_config = info.text_config
+        limit = int(self.hf_config.get("max_position_embeddings", 32768))
         self.max_model_len = config.model.max_model_len or limit
         if self.max_model_len > limit:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-        self.eos_ids = _eos_ids(config.model.path, self.tokenizer, info.hf_config)
+        self.eos_ids = _eos_ids(config.model.path, self.tokenizer, self.hf_config)
         self.served_model_name = config.model.served_model_name or os.path.basename(
             os.path.normpath(config.model.path))
         kind = detect(config.parallel.device)
         self.device = rank_device(kind, 0)
         self.executor = make_executor(config, info, kind, self.max_model_len, progress)
         self.dead: str | None = None
-        self.vocab_size = int(info.hf_config["vocab_size"])
+        self.vocab_size = int(self.hf_config["vocab_size"])
         kv = self.executor.kv
         if kv.num_blocks * kv.block_size < self.max_model_len:
             raise ConfigError(f"the KV cache ({kv.num_blocks} blocks x {kv.block_size} tokens) cannot hold one "
@@ -108,7 +108,8 @@ class LLMEngine:
             self.lora = LoRAManager(config.lora, self.executor.lora_target_shapes())
             for name, path in config.lora.lora_modules:
                 self.lora.load(name, path)
-        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, self.lora)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, self.lora,
+                                   self.runner.num_state_slots)
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self.num_preemptions = 0

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from engine.layers.linear import LinearBase
 from engine.layers.quant import QuantConfig
 from engine.models.qwen import QwenArgs, QwenForCausalLM
+from engine.models.qwen3_5 import HYBRID_ARCHS, Qwen35Args, Qwen35ForCausalLM, text_config
 
 log = logging.getLogger(__name__)
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
@@ -39,6 +40,11 @@ class CheckpointInfo:
     quant: QuantConfig
     files: tuple[str, ...]
     """safetensors files, absolute paths."""
+
+    @property
+    def text_config(self) -> dict[str, Any]:
+        """The language model's fields (vocab, lengths, eos), wherever the export puts them."""
+        return text_config(self.hf_config)
 
 
 def read_hf_config(path: str) -> dict[str, Any]:
@@ -91,21 +97,22 @@ def iter_tensors(files: tuple[str, ...]) -> Iterator[tuple[str, str, torch.Tenso
 
 
 def build_model(info: CheckpointInfo, dtype: torch.dtype, device: torch.device, int4_backend: str) -> nn.Module:
-    args = QwenArgs.from_hf(info.hf_config)
     with torch.device(device):
-        return QwenForCausalLM(args, info.quant, int4_backend, dtype)
+        if info.hf_config.get("model_type") in HYBRID_ARCHS:
+            return Qwen35ForCausalLM(Qwen35Args.from_hf(info.hf_config), info.quant, int4_backend, dtype)
+        return QwenForCausalLM(QwenArgs.from_hf(info.hf_config), info.quant, int4_backend, dtype)
 
 
 def load_weights(model: nn.Module, info: CheckpointInfo, progress: bool = False) -> None:
     params = dict(model.named_parameters())
-    packed: dict[str, tuple[str, str | int]] = getattr(model, "packed_modules", {})
+    packed: dict[str, tuple[str, str | int]] = model.packed_modules
     expected: dict[str, set[str | int | None]] = {}
     for name in params:
         parts = name.rsplit(".", 2)
         layer = parts[-2] if len(parts) >= 2 else ""
         expected[name] = {sid for ck, (fused, sid) in packed.items() if fused == layer} or {None}
     filled: dict[str, set[str | int | None]] = {n: set() for n in params}
-    tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
+    tied = bool(model.args.tie_word_embeddings)
     skipped = 0
     total = sum(_count(fn) for fn in info.files) if progress else None
     bar = tqdm(total=total, desc="Loading weights", unit="tensor", disable=not progress)
@@ -119,8 +126,8 @@ def load_weights(model: nn.Module, info: CheckpointInfo, progress: bool = False)
         if name.endswith(".g_idx"):
             _check_trivial_g_idx(fn, name, tensor, info.quant.group_size)
             continue
-        target, shard = name, None
-        module_path, _, leaf = name.rpartition(".")
+        target, shard = model.checkpoint_to_param(name), None
+        module_path, _, leaf = target.rpartition(".")
         mod_parent, _, mod_name = module_path.rpartition(".")
         if mod_name in packed:
             fused, shard = packed[mod_name]

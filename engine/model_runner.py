@@ -13,6 +13,7 @@ from engine.device import Device
 from engine.distributed import all_reduce_min, tp_rank
 from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from engine.layers.attention import Attention
+from engine.layers.gdn import GatedDeltaNet
 from engine.loader import CheckpointInfo, build_model, load_weights
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.layers import BaseLayerWithLoRA, wrap_model
@@ -51,6 +52,9 @@ class ModelRunner:
             self.lora_layers = wrap_model(self.model, self.model.lora_targets, config.lora.max_loras,
                                           config.lora.max_lora_rank, self.dtype, config.lora.fully_sharded_loras)
         self.lora_backend = device.lora_backend()
+        self.gdn_layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
+        self.num_state_slots = config.scheduler.max_num_seqs if self.gdn_layers else 0
+        self._allocate_state_pool()  # before the KV cache, which takes what memory is left
         self.kv = self._allocate_kv_cache()
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
@@ -78,6 +82,17 @@ class ModelRunner:
             raise RuntimeError(f"not enough device memory for one sequence of {self.max_model_len} tokens "
                                f"({n} KV blocks fit); lower --max-model-len or raise gpu_memory_utilization")
         return n
+
+    def _allocate_state_pool(self) -> None:
+        """Per GDN layer: conv state [slots, conv_dim, K-1] and fp32 recurrent state [slots, Hv, Dk, Dv]."""
+        dev, n = self.device.torch_device, self.num_state_slots
+        for m in self.gdn_layers:
+            m.conv_state = torch.zeros(n, m.conv_dim, m.kernel - 1, dtype=self.dtype, device=dev)
+            m.ssm_state = torch.zeros(n, m.hv, m.dk, m.dv, dtype=torch.float32, device=dev)
+        if self.gdn_layers:
+            per_seq = sum(m.conv_state[0].numel() * m.conv_state.element_size() + m.ssm_state[0].numel() * 4
+                          for m in self.gdn_layers)
+            log.info("linear-attention state pool: %d slots x %.1f MiB", n, per_seq / 2**20)
 
     def _allocate_kv_cache(self) -> KVCacheSpec:
         # Every rank must agree on the block count (the scheduler's block ids index all of them).
@@ -134,14 +149,24 @@ class ModelRunner:
             max_q_len=max(len(s.token_ids) for s in step.seqs), max_context_len=max(ctx_lens),
             decode_only=all(len(s.token_ids) == 1 for s in step.seqs))
         lora = build_mapping(lora_slots, dev, self.lora_backend) if self.lora_layers else None
+        states = [s.state_slot for s in step.seqs] if self.gdn_layers else None
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
-                ForwardContext(attn=meta, lora=lora), sample_rows)
+                ForwardContext(attn=meta, lora=lora, state_slots=states), sample_rows)
+
+    def _reset_states(self, step: SchedulerOutput) -> None:
+        """A sequence's first chunk starts from zero state (new, or recomputed after preemption)."""
+        fresh = [s.state_slot for s in step.seqs if s.start_pos == 0 and s.state_slot >= 0]
+        for m in self.gdn_layers:
+            for slot in fresh:
+                m.conv_state[slot].zero_()
+                m.ssm_state[slot].zero_()
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> SamplerOutput:
         """Run one step on this rank; only rank 0 samples (the others return an empty output)."""
         for sid in step.finished_seq_ids:
             self.generators.pop(sid, None)
+        self._reset_states(step)
         input_ids, positions, ctx, rows = self._prepare(step)
         with forward_context(ctx):
             h = self.model(input_ids, positions)
@@ -173,7 +198,8 @@ class ModelRunner:
         if nblk > self.kv.num_blocks:
             raise ValueError("prompt longer than the KV cache")
         step = SchedulerOutput([ScheduledSeq(-1, token_ids, 0, list(range(nblk)), False, SamplingParams(),
-                                                lora_slot)])
+                                                lora_slot, 0 if self.gdn_layers else -1)])
+        self._reset_states(step)
         input_ids, positions, ctx, _ = self._prepare(step)
         with forward_context(ctx):
             h = self.model(input_ids, positions)

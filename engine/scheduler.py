@@ -36,6 +36,8 @@ class ScheduledSeq:
     params: SamplingParams
     lora_slot: int = -1
     """Adapter slot of this sequence's tokens (-1: base model)."""
+    state_slot: int = -1
+    """Linear-attention state slot (hybrid models); zeroed by the runner when start_pos is 0."""
 
 
 @dataclass(frozen=True)
@@ -54,9 +56,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int,
-                 lora: LoRAManager | None = None) -> None:
+                 lora: LoRAManager | None = None, num_state_slots: int = 0) -> None:
         self.config = config
         self.lora = lora
+        self.uses_state = num_state_slots > 0
+        self._free_states: list[int] = list(range(num_state_slots - 1, -1, -1))
         self.blocks = blocks
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -87,6 +91,9 @@ class Scheduler:
         if seq.lora_id is not None and self.lora is not None and seq.lora_slot >= 0:
             self.lora.release_slot(seq.lora_id)
         seq.lora_slot = -1
+        if seq.state_slot >= 0:
+            self._free_states.append(seq.state_slot)
+            seq.state_slot = -1
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -100,7 +107,7 @@ class Scheduler:
     def _entry(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
         return ScheduledSeq(seq.seq_id, seq.token_slice(start, start + n), start, list(seq.block_table),
-                            start + n == seq.num_tokens, seq.params, seq.lora_slot)
+                            start + n == seq.num_tokens, seq.params, seq.lora_slot, seq.state_slot)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -138,6 +145,10 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
                 break
+            if self.uses_state:
+                if not self._free_states:
+                    break  # a request without a free state slot waits
+                seq.state_slot = self._free_states.pop()
             if seq.lora_id is not None:
                 got = self.lora.acquire_slot(seq.lora_id)  # type: ignore[union-attr]
                 assert got is not None

@@ -25,6 +25,8 @@ class Sequence:
     """Internal adapter id (changes on every reload); None = base model."""
     lora_slot: int = -1
     """Device slot of the adapter while running (-1: none)."""
+    state_slot: int = -1
+    """Slot in the linear-attention state pool while running (hybrid models; -1: none)."""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     """Tokens whose K/V are in the cache."""

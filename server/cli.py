@@ -70,26 +70,94 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
 
 
 def apply_config_file(p: argparse.ArgumentParser, argv: list[str]) -> None:
-    """Set parser defaults from --config FILE.yaml; unknown keys fail naming the key."""
+    """Set parser defaults from --config FILE.yaml, so that flags given on the command line win.
+
+    Keys are flag names with dashes or underscores (`max-loras`, `max_loras`); `model` is the
+    positional. Values are checked like command-line values (type, choices, on/off flags as
+    booleans, lists for multi-value flags); an unknown key or a bad value fails naming the key.
+    Relative paths are taken relative to the working directory, as on the command line.
+    """
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
     if not known.config:
         return
-    with open(known.config) as f:
-        data = yaml.safe_load(f) or {}
+    try:
+        with open(known.config) as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        p.error(f"--config {known.config}: cannot read it ({e.strerror or e})")
+    except yaml.YAMLError as e:
+        p.error(f"--config {known.config}: not valid YAML ({e})")
+    data = {} if data is None else data
     if not isinstance(data, dict):
         p.error(f"{known.config}: expected a mapping of flag names to values")
-    dests = {a.dest for a in p._actions}
+    actions = {a.dest: a for a in p._actions if a.dest not in ("help", "config")}
     defaults: dict[str, Any] = {}
     for key, value in data.items():
         dest = str(key).replace("-", "_")
-        if dest not in dests or dest in ("help", "config"):
-            p.error(f"{known.config}: unknown key {key!r}")
-        if dest == "lora_modules" and isinstance(value, dict):
-            value = list(value.items())
-        defaults[dest] = value
+        action = actions.get(dest)
+        if action is None:
+            p.error(f"{known.config}: unknown key {key!r} (keys are the flag names of `xpulora {p.prog.split()[-1]}`)")
+        if _on_command_line(action, argv):
+            continue  # the command line wins (matters for flags that accumulate, like --lora-root)
+        try:
+            defaults[dest] = _config_value(action, value)
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+            p.error(f"{known.config}: key {key!r}: {e}")
     p.set_defaults(**defaults)
+
+
+def _on_command_line(action: argparse.Action, argv: list[str]) -> bool:
+    """Whether this option is given in argv (exactly, as --opt=value, or as an unambiguous prefix)."""
+    for tok in argv:
+        if tok == "--":
+            break
+        name = tok.split("=", 1)[0]
+        if name.startswith("--") and len(name) > 2 and any(o.startswith(name) for o in action.option_strings):
+            return True
+    return False
+
+
+def _config_value(action: argparse.Action, value: Any) -> Any:
+    """A YAML value converted and checked as argparse would check the same value given as a flag."""
+    if action.nargs == 0:  # --enable-lora, --enforce-eager, ...
+        if not isinstance(value, bool):
+            raise TypeError(f"expected true or false, got {value!r}")
+        return value if action.const is True else not value if action.const is False else value
+    if value is None:
+        return None
+    if action.nargs in ("+", "*"):
+        if isinstance(value, dict) and action.dest == "lora_modules":
+            value = [f"{k}={v}" for k, v in value.items()]
+        items = value if isinstance(value, list) else [value]
+        return [_config_scalar(action, v) for v in items]
+    if isinstance(value, (list, dict)):
+        raise TypeError(f"expected a single value, got {value!r}")
+    return _config_scalar(action, value)
+
+
+def _config_scalar(action: argparse.Action, value: Any) -> Any:
+    if isinstance(value, (list, dict)):
+        raise TypeError(f"expected a single value, got {value!r}")
+    conv = action.type
+    if conv is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise TypeError(f"expected an integer, got {value!r}")
+        value = int(value)
+    elif conv is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise TypeError(f"expected a number, got {value!r}")
+        value = float(value)
+    elif conv is not None:
+        value = conv(str(value))
+    elif not isinstance(value, str):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"expected a string, got {value!r}")
+        value = str(value)
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"{value!r} is not one of {', '.join(map(str, action.choices))}")
+    return value
 
 
 def build_engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -202,15 +270,30 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     gen.add_argument("--requests", required=True, help="input JSONL: one request per line")
     gen.add_argument("--output", default=None, help="output JSONL (default: stdout)")
     engine_flags(gen)
-    q = sub.add_parser("quantize", help="quantize a Hugging Face Qwen folder to int4 with auto-round")
-    q.add_argument("src")
-    q.add_argument("out")
-    q.add_argument("--bits", type=int, default=4, choices=[4])
-    q.add_argument("--group-size", type=int, default=128)
+    q = sub.add_parser("quantize", help="quantize a 16-bit Hugging Face Qwen folder to int4 with auto-round",
+                       description="Write the int4 AutoRound checkpoint this engine serves (W4A16, format "
+                                   "auto_round; symmetric packs as auto_round:auto_gptq) into a flat folder OUT. "
+                                   "Needs the optional extra: pip install 'xpulora[quantize]'.")
+    q.add_argument("src", metavar="SRC", help="16-bit Hugging Face model folder (or a hub id)")
+    q.add_argument("out", metavar="OUT", help="output folder (must not exist or be empty, unless --overwrite)")
+    q.add_argument("--bits", type=int, default=4, choices=[4], help="weight bits (the engine serves 4)")
+    q.add_argument("--group-size", type=int, default=128, choices=[32, 64, 128, 256],
+                   help="input features per scale / zero point")
     sym = q.add_mutually_exclusive_group()
-    sym.add_argument("--sym", dest="sym", action="store_true", default=True)
-    sym.add_argument("--asym", dest="sym", action="store_false")
-    q.add_argument("--iters", type=int, default=0, help="auto-round tuning iterations (0: RTN, no data)")
+    sym.add_argument("--sym", dest="sym", action="store_true", default=True,
+                     help="symmetric int4 (default; packed as auto_round:auto_gptq)")
+    sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric int4 (zero point per group)")
+    q.add_argument("--iters", type=int, default=0,
+                   help="auto-round tuning iterations per block (0: round-to-nearest, no calibration data; "
+                        "200 is auto-round's default tuning and needs --dataset or network access)")
+    q.add_argument("--dataset", default=None,
+                   help="calibration data for --iters > 0: a hub dataset name or a local text file "
+                        "(default: auto-round's, NeelNanda/pile-10k)")
+    q.add_argument("--nsamples", type=int, default=128, help="calibration samples for --iters > 0")
+    q.add_argument("--seqlen", type=int, default=2048, help="calibration sequence length for --iters > 0")
+    q.add_argument("--device", choices=["auto", "xpu", "cuda", "cpu"], default="auto",
+                   help="where auto-round computes (auto: xpu, then cuda, then cpu)")
+    q.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     if len(argv) >= 1 and argv[0] in ("serve", "generate"):
         apply_config_file(serve if argv[0] == "serve" else gen, argv[1:])
     return p

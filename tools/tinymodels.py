@@ -117,3 +117,49 @@ def make_peft_adapter(base_dir: str, out_dir: str, r: int, targets: list[str] | 
                 p.copy_(torch.zeros(p.shape) if zero_b else torch.randn(p.shape, generator=g) * b_std)
     peft_model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def make_qwen35_model(out_dir: str, vision: bool = True, seed: int = 0, layers: int = 4,
+                      dtype: torch.dtype = torch.bfloat16) -> str:
+    """A random tiny Qwen3.5 hybrid (3 Gated DeltaNet layers per full-attention layer).
+
+    vision=True writes the vision-language layout (Qwen3_5ForConditionalGeneration with a tiny vision
+    tower, `model.language_model.*`) plus a few `mtp.*` tensors like the real exports; vision=False
+    a text-only `qwen3_5_text` export (Qwen3_5ForCausalLM). Norms, conv, A_log and dt_bias are
+    randomised so that none of them is a no-op.
+    """
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+
+    tok = tiny_tokenizer()
+    text = dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=layers,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+                linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+                max_position_embeddings=1024, initializer_range=0.05, eos_token_id=tok.eos_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+                                 "mrope_section": [11, 11, 10]})
+    torch.manual_seed(seed)
+    if vision:
+        vis = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256, patch_size=16,
+                   num_position_embeddings=64)
+        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vis))
+    else:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1 + (1.0 if "linear_attn.norm" in name else 0.0))
+            elif name.endswith(("A_log", "dt_bias")):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            elif "conv1d" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    model.to(dtype).save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    if vision:  # real exports carry a multi-token-prediction head; it is not used for text serving
+        path = os.path.join(out_dir, "model.safetensors")
+        tensors = load_file(path)
+        tensors["mtp.fc.weight"] = torch.randn(256, 512).to(dtype)
+        tensors["mtp.norm.weight"] = torch.ones(256).to(dtype)
+        save_file(tensors, path, metadata={"format": "pt"})
+    return out_dir

@@ -147,6 +147,24 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         return shard_id
 
 
+class SectionedColumnParallelLinear(MergedColumnParallelLinear):
+    """One checkpoint tensor made of sections that are split over ranks separately (Qwen3.5's
+    in_proj_qkv: all q rows, then all k rows, then all v rows; each rank takes its heads of each)."""
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        spec: ShardSpec = param.shard_spec
+        d = spec.output_dim
+        if d is None:
+            _copy_checked(param.data, loaded, self.prefix)
+            return
+        units = [spec.units(d, n) for n in self.out_sizes]
+        if loaded.dim() <= d or loaded.size(d) != sum(units):
+            raise WeightShapeError(f"{self.prefix}: checkpoint tensor has shape {tuple(loaded.shape)}, expected "
+                                   f"{sum(units)} along dim {d}")
+        for i, part in enumerate(loaded.split(units, dim=d)):
+            super().weight_loader(param, part, i)
+
+
 class QKVParallelLinear(MergedColumnParallelLinear):
     """q, k and v projections in one matmul; heads split over ranks, kv heads replicated when tp > kv heads."""
 

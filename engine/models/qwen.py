@@ -177,6 +177,10 @@ class QwenForCausalLM(nn.Module):
         if a.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)
 
+    @staticmethod
+    def checkpoint_to_param(name: str) -> str:
+        return name
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 

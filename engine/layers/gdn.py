@@ -1,0 +1,121 @@
+"""Gated DeltaNet mixer (Qwen3.5 linear attention), split over TP ranks by heads.
+
+Per sequence it keeps two states in a pool owned by the model runner: the last K-1 inputs of the
+q|k|v channels (conv state) and the fp32 recurrent state [Hv, Dk, Dv]. The runner zeroes a sequence's
+slot before its first chunk; every later chunk or decode step continues from it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed import tp_rank, tp_size
+from engine.forward_context import get_context
+from engine.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    SectionedColumnParallelLinear,
+)
+from engine.layers.quant import QuantConfig
+from kernels.gdn import causal_conv1d, delta_rule_chunked, delta_rule_recurrent
+
+CHUNK_THRESHOLD = 16
+"""Prompts longer than this use the chunked form of the recurrence."""
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, hidden: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int, conv_kernel: int, eps: float,
+                 quant: QuantConfig, backend: str, dtype: torch.dtype, prefix: str) -> None:
+        super().__init__()
+        tp, rank = tp_size(), tp_rank()
+        if k_heads % tp or v_heads % tp:
+            raise ValueError(f"{prefix}: {k_heads} key / {v_heads} value heads cannot be split over tp={tp}")
+        self.hk, self.hv, self.dk, self.dv = k_heads // tp, v_heads // tp, k_dim, v_dim
+        self.ratio = v_heads // k_heads
+        self.kernel = conv_kernel
+        self.eps = eps
+        key_dim, value_dim = k_heads * k_dim, v_heads * v_dim
+        self.in_proj_qkv = SectionedColumnParallelLinear(
+            hidden, [key_dim, key_dim, value_dim], False, quant.method_for([f"{prefix}.in_proj_qkv"], backend), dtype,
+            f"{prefix}.in_proj_qkv")
+        self.in_proj_z = ColumnParallelLinear(hidden, value_dim, False,
+                                              quant.method_for([f"{prefix}.in_proj_z"], backend), dtype,
+                                              f"{prefix}.in_proj_z")
+        self.in_proj_ba = MergedColumnParallelLinear(
+            hidden, [v_heads, v_heads], False,
+            quant.method_for([f"{prefix}.in_proj_b", f"{prefix}.in_proj_a"], backend), dtype, f"{prefix}.in_proj_ba")
+        self.out_proj = RowParallelLinear(value_dim, hidden, False, quant.method_for([f"{prefix}.out_proj"], backend),
+                                          dtype, f"{prefix}.out_proj")
+        self.sections = [key_dim, key_dim, value_dim]
+        self.local_sections = [n // tp for n in self.sections]
+        self.conv_dim = sum(self.local_sections)
+        self.rank, self.tp = rank, tp
+        self.conv1d = nn.Parameter(torch.empty(self.conv_dim, conv_kernel, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(self.hv, dtype=torch.float32), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(self.hv, dtype=torch.float32), requires_grad=False)
+        self.norm = nn.Parameter(torch.empty(v_dim, dtype=dtype), requires_grad=False)
+        self.conv1d.weight_loader = self._load_conv
+        self.A_log.weight_loader = self._load_heads
+        self.dt_bias.weight_loader = self._load_heads
+        self.norm.weight_loader = self._load_replicated
+        self.prefix = prefix
+        # Bound by the model runner: [slots, conv_dim, K-1] and [slots, hv, dk, dv] (float32).
+        self.conv_state = torch.empty(0)
+        self.ssm_state = torch.empty(0)
+
+    # -- loaders: each shard cut by heads ----------------------------------------------------------------
+    def _check(self, loaded: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+        if tuple(loaded.shape) != shape:
+            raise ValueError(f"{self.prefix}.{what}: checkpoint shape {tuple(loaded.shape)}, expected {shape}")
+
+    def _load_conv(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        self._check(loaded, (sum(self.sections), 1, self.kernel), "conv1d.weight")
+        parts = loaded.squeeze(1).split(self.sections, dim=0)
+        param.data.copy_(torch.cat([p.chunk(self.tp, dim=0)[self.rank] for p in parts], dim=0))
+
+    def _load_heads(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        self._check(loaded, (self.hv * self.tp,), "A_log/dt_bias")
+        param.data.copy_(loaded.chunk(self.tp)[self.rank])
+
+    def _load_replicated(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        self._check(loaded, tuple(param.shape), "norm.weight")
+        param.data.copy_(loaded)
+
+    # -- forward -------------------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ctx = get_context()
+        meta, slots = ctx.attn, ctx.state_slots
+        assert meta is not None and slots is not None, "GDN layers need attention metadata and state slots"
+        t = x.size(0)
+        qkv = self.in_proj_qkv(x)
+        z = self.in_proj_z(x).view(t, self.hv, self.dv)
+        b, a = self.in_proj_ba(x).float().split([self.hv, self.hv], dim=-1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
+        out = torch.empty(t, self.hv, self.dv, dtype=torch.float32, device=x.device)
+        w = self.conv1d
+        for i, slot in enumerate(slots):
+            lo, hi = meta.cu_q_list[i], meta.cu_q_list[i + 1]
+            if hi == lo:
+                continue
+            y, self.conv_state[slot] = causal_conv1d(qkv[lo:hi], self.conv_state[slot], w)
+            q, k, v = y.split(self.local_sections, dim=-1)
+            n = hi - lo
+            q = _l2norm(q.float().view(n, self.hk, self.dk)) * self.dk**-0.5
+            k = _l2norm(k.float().view(n, self.hk, self.dk))
+            v = v.float().view(n, self.hv, self.dv)
+            if self.ratio > 1:  # value head h reads key head h // ratio
+                q, k = q.repeat_interleave(self.ratio, dim=1), k.repeat_interleave(self.ratio, dim=1)
+            rule = delta_rule_chunked if n > CHUNK_THRESHOLD else delta_rule_recurrent
+            out[lo:hi], self.ssm_state[slot] = rule(q, k, v, g[lo:hi], beta[lo:hi], self.ssm_state[slot])
+        # Gated RMSNorm over each head's output: plain weight, norm before the silu(z) gate.
+        o = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        o = (self.norm * o.to(x.dtype)).float() * F.silu(z.float())
+        return self.out_proj(o.to(x.dtype).reshape(t, self.hv * self.dv))

@@ -1,0 +1,73 @@
+"""Gated DeltaNet (Qwen3.5 linear attention): pure-torch references, the CPU path and the oracle for
+the fla-core Triton kernels used on GPUs.
+
+Per value head, with q already l2-normalised and scaled by 1/sqrt(Dk) and k l2-normalised:
+    S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = S_t^T q_t
+State S [H, Dk, Dv] is float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """y = silu(depthwise causal conv over [state | x]); returns (y [n, C], new state [C, K-1]).
+
+    x [n, C] new inputs, state [C, K-1] the previous K-1 inputs (zeros for a fresh sequence), weight [C, K].
+    """
+    k = weight.size(1)
+    xx = torch.cat([state.t().to(x.dtype), x], dim=0)  # [K-1+n, C]
+    windows = xx.unfold(0, k, 1)  # [n, C, K]
+    y = (windows.float() * weight.float().unsqueeze(0)).sum(-1)
+    return F.silu(y).to(x.dtype), xx[-(k - 1):].t().contiguous()
+
+
+def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                         state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-by-token recurrence. q, k [n, H, Dk]; v [n, H, Dv]; g, beta [n, H]; state [H, Dk, Dv] fp32.
+    Returns (o [n, H, Dv] float32, new state)."""
+    s = state.float().clone()
+    q, k, v, g, beta = q.float(), k.float(), v.float(), g.float(), beta.float()
+    out = torch.empty(q.size(0), q.size(1), v.size(-1), dtype=torch.float32, device=q.device)
+    for t in range(q.size(0)):
+        s = s * g[t].exp()[:, None, None]
+        pred = torch.einsum("hkv,hk->hv", s, k[t])
+        delta = (v[t] - pred) * beta[t][:, None]
+        s = s + k[t][:, :, None] * delta[:, None, :]
+        out[t] = torch.einsum("hkv,hk->hv", s, q[t])
+    return out, s
+
+
+def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same result as delta_rule_recurrent, a chunk of tokens at a time (matmuls instead of a token loop).
+
+    Inside a chunk with start state S0 and decay prefix G_t = sum_{s<=t} g_s, the updates d_t solve the
+    unit lower-triangular system  d_t + sum_{s<t} beta_t e^{G_t-G_s} (k_t.k_s) d_s = beta_t (v_t - e^{G_t} S0^T k_t),
+    then  o_t = e^{G_t} S0^T q_t + sum_{s<=t} e^{G_t-G_s} (q_t.k_s) d_s  and  S_C = e^{G_C} S0 + sum_s e^{G_C-G_s} k_s d_s^T.
+    """
+    s = state.float().clone()
+    q, k, v, g, beta = (x.float().transpose(0, 1) for x in (q, k, v, g, beta))  # head-major: [H, n, ...]
+    h, n, _ = q.shape
+    out = torch.empty(h, n, v.size(-1), dtype=torch.float32, device=q.device)
+    for a in range(0, n, chunk):
+        b = min(a + chunk, n)
+        qc, kc, vc, bc = q[:, a:b], k[:, a:b], v[:, a:b], beta[:, a:b]
+        cum = g[:, a:b].cumsum(-1)  # [H, c]
+        diff = cum[:, :, None] - cum[:, None, :]  # G_t - G_s
+        c = b - a
+        lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+        decay = torch.where(lower, diff, torch.full_like(diff, float("-inf"))).exp()  # e^{G_t-G_s}, s <= t
+        strict = decay * (~torch.eye(c, dtype=torch.bool, device=q.device))
+        system = torch.eye(c, device=q.device) + bc[:, :, None] * strict * (kc @ kc.transpose(1, 2))
+        rhs_v = bc[:, :, None] * vc
+        rhs_k = bc[:, :, None] * cum.exp()[:, :, None] * kc
+        u = torch.linalg.solve_triangular(system, rhs_v, upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(system, rhs_k, upper=False, unitriangular=True)
+        d = u - w @ s  # [H, c, Dv]
+        out[:, a:b] = (qc * cum.exp()[:, :, None]) @ s + (decay * (qc @ kc.transpose(1, 2))) @ d
+        tail = (cum[:, -1:] - cum).exp()[:, :, None]  # e^{G_C - G_s}
+        s = cum[:, -1].exp()[:, None, None] * s + (kc * tail).transpose(1, 2) @ d
+    return out.transpose(0, 1), s

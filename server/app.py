@@ -1,0 +1,174 @@
+"""The FastAPI app (factory + lifespan), its routes and `run_server` behind `xpulora serve`.
+
+/v1/* needs `Authorization: Bearer KEY` when an API key is set (constant-time compare); /health,
+/metrics and /version stay open. Every error is JSON {"error": {"message", "type", "code"}}.
+SIGTERM: uvicorn stops accepting, lets in-flight requests finish (up to GRACE_S), the lifespan then
+aborts what is left and joins the step thread, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import importlib.metadata
+import json
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from engine import AsyncEngine, CheckpointError, EngineConfig, LLMEngine
+from server.adapters import router as adapters_router
+from server.errors import error_body, error_response, install_error_handlers
+from server.metrics import Metrics
+from server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from server.serving import Serving
+
+log = logging.getLogger(__name__)
+GRACE_S = float(os.environ.get("XPULORA_SHUTDOWN_GRACE_S", "30"))
+try:
+    VERSION = importlib.metadata.version("xpulora")
+except importlib.metadata.PackageNotFoundError:  # running from a checkout that was never installed
+    VERSION = "0+unknown"
+
+
+class BearerAuth:
+    """Pure ASGI (not BaseHTTPMiddleware, which gets in the way of streaming and disconnects)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+            got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(got, self.expected):
+                body = json.dumps(error_body(401, "invalid or missing API key (Authorization: Bearer KEY)")).encode()
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(engine_config: EngineConfig, *, engine: LLMEngine | None = None, api_key: str | None = None,
+               max_waiting_requests: int | None = None, progress: bool = False) -> FastAPI:
+    """The app; its lifespan builds the engine (unless one is given) and starts/stops the step thread."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        llm = engine if engine is not None else await asyncio.to_thread(LLMEngine, engine_config, progress)
+        async_engine = AsyncEngine(llm, max_waiting_requests)
+        metrics = Metrics(async_engine)
+        app.state.engine, app.state.metrics = async_engine, metrics
+        app.state.serving = Serving(async_engine, metrics)
+        await async_engine.start()
+        try:
+            yield
+        finally:
+            await async_engine.shutdown(grace_s=5.0)
+
+    app = FastAPI(title="xpulora", version=VERSION, lifespan=lifespan)
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(BearerAuth, api_key=api_key)
+    app.include_router(adapters_router)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await request.app.state.serving.completions(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await request.app.state.serving.chat(body, request)
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        e: AsyncEngine = request.app.state.engine
+        if e.healthy:
+            return Response(json.dumps({"status": "healthy"}), media_type="application/json")
+        return error_response(503, f"the engine is not running: {e.error!r}")
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version() -> dict[str, Any]:
+        return {"version": VERSION}
+
+    return app
+
+
+# -- xpulora serve -----------------------------------------------------------------------------------
+def _demo_config(config: EngineConfig, adapters: Path) -> EngineConfig:
+    """The bundled demo: LoRA on, a lora root on the demo adapters, every adapter there pre-loaded, CPU."""
+    have = {n for n, _ in config.lora.lora_modules}
+    found = sorted(d.name for d in adapters.iterdir() if (d / "adapter_config.json").is_file()) \
+        if adapters.is_dir() else []
+    lora = replace(config.lora, enable_lora=True, lora_roots=(*config.lora.lora_roots, str(adapters)),
+                   lora_modules=(*config.lora.lora_modules, *((n, str(adapters / n)) for n in found if n not in have)))
+    parallel = replace(config.parallel, device="cpu") if config.parallel.device == "auto" else config.parallel
+    return replace(config, lora=lora, parallel=parallel)
+
+
+def _ready_lines(host: str, port: int, llm: LLMEngine, demo: bool, api_key: bool) -> str:
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    url = f"http://{shown}:{port}"
+    adapters = [n for n, _, _ in llm.lora.list_adapters()] if llm.lora is not None else []
+    model = adapters[0] if adapters else llm.served_model_name
+    prompt = "words: cat dog fox =>" if demo else "Hello, my name is"
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0})
+    auth = ' -H "Authorization: Bearer $XPULORA_API_KEY"' if api_key else ""
+    listed = f"; adapters: {', '.join(adapters)}" if adapters else ""
+    return (f"xpulora ready: {url}/v1 (base model {llm.served_model_name!r}{listed})\n"
+            f"  try: curl {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
+
+
+def _ignore_signal(sig: int, _frame: object) -> None:
+    # uvicorn re-raises the signal it handled once it has shut down; exiting 0 is the contract.
+    log.info("signal %d: server already shut down", sig)
+
+
+def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
+    from server.cli import DEMO_ADAPTERS, DEMO_MODEL
+
+    demo = Path(args.model).resolve() == DEMO_MODEL.resolve()
+    if demo:
+        if not (DEMO_MODEL / "config.json").is_file():
+            print(f"xpulora: the demo model is not built ({DEMO_MODEL} is missing); build it with "
+                  "`PYTHONPATH=. .venv/bin/python demo/make_demo.py --out demo` or pass a MODEL folder")
+            return 2
+        engine_config = _demo_config(engine_config, DEMO_ADAPTERS)
+    try:
+        llm = LLMEngine(engine_config, progress=True)
+    except (CheckpointError, OSError, ValueError) as e:  # ConfigError, AdapterError are ValueErrors
+        print(f"xpulora: cannot start: {e}")
+        return 2
+    app = create_app(engine_config, engine=llm, api_key=args.api_key,
+                     max_waiting_requests=args.max_waiting_requests)
+    ready = _ready_lines(args.host, args.port, llm, demo, bool(args.api_key))
+
+    class _Server(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                print(ready, flush=True)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                            timeout_graceful_shutdown=int(GRACE_S), lifespan="on")
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _ignore_signal)
+    server = _Server(config)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,89 @@
+"""Token strings, token bytes and OpenAI logprobs objects (completions and chat flavours)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tokenizers import decoders
+
+from engine import TokenLogprob
+
+_FLOOR = -9999.0  # JSON has no -Infinity; what vLLM sends for an impossible token
+
+
+def _lp(v: float) -> float:
+    return v if math.isfinite(v) else _FLOOR
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, used by every byte-level BPE (Qwen's included)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = list(bs)
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+class TokenText:
+    """Per-token strings and bytes for one tokenizer (cached; used on the event loop thread only)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        byte_level = backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
+        self._byte_of = {c: b for b, c in _bytes_to_unicode().items()} if byte_level else None
+        self._special = set(getattr(tokenizer, "all_special_tokens", ()))
+        self._str: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
+
+    def text(self, token_id: int) -> str:
+        s = self._str.get(token_id)
+        if s is None:
+            s = self._str[token_id] = self.tok.decode([token_id])
+        return s
+
+    def bytes(self, token_id: int) -> list[int]:
+        """The token's exact UTF-8 bytes (a byte-level token may hold part of a character)."""
+        b = self._bytes.get(token_id)
+        if b is None:
+            piece = self.tok.convert_ids_to_tokens(token_id)
+            if self._byte_of is not None and isinstance(piece, str) and piece not in self._special \
+                    and all(c in self._byte_of for c in piece):
+                b = [self._byte_of[c] for c in piece]
+            else:
+                b = list(self.text(token_id).encode("utf-8"))
+            self._bytes[token_id] = b
+        return b
+
+    def completion(self, lps: list[TokenLogprob], offset: int) -> tuple[dict[str, list[Any]], int]:
+        """Completions logprobs for these tokens; text_offset counts from `offset`. Returns the next offset."""
+        out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for lp in lps:
+            s = self.text(lp.token_id)
+            top = {self.text(t): _lp(v) for t, v in lp.top}
+            top.setdefault(s, _lp(lp.logprob))
+            out["tokens"].append(s)
+            out["token_logprobs"].append(_lp(lp.logprob))
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(offset)
+            offset += len(s)
+        return out, offset
+
+    def chat(self, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+        def entry(t: int, v: float) -> dict[str, Any]:
+            return {"token": self.text(t), "logprob": _lp(v), "bytes": self.bytes(t)}
+
+        return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
+
+
+def merge_completion_logprobs(parts: list[dict[str, list[Any]]]) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for p in parts:
+        for k in out:
+            out[k].extend(p[k])
+    return out

@@ -1,0 +1,284 @@
+"""OpenAI completions and chat completions over the AsyncEngine: request -> one engine request per
+(prompt, choice), outputs -> a JSON body or SSE chunks ending with `data: [DONE]`.
+
+Prompts are tokenized here (with a private tokenizer copy: a HF fast tokenizer used from two threads
+at once can fail with "Already borrowed", and the step thread detokenizes with the engine's), so the
+engine always gets token ids. Every engine request is closed (aborted if unfinished) when its HTTP
+request ends, whatever the reason: a client disconnect frees KV blocks and the adapter slot at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from engine import AsyncEngine, OverloadedError, RequestError, RequestOutput, RequestStream, SamplingParams
+from server.errors import ApiError, error_body, error_response, status_of
+from server.logprobs import TokenText
+from server.metrics import Metrics, RequestTracker
+from server.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Choice:
+    """One engine request: a (prompt, choice) pair and what it produced so far."""
+
+    index: int
+    prompt_index: int
+    ids: list[int]
+    params: SamplingParams
+    prefix: str = ""  # echoed prompt text
+    text: str = ""
+    logprobs: list[Any] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    num_output_tokens: int = 0
+    started: bool = False  # streaming: the echo prefix was sent
+    offset: int = 0  # completions text_offset of the next token
+
+    def apply(self, out: RequestOutput) -> None:
+        self.text += out.new_text
+        self.logprobs.extend(out.new_logprobs or ())
+        self.num_output_tokens = out.num_output_tokens or self.num_output_tokens
+        if out.finished:
+            self.finish_reason, self.error = out.finish_reason, out.error
+
+
+class Serving:
+    def __init__(self, engine: AsyncEngine, metrics: Metrics) -> None:
+        self.engine, self.metrics = engine, metrics
+        llm = engine.engine
+        self.tok = copy.deepcopy(llm.tokenizer)
+        self.tokens = TokenText(self.tok)
+        self.base = llm.served_model_name
+        self.max_model_len = llm.max_model_len
+        self.lora_enabled = llm.lora is not None
+
+    # -- endpoints -----------------------------------------------------------------------------------
+    async def completions(self, req: CompletionRequest, raw: Request) -> Response:
+        if req.echo and req.logprobs is not None:
+            raise ApiError(400, "'echo' with 'logprobs' needs prompt logprobs, which this server does not support")
+        choices: list[_Choice] = []
+        for pi, prompt in enumerate(req.prompts()):
+            ids = self.tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            prefix = (prompt if isinstance(prompt, str) else self.tok.decode(ids)) if req.echo else ""
+            for j in range(req.n):
+                choices.append(_Choice(len(choices), pi, ids, self._params(req, ids, j, req.max_tokens, req.logprobs),
+                                       prefix, offset=len(prefix)))
+        return await self._respond("cmpl", req, raw, choices, chat=False)
+
+    async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        if not self.tok.chat_template:
+            raise ApiError(400, f"model {self.base!r} has no chat template; use /v1/completions")
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                     **({"name": m.name} if m.name else {})} for m in req.messages]
+        try:
+            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # jinja errors from a model-supplied template: the client's input
+            raise ApiError(400, f"the chat template failed on these messages: {e}") from e
+        ids = self.tok.encode(text, add_special_tokens=False)
+        lp = (req.top_logprobs or 0) if req.logprobs else None
+        choices = [_Choice(j, 0, ids, self._params(req, ids, j, req.output_limit, lp)) for j in range(req.n)]
+        return await self._respond("chatcmpl", req, raw, choices, chat=True)
+
+    def _params(self, req: CompletionRequest | ChatCompletionRequest, ids: list[int], j: int,
+                max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            # null max_tokens: whatever room the context leaves (>= 1 so a too-long prompt gets its own error)
+            max_tokens=max_tokens if max_tokens is not None else max(1, self.max_model_len - len(ids)),
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            seed=None if req.seed is None else req.seed + j,  # choice j: seed + j, so n > 1 is reproducible
+            stop=req.stop_list, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
+            logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
+
+    # -- running ---------------------------------------------------------------------------------------
+    async def _respond(self, kind: str, req: CompletionRequest | ChatCompletionRequest, raw: Request,
+                       choices: list[_Choice], chat: bool) -> Response:
+        if req.model != self.base and not self.lora_enabled:
+            raise ApiError(404, f"model {req.model!r} does not exist (the base model is {self.base!r})")
+        lora = None if req.model == self.base else req.model
+        rid = f"{kind}-{uuid.uuid4().hex}"
+        trackers = [self.metrics.tracker() for _ in choices]
+        streams = await self._start(rid, choices, lora)
+
+        def close() -> None:
+            for s, t in zip(streams, trackers):
+                s.close()
+                t.close()
+
+        if req.stream:
+            gen = self._sse(rid, req, choices, streams, trackers, chat)
+            return StreamingResponse(gen, media_type="text/event-stream", background=BackgroundTask(close))
+        try:
+            await _until_disconnect(raw, asyncio.gather(*(
+                self._drain(c, s, t) for c, s, t in zip(choices, streams, trackers))))
+        except _ClientGone:
+            return error_response(499, "client disconnected")
+        finally:
+            close()
+        failed = next((c for c in choices if c.finish_reason == "error"), None)
+        if failed is not None:
+            raise ApiError(500, failed.error or "generation failed")
+        body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": req.model, "choices": [self._full_choice(c, chat) for c in choices],
+                "usage": _usage(choices)}
+        return JSONResponse(body)
+
+    async def _start(self, rid: str, choices: list[_Choice], lora: str | None) -> list[RequestStream]:
+        """Queue every choice at once; if any is refused, close the accepted ones and raise its error."""
+        results = await asyncio.gather(*(self.engine.add_request(f"{rid}-{c.index}", c.ids, c.params, lora)
+                                         for c in choices), return_exceptions=True)
+        streams = [r for r in results if isinstance(r, RequestStream)]
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            for s in streams:
+                s.close()
+            raise failure
+        return streams
+
+    @staticmethod
+    async def _drain(c: _Choice, stream: RequestStream, tracker: RequestTracker) -> None:
+        async for out in stream:
+            tracker.observe(out)
+            c.apply(out)
+
+    async def _merge(self, choices: list[_Choice], streams: list[RequestStream],
+                     trackers: list[RequestTracker]) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
+        """Interleave the choices' outputs as they come."""
+        queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            try:
+                async for out in streams[i]:
+                    trackers[i].observe(out)
+                    choices[i].apply(out)
+                    queue.put_nowait((i, out))
+            except Exception as e:  # forwarded to the consumer, which raises it
+                queue.put_nowait((i, e))
+            finally:
+                queue.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(streams))]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield choices[i], item
+        finally:
+            for t in tasks:
+                t.cancel()
+            for s in streams:
+                s.close()
+
+    # -- formatting ------------------------------------------------------------------------------------
+    def _full_choice(self, c: _Choice, chat: bool) -> dict[str, Any]:
+        want = c.params.logprobs is not None
+        if chat:
+            lp = {"content": self.tokens.chat(c.logprobs)} if want else None
+            return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                    "finish_reason": c.finish_reason}
+        lp = self.tokens.completion(c.logprobs, len(c.prefix))[0] if want else None
+        return {"index": c.index, "text": c.prefix + c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+
+    def _delta(self, c: _Choice, out: RequestOutput, chat: bool) -> dict[str, Any] | None:
+        """One choice's part of a streamed chunk, or None when there is nothing to send."""
+        finish = out.finish_reason if out.finished else None
+        want = c.params.logprobs is not None and bool(out.new_logprobs)
+        if chat:
+            lp = {"content": self.tokens.chat(out.new_logprobs or [])} if want else None
+            if not out.new_text and lp is None and finish is None:
+                return None
+            delta = {"content": out.new_text} if out.new_text else {}
+            return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        text = out.new_text
+        if not c.started:
+            text, c.started = c.prefix + text, True
+        clp = None
+        if want:
+            clp, c.offset = self.tokens.completion(out.new_logprobs or [], c.offset)
+        if not text and clp is None and finish is None:
+            return None
+        return {"index": c.index, "text": text, "logprobs": clp, "finish_reason": finish}
+
+    async def _sse(self, rid: str, req: CompletionRequest | ChatCompletionRequest, choices: list[_Choice],
+                   streams: list[RequestStream], trackers: list[RequestTracker], chat: bool) -> AsyncIterator[str]:
+        created = int(time.time())
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                "model": req.model}
+        null_usage = {"usage": None} if req.include_usage else {}
+
+        def chunk(parts: list[dict[str, Any]], **extra: Any) -> str:
+            return _event({**head, "choices": parts, **null_usage, **extra})
+
+        try:
+            if chat:  # the role comes first, as OpenAI sends it
+                for c in choices:
+                    yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None}])
+            async for c, out in self._merge(choices, streams, trackers):
+                if out.finish_reason == "error":
+                    yield _event(error_body(500, out.error or "generation failed"))
+                    break
+                part = self._delta(c, out, chat)
+                if part is not None:
+                    yield chunk([part])
+            else:
+                if req.include_usage:
+                    yield chunk([], usage=_usage(choices))
+        except (RequestError, OverloadedError) as e:  # e.g. the engine died mid-stream
+            yield _event(error_body(status_of(e), str(e)))
+        yield "data: [DONE]\n\n"
+
+
+class _ClientGone(Exception):
+    pass
+
+
+def _event(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+def _usage(choices: list[_Choice]) -> dict[str, int]:
+    prompt = sum(len(c.ids) for c in choices if c.index == 0 or c.prompt_index != choices[c.index - 1].prompt_index)
+    completion = sum(c.num_output_tokens for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _wait_disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _until_disconnect(raw: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it if the client goes away first (raises _ClientGone)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(raw))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task not in done:
+        await asyncio.gather(task, return_exceptions=True)
+        raise _ClientGone
+    return task.result()

@@ -1,0 +1,85 @@
+"""A real `python -m server` in a subprocess, for end-to-end tests with the openai client and httpx."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+API_KEY = "test-key"
+ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_SAMPLE = re.compile(r"^([^\s{]+)(\{[^}]*\})?\s+(\S+)$")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model: str, flags: list[str], log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "server", model, "--port", str(self.port), "--api-key", API_KEY, *flags]
+        self._log = open(log_path, "w")  # noqa: SIM115 - lives as long as the process
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"})
+        self.headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def log_tail(self, n: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass  # not listening yet
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.log_tail()}")
+
+    def stop(self) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+        return self.proc.returncode
+
+    def metrics(self) -> dict[str, float]:
+        """name{labels} -> value for every sample in /metrics."""
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            m = _SAMPLE.match(line)
+            if m and not line.startswith("#"):
+                out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+        return out
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
+        """Wait until nothing runs or waits and every KV block is free; returns the last metrics."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = (m["xpulora:kv_cache_usage_perc"] == 0.0 and m["xpulora:num_requests_running"] == 0
+                    and m["xpulora:num_requests_waiting"] == 0)
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.05)

@@ -1,0 +1,67 @@
+"""Gated DeltaNet references: the chunked form equals the token recurrence, which equals transformers'
+own torch implementation (an independent oracle); the conv matches F.conv1d."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.gdn import causal_conv1d, delta_rule_chunked, delta_rule_recurrent
+
+
+def _inputs(n: int, h: int = 3, dk: int = 16, dv: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(n, h, dk, generator=g), dim=-1) / dk**0.5
+    k = F.normalize(torch.randn(n, h, dk, generator=g), dim=-1)
+    v = torch.randn(n, h, dv, generator=g)
+    gate = -F.softplus(torch.randn(n, h, generator=g)) * 0.5
+    beta = torch.rand(n, h, generator=g)
+    s0 = torch.randn(h, dk, dv, generator=g) * 0.1
+    return q, k, v, gate, beta, s0
+
+
+@pytest.mark.parametrize(("n", "chunk"), [(1, 64), (7, 4), (64, 16), (130, 64)])
+def test_chunked_equals_recurrent(n: int, chunk: int) -> None:
+    q, k, v, g, b, s0 = _inputs(n)
+    o1, s1 = delta_rule_recurrent(q, k, v, g, b, s0)
+    o2, s2 = delta_rule_chunked(q, k, v, g, b, s0, chunk=chunk)
+    torch.testing.assert_close(o2, o1, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s2, s1, atol=2e-5, rtol=1e-4)
+
+
+def test_recurrent_equals_transformers_torch_path() -> None:
+    from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
+
+    q, k, v, g, b, s0 = _inputs(9, seed=3)
+    ours, s = delta_rule_recurrent(q, k, v, g, b, s0)
+    # transformers takes unnormalised q/k (it normalises and scales inside) in [B, T, H, D] layout.
+    theirs, ts = torch_recurrent_gated_delta_rule(q[None] * 16**0.5, k[None], v[None], g[None], b[None],
+                                                  initial_state=s0[None], output_final_state=True,
+                                                  use_qk_l2norm_in_kernel=True)
+    torch.testing.assert_close(ours, theirs[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(s, ts[0], atol=1e-5, rtol=1e-4)
+
+
+def test_split_prompt_carries_state() -> None:
+    q, k, v, g, b, s0 = _inputs(20, seed=5)
+    full, s_full = delta_rule_chunked(q, k, v, g, b, s0, chunk=8)
+    o1, s_mid = delta_rule_chunked(q[:11], k[:11], v[:11], g[:11], b[:11], s0, chunk=8)
+    o2, s_end = delta_rule_recurrent(q[11:], k[11:], v[11:], g[11:], b[11:], s_mid)
+    torch.testing.assert_close(torch.cat([o1, o2]), full, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(s_end, s_full, atol=2e-5, rtol=1e-4)
+
+
+def test_causal_conv_matches_conv1d_and_streams() -> None:
+    g = torch.Generator().manual_seed(1)
+    c, kk, n = 6, 4, 10
+    x = torch.randn(n, c, generator=g)
+    w = torch.randn(c, kk, generator=g)
+    ref = F.silu(F.conv1d(x.t()[None], w[:, None, :], padding=kk - 1, groups=c)[0, :, :n]).t()
+    y, state = causal_conv1d(x, torch.zeros(c, kk - 1), w)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(state, x[-(kk - 1):].t())
+    y1, st = causal_conv1d(x[:4], torch.zeros(c, kk - 1), w)
+    y2, _ = causal_conv1d(x[4:5], st, w)
+    y3, _ = causal_conv1d(x[5:], _, w)
+    torch.testing.assert_close(torch.cat([y1, y2, y3]), ref, atol=1e-5, rtol=1e-5)
