@@ -45,8 +45,11 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     """Same result as delta_rule_recurrent, a chunk of tokens at a time (matmuls instead of a token loop).
 
     Inside a chunk with start state S0 and decay prefix G_t = sum_{s<=t} g_s, the updates d_t solve the
-    unit lower-triangular system  d_t + sum_{s<t} beta_t e^{G_t-G_s} (k_t.k_s) d_s = beta_t (v_t - e^{G_t} S0^T k_t),
-    then  o_t = e^{G_t} S0^T q_t + sum_{s<=t} e^{G_t-G_s} (q_t.k_s) d_s  and  S_C = e^{G_C} S0 + sum_s e^{G_C-G_s} k_s d_s^T.
+    unit lower-triangular system
+        d_t + sum_{s<t} beta_t e^{G_t-G_s} (k_t.k_s) d_s = beta_t (v_t - e^{G_t} S0^T k_t),
+    then
+        o_t = e^{G_t} S0^T q_t + sum_{s<=t} e^{G_t-G_s} (q_t.k_s) d_s,
+        S_C = e^{G_C} S0 + sum_s e^{G_C-G_s} k_s d_s^T.
     """
     s = state.float().clone()
     q, k, v, g, beta = (x.float().transpose(0, 1) for x in (q, k, v, g, beta))  # head-major: [H, n, ...]

@@ -114,7 +114,8 @@ class HybridDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype, zero_centered=True)
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(a.hidden_size, a.lin_k_heads, a.lin_v_heads, a.lin_k_dim, a.lin_v_dim,
-                                             a.conv_kernel, a.rms_norm_eps, quant, backend, dtype, f"{ckpt}.linear_attn")
+                                             a.conv_kernel, a.rms_norm_eps, quant, backend, dtype,
+                                             f"{ckpt}.linear_attn")
         else:
             self.self_attn = GatedAttention(a, quant, backend, dtype, f"{ckpt}.self_attn")
         self.mlp = QwenMLP(a, quant, backend, dtype, f"{ckpt}.mlp")  # type: ignore[arg-type]
