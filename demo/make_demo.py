@@ -47,8 +47,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.tinymodels import quantize, tiny_config  # noqa: E402
-from tools.tokenizer import build_byte_bpe_tokenizer  # noqa: E402
+from tools.tinymodels import quantize, tiny_config
+from tools.tokenizer import build_byte_bpe_tokenizer
 
 # 16 words with distinct first letters a..p, so that sorted output is easy to check by eye.
 WORDS = ["ant", "bee", "cat", "dog", "egg", "fox", "gem", "hat",
@@ -67,6 +67,10 @@ ADAPTERS = {
 
 def make_prompt(words: list[str]) -> str:
     return f"{PREFIX} {' '.join(words)}{ARROW}"
+
+
+def echo(words: list[str]) -> list[str]:
+    return words
 
 
 def make_completion(words: list[str]) -> str:
@@ -133,7 +137,7 @@ class Task:
         return self._ids[text]
 
     def example(self, words, out_words) -> tuple[list[int], list[int]]:
-        return self.encode(make_prompt(words)), self.encode(make_completion(out_words)) + [self.eos]
+        return self.encode(make_prompt(words)), [*self.encode(make_completion(out_words)), self.eos]
 
     def batch(self, n: int, transform, mixed_frac: float):
         """Right-padded batch; the loss is on the completion (and its eos) only."""
@@ -208,7 +212,7 @@ def greedy_accuracy(model, task: Task, word_lists, transform, stop_ids, max_new:
                 break
             cur = nxt[:, None]
         gen = torch.stack(out, 1).tolist()
-        for (ws, p, c), g in zip(items, gen):
+        for (ws, _, c), g in zip(items, gen):
             got = g[:len(c)]
             if len(got) == len(c) and got[:-1] == c[:-1] and got[-1] in stop_ids:
                 correct += 1
@@ -233,7 +237,8 @@ def attach_lora_hooks(model, adapter_dir: str) -> list:
     a forward hook on each target module adds scaling * (x @ A.T) @ B.T to its output."""
     from safetensors.torch import load_file
 
-    cfg = json.load(open(os.path.join(adapter_dir, "adapter_config.json")))
+    with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+        cfg = json.load(f)
     assert not cfg.get("use_rslora"), "rsLoRA scaling is not handled here"
     scaling = cfg["lora_alpha"] / cfg["r"]
     sd = load_file(os.path.join(adapter_dir, "adapter_model.safetensors"))
@@ -309,7 +314,6 @@ def main(argv=None) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"base: Qwen3 4 layers, hidden 256, untied embeddings, {n_params / 1e6:.2f}M params; "
           f"training {args.base_steps} steps x {args.batch}", flush=True)
-    echo = lambda ws: ws  # noqa: E731
     train(model, task, args.base_steps, lr=2e-3, batch=args.batch, transform=echo, mixed_frac=0.3,
           label="base", weight_decay=0.01)
 
@@ -359,8 +363,10 @@ def main(argv=None) -> dict:
         del pm
         os.remove(os.path.join(adir, "README.md"))  # peft's empty model-card template
         acfg_path = os.path.join(adir, "adapter_config.json")
-        acfg = json.load(open(acfg_path))
+        with open(acfg_path) as f:
+            acfg = json.load(f)
         acfg["base_model_name_or_path"] = "demo/model"  # was the temporary bf16 folder
+        acfg["target_modules"] = sorted(acfg["target_modules"])  # peft writes a set: run-to-run order
         with open(acfg_path, "w") as f:
             json.dump(acfg, f, indent=2, sort_keys=True)
             f.write("\n")

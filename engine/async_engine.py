@@ -177,10 +177,9 @@ class AsyncEngine:
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         with self._cv:
             self._check_accepting()
-            if self.max_waiting_requests is not None and \
-                    self._queued + self._stats.num_waiting >= self.max_waiting_requests:
-                raise OverloadedError(f"the server is overloaded ({self.max_waiting_requests} requests waiting); "
-                                      "retry later")
+            limit = self.max_waiting_requests
+            if limit is not None and self._would_wait() >= limit:
+                raise OverloadedError(f"the server is overloaded ({limit} requests waiting); retry later")
             if request_id in self._streams:
                 raise RequestError(f"duplicate request id {request_id!r}")
             self._streams[request_id] = queue
@@ -211,6 +210,12 @@ class AsyncEngine:
             if abort:
                 self._inbox.append(request_id)
                 self._cv.notify()
+
+    def _would_wait(self) -> int:
+        """Requests that will be waiting once the queued adds reach the scheduler (free sequence slots
+        take some of them first), so a burst below max_num_seqs + the limit is never refused."""
+        free = max(0, self.engine.config.scheduler.max_num_seqs - self._stats.num_running)
+        return self._queued + self._stats.num_waiting - free
 
     def _check_accepting(self) -> None:
         if self.error is not None:

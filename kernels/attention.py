@@ -50,3 +50,29 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         o = F.scaled_dot_product_attention(qs.float(), ks.float(), vs.float(), attn_mask=mask, scale=scale)
         out[a:b] = o.transpose(0, 1).to(q.dtype)
     return out
+
+
+ATTENTION_BACKENDS = ("reference", "triton")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    cu_q_tensor: torch.Tensor, context_lens_tensor: torch.Tensor, cu_q_list: list[int],
+                    context_lens_list: list[int], max_q_len: int, scale: float,
+                    backend: str = "reference") -> torch.Tensor:
+    """out[t] = softmax(scale * q[t] K_s^T, causal) V_s, as paged_attention_ref, by `backend`.
+
+    reference: paged_attention_ref (reads the host lists). triton: reads only the device tensors and
+    max_q_len (no host sync; graph-capturable): the decode kernel (GQA, split keys) when every sequence
+    has at most one query, else the varlen prefill kernel.
+    """
+    if backend == "reference":
+        return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_q_list, context_lens_list, scale)
+    if backend == "triton":
+        from kernels import attention_triton as at
+
+        if max_q_len <= 1:
+            return at.paged_attention_decode(q, k_cache, v_cache, block_tables, cu_q_tensor, context_lens_tensor,
+                                             scale)
+        return at.paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_q_tensor, context_lens_tensor,
+                                          max_q_len, scale)
+    raise ValueError(f"unknown attention backend {backend!r}; available: {', '.join(ATTENTION_BACKENDS)}")

@@ -124,7 +124,7 @@ def _config_value(action: argparse.Action, value: Any) -> Any:
     if action.nargs == 0:  # --enable-lora, --enforce-eager, ...
         if not isinstance(value, bool):
             raise TypeError(f"expected true or false, got {value!r}")
-        return value if action.const is True else not value if action.const is False else value
+        return value  # the key names the destination, so `no_lora_autoload: true` sets it
     if value is None:
         return None
     if action.nargs in ("+", "*"):

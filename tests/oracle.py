@@ -45,9 +45,16 @@ def load_hf_dequantized(path: str) -> torch.nn.Module:
         raw = json.load(f)
     qc = raw.pop("quantization_config")
     cls = QLinearV1 if qc["packing_format"] == "auto_round:auto_gptq" else QLinearV2
-    config = AutoConfig.for_model(**raw)
-    model = AutoModelForCausalLM.from_config(config).float().eval()
     state = load_file(os.path.join(path, "model.safetensors"))
+    if raw.get("model_type") == "qwen3_5":  # vision-language export: keep the language model only
+        from transformers import Qwen3_5TextConfig
+
+        config = Qwen3_5TextConfig(**{k: v for k, v in raw["text_config"].items() if k != "model_type"})
+        state = {k.replace("model.language_model.", "model."): v for k, v in state.items()
+                 if not k.startswith(("model.visual.", "mtp."))}
+    else:
+        config = AutoConfig.for_model(**raw)
+    model = AutoModelForCausalLM.from_config(config).float().eval()
     dense: dict[str, torch.Tensor] = {}
     for name in [k[: -len(".qweight")] for k in state if k.endswith(".qweight")]:
         qw = state[f"{name}.qweight"]

@@ -7,6 +7,7 @@ config is padded above the tokenizer's size, as real Qwen checkpoints are.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from typing import Literal
@@ -77,7 +78,14 @@ def quantize(src: str, out_dir: str, fmt: PackingFormat = "auto_round", sym: boo
     from auto_round import AutoRound
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    with open(os.path.join(src, "config.json")) as f:
+        vl = json.load(f).get("model_type") == "qwen3_5"
+    if vl:  # keep the vision-language layout (model.language_model.*) that real Qwen3.5/3.6 exports use
+        from transformers import Qwen3_5ForConditionalGeneration
+
+        model = Qwen3_5ForConditionalGeneration.from_pretrained(src, dtype=torch.float32).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(src)
     kwargs: dict = dict(disable_opt_rtn=True) if iters == 0 else {}
     if layer_config:

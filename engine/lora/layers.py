@@ -23,7 +23,13 @@ from torch import nn
 
 from engine.distributed import all_gather, all_reduce
 from engine.forward_context import get_context
-from engine.layers.linear import ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, RowParallelLinear
+from engine.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    SectionedColumnParallelLinear,
+)
 from engine.lora.adapter import LoRAModule
 from engine.lora.punica import add_lora, expand, shrink
 
@@ -108,7 +114,14 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
                              f"divisible by the tensor-parallel size ({self.tp_size})")
         return self.max_rank // self.tp_size
 
+    @property
+    def sectioned(self) -> bool:
+        """One LoRA module spanning every section of the layer (Qwen3.5's in_proj_qkv)."""
+        return isinstance(self.base, SectionedColumnParallelLinear)
+
     def b_sizes(self) -> list[int]:
+        if self.sectioned:
+            return [self.base.out_features]
         if isinstance(self.base, MergedColumnParallelLinear):
             return list(self.base.local_sizes)
         return [self.base.out_features]
@@ -124,6 +137,8 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
         return self.tp_rank, self.tp_size
 
     def full_shapes(self) -> dict[str, tuple[int, int]]:
+        if self.sectioned:
+            return {self.module_names[0]: (self.base.in_features, self.base.full_out)}
         sizes = self.b_sizes()
         return {name: (self.base.in_features, sizes[i] * self._source(i)[1])
                 for i, name in enumerate(self.module_names)}
@@ -135,6 +150,10 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
         return a[self.tp_rank * rows:(self.tp_rank + 1) * rows]
 
     def shard_b(self, i: int, b: torch.Tensor) -> torch.Tensor:
+        if self.sectioned:  # this rank's rows of each section, in section order (as the base weight)
+            base: SectionedColumnParallelLinear = self.base  # type: ignore[assignment]
+            parts = b.split(base.out_sizes, dim=0)
+            return torch.cat([p[self.tp_rank * n:(self.tp_rank + 1) * n] for p, n in zip(parts, base.local_sizes)])
         n = self.b_sizes()[i]
         idx, _ = self._source(i)
         return b[idx * n:(idx + 1) * n]

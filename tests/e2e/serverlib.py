@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -73,13 +74,16 @@ class ServerProcess:
                 out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
         return out
 
-    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
-        """Wait until nothing runs or waits and every KV block is free; returns the last metrics."""
+    def wait_metrics(self, ok: Callable[[dict[str, float]], bool], timeout: float = 10.0) -> dict[str, float]:
+        """Poll /metrics until ok(metrics) or the timeout; returns the last metrics."""
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            idle = (m["xpulora:kv_cache_usage_perc"] == 0.0 and m["xpulora:num_requests_running"] == 0
-                    and m["xpulora:num_requests_waiting"] == 0)
-            if idle or time.monotonic() > deadline:
+            if ok(m) or time.monotonic() > deadline:
                 return m
             time.sleep(0.05)
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
+        """Wait until nothing runs or waits and every KV block is free."""
+        return self.wait_metrics(lambda m: m["xpulora:kv_cache_usage_perc"] == 0.0 and m[
+            "xpulora:num_requests_running"] == 0 and m["xpulora:num_requests_waiting"] == 0, timeout)

@@ -21,6 +21,7 @@ from tools.tinymodels import make_peft_adapter
 
 MAX = 8
 PROMPTS = prompts(6, seed=11, min_words=3, max_words=12)
+SHORT = prompts(4, seed=12, min_words=2, max_words=4)
 RANKS = [8, 16, 4, 8, 16]
 
 
@@ -60,7 +61,7 @@ def env(model_factory, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora-root")
     paths = {f"a{i}": make_peft_adapter(bf16, str(root / f"a{i}"), r=r, targets=ALL7, seed=100 + i, b_std=0.1)
              for i, r in enumerate(RANKS)}
-    flags = ["--enable-lora", "--max-model-len", "256", "--lora-root", str(root), "--no-lora-autoload",
+    flags = ["--enable-lora", "--max-model-len", "1024", "--lora-root", str(root), "--no-lora-autoload",
              "--lora-modules", *(f"a{i}={paths[f'a{i}']}" for i in range(4))]
     srv = ServerProcess(model, flags, root.parent / "server-main.log")
     try:
@@ -149,7 +150,9 @@ def test_logprobs(env: Env) -> None:
     lp = c.completions.create(model="a0", prompt=p, max_tokens=MAX, temperature=0, logprobs=2).choices[0].logprobs
     assert lp.token_logprobs == pytest.approx([x.logprob for x in ref.logprobs], abs=1e-4)
     assert lp.tokens == [env.tok.decode([t]) for t in ref.token_ids]
-    assert all(len(top) >= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    d = env.tok.decode  # distinct ids may decode alike (partial UTF-8 -> U+FFFD): the dict keys merge them
+    assert [set(top) for top in lp.top_logprobs] == [{d([t]) for t, _ in x.top} | {d([x.token_id])} for x in ref.logprobs]
+    assert lp.text_offset[0] == 0
     assert lp.text_offset == sorted(lp.text_offset)
     msgs = [{"role": "user", "content": p}]
     cref = env.ref(env.chat_ids(msgs), "a0", logprobs=2)
@@ -201,8 +204,8 @@ def _lora_info(metrics: dict[str, float]) -> dict[str, str]:
 
 
 def test_64_concurrent_streams_while_loading_and_unloading(env: Env) -> None:
-    combos = [(PROMPTS[i], f"a{j}") for i in range(4) for j in range(4)]
-    refs = [env.ref(p, a, max_tokens=16, ignore_eos=True).text for p, a in combos]  # each run alone
+    combos = [(p, f"a{j}") for p in SHORT for j in range(4)]
+    refs = [env.ref(p, a, max_tokens=6, ignore_eos=True).text for p, a in combos]  # each run alone
     metrics_mid: dict[str, float] = {}
 
     async def main() -> tuple[list, list[httpx.Response], int]:
@@ -212,7 +215,7 @@ def test_64_concurrent_streams_while_loading_and_unloading(env: Env) -> None:
         async def one(k: int) -> tuple[str, str | None]:
             p, a = combos[k % 16]
             # logprobs=0 makes every token produce a chunk, so `first` fires as soon as a request runs.
-            stream = await client.completions.create(model=a, prompt=p, max_tokens=16, temperature=0, stream=True,
+            stream = await client.completions.create(model=a, prompt=p, max_tokens=6, temperature=0, stream=True,
                                                      logprobs=0, extra_body={"ignore_eos": True})
             chunks = []
             async for ch in stream:
@@ -223,16 +226,21 @@ def test_64_concurrent_streams_while_loading_and_unloading(env: Env) -> None:
         tasks = [asyncio.create_task(one(k)) for k in range(64)]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in first)), 120)
         metrics_mid.update(await asyncio.to_thread(env.srv.metrics))
+        pending = 0
         async with httpx.AsyncClient(base_url=env.url, headers=env.srv.headers, timeout=60) as http:
+            async def unload() -> httpx.Response:
+                nonlocal pending
+                r = await http.post("/v1/unload_lora_adapter", json={"lora_name": "a3"})
+                pending = sum(not t.done() for t in tasks)
+                return r
+
             admin = await asyncio.gather(
-                http.post("/v1/load_lora_adapter", json={"lora_name": "a4", "lora_path": env.paths["a4"]}),
-                http.post("/v1/unload_lora_adapter", json={"lora_name": "a3"}))
-        pending = sum(not t.done() for t in tasks)
+                http.post("/v1/load_lora_adapter", json={"lora_name": "a4", "lora_path": env.paths["a4"]}), unload())
         return await asyncio.gather(*tasks), admin, pending
 
     results, admin, pending = asyncio.run(main())
     assert [r.status_code for r in admin] == [200, 200], [r.text for r in admin]
-    assert pending > 0  # the load and unload happened while requests were streaming
+    assert pending > 0  # a3 was unloaded while requests (its own among them) were streaming
     assert results == [(refs[k % 16], "length") for k in range(64)]
     info = _lora_info(metrics_mid)
     assert info["max_lora"] == "4" and set(info["running_lora_adapters"].split(",")) <= {"a0", "a1", "a2", "a3"}
@@ -248,7 +256,8 @@ def test_64_concurrent_streams_while_loading_and_unloading(env: Env) -> None:
 
 def test_client_disconnect_frees_blocks(env: Env) -> None:
     before = env.srv.wait_idle().get('xpulora:request_success_total{finished_reason="abort"}', 0.0)
-    body = {"model": "a0", "prompt": PROMPTS[2], "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    # 1000 tokens take seconds even on a fast machine: both requests are cut while generating.
+    body = {"model": "a0", "prompt": PROMPTS[2], "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
     with httpx.stream("POST", env.url + "/v1/completions", json={**body, "stream": True}, headers=env.srv.headers,
                       timeout=60) as r:
         lines = r.iter_lines()

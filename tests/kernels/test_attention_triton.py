@@ -1,0 +1,211 @@
+"""Triton paged attention (kernels.attention_triton, kernels.attention.paged_attention backend "triton")
+against kernels.attention.paged_attention_ref.
+
+Run: .venv/bin/python -m pytest tests/kernels/test_attention_triton.py -q
+Compiled Triton needs an accelerator; on a CPU-only machine the kernel cases run in a child pytest with
+TRITON_INTERPRET=1, started by test_kernels_under_interpreter. Everything skips cleanly without triton.
+
+Tolerances against the reference (fp32 SDPA over the upcast cache, one rounding of the output), as
+(rtol, atol relative to max|ref|):
+- float32: fp32 scores, fp32 online softmax (exp2 with log2(e) folded into the scale), fp32 P @ V;
+  only the order of sums and exp rounding differ: ~1e-6 of the output scale, checked at 2e-5.
+- bfloat16: q.k products are exact in fp32, softmax in fp32; on a GPU P is rounded to bf16 (2^-9
+  relative) for the tensor-core P @ V, and the output is rounded to bf16 (2^-8) as in the reference,
+  possibly one ulp apart: two bf16 ulps relative (1.6e-2) plus 1e-2 of the output scale.
+Reading a wrong block, a key past the context or past the causal limit moves outputs by O(1).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.attention import ATTENTION_BACKENDS, paged_attention, paged_attention_ref
+
+REPO = Path(__file__).resolve().parents[2]
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (1.6e-2, 1e-2)}
+BLOCK_SIZE = 16
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the environment
+    HAS_TRITON = False
+
+
+def _kernel_device() -> torch.device | None:
+    if not HAS_TRITON:
+        return None
+    if INTERPRETING:
+        return torch.device("cpu")
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and acc.is_available():
+        return acc.current_accelerator()
+    return None
+
+
+DEV = _kernel_device()
+needs_kernels = pytest.mark.skipif(
+    DEV is None, reason="no triton, or no accelerator (the CPU runs these under the interpreter, see "
+    "test_kernels_under_interpreter)")
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
+    rtol, atol_rel = TOLERANCES[dtype]
+    ref32 = ref.detach().cpu().float()
+    atol = atol_rel * max(ref32.abs().max().item(), 1e-6)
+    torch.testing.assert_close(out.detach().cpu().float(), ref32, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def _batch(seed: int, q_lens: list[int], contexts: list[int], hq: int, hkv: int, d: int,
+           dtype: torch.dtype) -> dict:
+    """Random paged cache (every slot filled, so reading past a context shows), shuffled physical blocks,
+    block tables padded with block 0 (real data: garbage to this sequence)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [(c + BLOCK_SIZE - 1) // BLOCK_SIZE for c in contexts]
+    num_blocks = sum(blocks_per_seq) + 3
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, hkv, d, generator=g).to(dtype)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    width = max(blocks_per_seq) + 1
+    table = torch.zeros(len(contexts), width, dtype=torch.int32)
+    used = 0
+    for s, nb in enumerate(blocks_per_seq):
+        table[s, :nb] = torch.tensor(perm[used:used + nb])
+        used += nb
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    q = torch.randn(cu[-1], hq, d, generator=g).to(dtype)
+    return dict(q=q, k=k_cache, v=v_cache, bt=table, cu=cu, ctx=contexts, max_q=max(q_lens), scale=d ** -0.5)
+
+
+def _run(b: dict, dev: torch.device, backend: str = "triton") -> torch.Tensor:
+    return paged_attention(b["q"].to(dev), b["k"].to(dev), b["v"].to(dev), b["bt"].to(dev),
+                           torch.tensor(b["cu"], dtype=torch.int32, device=dev),
+                           torch.tensor(b["ctx"], dtype=torch.int32, device=dev), b["cu"], b["ctx"], b["max_q"],
+                           b["scale"], backend)
+
+
+def _ref(b: dict) -> torch.Tensor:
+    return paged_attention_ref(b["q"], b["k"], b["v"], b["bt"], b["cu"], b["ctx"], b["scale"])
+
+
+HEADS = [(8, 2), (4, 4)]  # GQA 4:1 and 1:1 (q heads, kv heads)
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("heads", HEADS, ids=["gqa4", "mha"])
+def test_decode_matches_reference(heads: tuple[int, int], d: int, dtype: torch.dtype) -> None:
+    from kernels.attention_triton import decode_num_splits, paged_attention_decode
+
+    assert DEV is not None
+    hq, hkv = heads
+    # Contexts not multiples of the block size, one of exactly one block, one sequence with no query.
+    b = _batch(d + hq, [1, 1, 0, 1, 1], [37, 5, 9, 16, 70], hq, hkv, d, dtype)
+    ref = _ref(b)
+    out = _run(b, DEV)
+    _assert_close(out, ref, dtype, "decode")
+    args = (b["q"].to(DEV), b["k"].to(DEV), b["v"].to(DEV), b["bt"].to(DEV),
+            torch.tensor(b["cu"], dtype=torch.int32, device=DEV), torch.tensor(b["ctx"], dtype=torch.int32, device=DEV),
+            b["scale"])
+    # The other path than the dispatcher's default: split keys merged by the second kernel (with empty
+    # splits for the short contexts), or a single pass.
+    splits = 1 if decode_num_splits(5, hkv, b["bt"].size(1) * BLOCK_SIZE) > 1 else 3
+    o = paged_attention_decode(*args, num_splits=splits)
+    _assert_close(o, ref, dtype, f"decode splits={splits}")
+    if heads == (8, 2) and d == 128:
+        assert torch.equal(o, paged_attention_decode(*args, num_splits=splits)), "deterministic"
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("heads", HEADS, ids=["gqa4", "mha"])
+def test_prefill_matches_reference(heads: tuple[int, int], d: int, dtype: torch.dtype) -> None:
+    assert DEV is not None
+    hq, hkv = heads
+    # A chunk after cached tokens (n < c), a whole prompt (n == c), a decode row, a sequence with no
+    # query, and a run longer than one query block.
+    b = _batch(d * hq, [7, 21, 1, 0, 3], [30, 21, 45, 12, 3], hq, hkv, d, dtype)
+    ref = _ref(b)
+    _assert_close(_run(b, DEV), ref, dtype, "prefill")
+    if not INTERPRETING:  # the interpreter's default tiles are 16 already: several query blocks per sequence
+        from kernels.attention_triton import paged_attention_prefill
+
+        o = paged_attention_prefill(b["q"].to(DEV), b["k"].to(DEV), b["v"].to(DEV), b["bt"].to(DEV),
+                                    torch.tensor(b["cu"], dtype=torch.int32, device=DEV),
+                                    torch.tensor(b["ctx"], dtype=torch.int32, device=DEV), b["max_q"], b["scale"],
+                                    block_m=16, block_n=16)
+        _assert_close(o, ref, dtype, "prefill, 16-row tiles")
+
+
+def test_dispatch_reference_and_unknown_backend() -> None:
+    b = _batch(0, [2, 1], [18, 4], 4, 2, 64, torch.float32)
+    assert torch.equal(_run(b, torch.device("cpu"), "reference"), _ref(b))
+    assert ATTENTION_BACKENDS == ("reference", "triton")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        _run(b, torch.device("cpu"), "flash")
+
+
+@needs_kernels
+def test_shape_checks() -> None:
+    from kernels.attention_triton import paged_attention_decode, paged_attention_prefill
+
+    assert DEV is not None
+    b = _batch(1, [1, 1], [18, 4], 4, 2, 64, torch.float32)
+    q, k, v, bt = b["q"].to(DEV), b["k"].to(DEV), b["v"].to(DEV), b["bt"].to(DEV)
+    cu = torch.tensor(b["cu"], dtype=torch.int32, device=DEV)
+    ctx = torch.tensor(b["ctx"], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="q heads"):
+        paged_attention_decode(q[:, :3], k, v, bt, cu, ctx, 1.0)
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_attention_prefill(q[..., :32], k, v, bt, cu, ctx, 1, 1.0)
+    with pytest.raises(ValueError, match="cu_q"):
+        paged_attention_decode(q, k, v, bt, cu[:2], ctx, 1.0)
+    with pytest.raises(ValueError, match="block_tables"):
+        paged_attention_decode(q, k, v, bt.float(), cu, ctx, 1.0)
+
+
+@pytest.mark.skipif(DEV is None or DEV.type != "cuda", reason="graph capture is checked on CUDA")
+def test_cuda_graph_capture_decode() -> None:
+    """Decode reads only device metadata: capture once, replay after new contexts are written in place."""
+    from kernels.attention_triton import paged_attention_decode
+
+    assert DEV is not None
+    b = _batch(9, [1, 1, 1], [37, 5, 60], 8, 2, 128, torch.bfloat16)
+    q, k, v, bt = b["q"].to(DEV), b["k"].to(DEV), b["v"].to(DEV), b["bt"].to(DEV)
+    cu = torch.tensor(b["cu"], dtype=torch.int32, device=DEV)
+    ctx = torch.tensor(b["ctx"], dtype=torch.int32, device=DEV)
+    out = torch.empty_like(q)
+    paged_attention_decode(q, k, v, bt, cu, ctx, b["scale"], num_splits=2, out=out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_attention_decode(q, k, v, bt, cu, ctx, b["scale"], num_splits=2, out=out)
+    new_ctx = [40, 7, 58]
+    ctx.copy_(torch.tensor(new_ctx, dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_close(out, _ref(dict(b, ctx=new_ctx)), torch.bfloat16, "graph replay")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(INTERPRETING or DEV is not None, reason="kernels run in this process already")
+def test_kernels_under_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "not interpreter"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-3000:]

@@ -1,0 +1,311 @@
+"""Triton multi-LoRA shrink / expand (kernels.lora_triton, kernels.lora backend "triton") vs kernels.reference.
+
+Run: .venv/bin/python -m pytest tests/kernels/test_lora_triton.py -q
+Compiled Triton needs an accelerator; on a CPU-only machine the kernel cases run in a child pytest with
+TRITON_INTERPRET=1 (it must be set before triton is imported), started by test_kernels_under_interpreter.
+Everything skips cleanly where triton is not installed.
+
+Tolerances against the reference (fp32 products, fp32 accumulation, one rounding to y's dtype), as
+(rtol, atol relative to max|ref|):
+- float32: the kernels also multiply and accumulate in fp32 (ieee dots), only the summation order
+  differs: ~K * 2^-24 of the terms' size, K <= 96 here, far below 1e-5 of the output scale.
+- bfloat16: the shrink is exact up to order (bf16 products are exact in fp32); the expand rounds the
+  fp32 shrink result to bf16 (2^-9 relative) for the tensor-core dot on a GPU; the result is rounded to
+  bf16 (2^-8) like the reference's, where the two may land one ulp apart, and `y +=` rounds once more.
+  So two bf16 ulps relative (1.6e-2) plus 1e-2 of the output scale for outputs near zero.
+A wrong slot, a missed rank truncation or a dropped add moves outputs by O(1) of their scale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import lora as lora_ops
+from kernels import reference
+
+REPO = Path(__file__).resolve().parents[2]
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2)}
+
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - depends on the environment
+    HAS_TRITON = False
+
+
+def _kernel_device() -> torch.device | None:
+    """Where compiled (or interpreted) Triton kernels run in this process, or None."""
+    if not HAS_TRITON:
+        return None
+    if INTERPRETING:
+        return torch.device("cpu")
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and acc.is_available():
+        return acc.current_accelerator()
+    return None
+
+
+DEV = _kernel_device()
+needs_kernels = pytest.mark.skipif(
+    DEV is None, reason="no triton, or no accelerator (the CPU runs these under the interpreter, see "
+    "test_kernels_under_interpreter)")
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), **extra}
+
+
+def _assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
+    rtol, atol_rel = TOLERANCES[dtype]
+    ref32 = ref.detach().cpu().float()
+    atol = atol_rel * max(ref32.abs().max().item(), 1e-6)
+    torch.testing.assert_close(out.detach().cpu().float(), ref32, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+def _problem(seed: int, sizes: list[int], dtype: torch.dtype, num_tokens: int = 36, k: int = 96,
+             num_slots: int = 5, r_max: int = 64) -> dict:
+    """Random layer with `len(sizes)` slices: A/B padding past each rank filled with garbage (not zeros),
+    slots shuffled with -1s and one slot holding a run longer than one M-block."""
+    g = torch.Generator().manual_seed(seed)
+    pool = [1, 8, 16, 64, 0]
+    ranks = [[pool[(i + s) % len(pool)] for i in range(num_slots)] for s in range(len(sizes))]
+    a = [torch.randn(num_slots, r_max, k, generator=g).to(dtype) for _ in sizes]
+    b = [(torch.randn(num_slots, n, r_max, generator=g) / 4).to(dtype) for n in sizes]
+    slots = [0] * 18 + [-1] * 6 + [(i % num_slots) for i in range(num_tokens - 24)]
+    slots = [slots[i] for i in torch.randperm(len(slots), generator=g).tolist()]
+    x = torch.randn(num_tokens, k, generator=g).to(dtype)
+    y = torch.randn(num_tokens, sum(sizes) + 3, generator=g).to(dtype)  # 3 extra columns nobody writes
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return dict(a=a, b=b, ranks=ranks, slots=torch.tensor(slots), x=x, y=y, offsets=offsets, num_slots=num_slots)
+
+
+def _to(p: dict, dev: torch.device) -> dict:
+    q = dict(p)
+    for key in ("x", "y", "slots"):
+        q[key] = p[key].to(dev)
+    q["a"] = [t.to(dev) for t in p["a"]]
+    q["b"] = [t.to(dev) for t in p["b"]]
+    return q
+
+
+def _reference(p: dict, add_inputs: bool) -> torch.Tensor:
+    y = p["y"].clone()
+    for a, b, r, off in zip(p["a"], p["b"], p["ranks"], p["offsets"]):
+        buf = reference.lora_shrink(p["x"], a, p["slots"], r)
+        reference.lora_expand(y, buf, b, p["slots"], r, off, add_inputs)
+    return y
+
+
+# ----------------------------------------------------------------------------------------------------
+# kernels vs reference
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("sizes", [[40], [48, 16], [48, 16, 24]], ids=["1slice", "2slices", "3slices"])
+@pytest.mark.parametrize("add_inputs", [True, False], ids=["add", "replace"])
+def test_add_lora_matches_reference(dtype: torch.dtype, sizes: list[int], add_inputs: bool) -> None:
+    from kernels.lora_triton import add_lora, prepare_lora_batch
+
+    assert DEV is not None
+    p = _problem(len(sizes) * 10 + add_inputs, sizes, dtype)
+    ref = _reference(p, add_inputs)
+    d = _to(p, DEV)
+    info = prepare_lora_batch(p["slots"].tolist(), p["ranks"], p["num_slots"], device=DEV)
+    out = add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], add_inputs=add_inputs)
+    _assert_close(out, ref, dtype, f"{dtype} {sizes} add={add_inputs}")
+    out_cpu, y_cpu = out.cpu(), p["y"]
+    none = p["slots"] < 0
+    assert torch.equal(out_cpu[none], y_cpu[none]), "slot -1 rows must be untouched"
+    assert torch.equal(out_cpu[:, -3:], y_cpu[:, -3:]), "columns outside every slice must be untouched"
+    if len(sizes) != 3:
+        return
+    # Deterministic: the same launch gives the same bits.
+    again = add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], add_inputs=add_inputs)
+    assert torch.equal(out, again)
+    # The dispatcher with a raw slot tensor and host rank lists (grouped on the fly) gives the same bits.
+    via = lora_ops.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], p["ranks"], d["offsets"], d["slots"],
+                            add_inputs, backend="triton")
+    assert torch.equal(out, via)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_single_slice_shrink_and_expand_match_reference(dtype: torch.dtype) -> None:
+    """kernels.lora.shrink / expand (the fully sharded path's separate calls) with the triton backend."""
+    assert DEV is not None
+    p = _problem(3, [40], dtype, num_tokens=30)
+    d = _to(p, DEV)
+    a, b, r = p["a"][0], p["b"][0], p["ranks"][0]
+    buf_ref = reference.lora_shrink(p["x"], a, p["slots"], r)
+    buf = lora_ops.shrink(d["x"], d["a"][0], d["slots"], r, backend="triton")
+    assert buf.dtype == torch.float32 and buf.shape == buf_ref.shape
+    _assert_close(buf, buf_ref, torch.float32 if dtype == torch.float32 else torch.bfloat16)
+    # Rows of slot -1 and columns past each slot's rank are exactly zero, as in the reference.
+    assert torch.equal(buf.cpu() == 0, buf_ref == 0)
+    for add_inputs in (True, False):
+        ref = reference.lora_expand(p["y"].clone(), buf_ref, b, p["slots"], r, 2, add_inputs)
+        out = lora_ops.expand(d["y"].clone(), buf_ref.to(DEV), d["b"][0], d["slots"], r, 2, add_inputs,
+                              backend="triton")
+        _assert_close(out, ref, dtype, f"expand add={add_inputs}")
+    with pytest.raises(ValueError, match="does not match LoRA B"):  # seed bug 2: a gathered, wider buffer
+        lora_ops.expand(d["y"], torch.zeros(30, 128, device=DEV), d["b"][0], d["slots"], r, 0, backend="triton")
+
+
+@needs_kernels
+def test_rank_zero_slot_replace_writes_zeros_and_ranks_tensor_matches_lists() -> None:
+    from kernels.lora_triton import add_lora, prepare_lora_batch, ranks_tensor
+
+    assert DEV is not None
+    p = _problem(7, [24, 8], torch.float32, num_tokens=28)
+    p["ranks"] = [[0, 64, 70, 2, 9], [5, 0, 16, 64, 1]]  # 70 > r_max: truncated to r_max like the reference
+    d = _to(p, DEV)
+    ref = _reference(p, add_inputs=False)
+    info = prepare_lora_batch(d["slots"], None, p["num_slots"])
+    assert info.has_lora is None  # a device tensor: not known without a sync
+    rt = ranks_tensor(p["ranks"], p["num_slots"], DEV)
+    out = add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt, add_inputs=False)
+    _assert_close(out, ref, torch.float32)
+    rows0 = (p["slots"] == 0).nonzero().flatten()
+    assert bool((out.cpu()[rows0, :24] == 0).all()), "slot 0 has rank 0 in slice 0: replace writes zeros"
+    lists = add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], p["ranks"], add_inputs=False)
+    assert torch.equal(out, lists)
+
+
+@needs_kernels
+def test_no_lora_step_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import lora_triton
+
+    class _Boom:
+        def __getitem__(self, grid: object) -> None:
+            raise AssertionError("a kernel was launched for a step without LoRA tokens")
+
+    assert DEV is not None
+    p = _to(_problem(1, [16, 8], torch.float32, num_tokens=30), DEV)
+    monkeypatch.setattr(lora_triton, "_lora_shrink_kernel", _Boom())
+    monkeypatch.setattr(lora_triton, "_lora_expand_kernel", _Boom())
+    info = lora_triton.prepare_lora_batch([-1] * 30, p["ranks"], p["num_slots"], device=DEV)
+    assert info.has_lora is False
+    y = p["y"].clone()
+    for add_inputs in (True, False):
+        assert lora_triton.add_lora(y, p["x"], p["a"], p["b"], info, p["offsets"], add_inputs=add_inputs) is y
+    assert torch.equal(y, p["y"])
+    empty = lora_triton.prepare_lora_batch(torch.zeros(0, dtype=torch.long, device=DEV), None, 4)
+    assert empty.num_blocks == 0
+
+
+@needs_kernels
+def test_prepare_lora_batch_schedule_and_in_place_update() -> None:
+    from kernels.lora_triton import max_blocks, prepare_lora_batch
+
+    assert DEV is not None
+    g = torch.Generator().manual_seed(5)
+    for num_slots, t, bm in ((6, 70, 16), (64, 64, 16), (3, 200, 32)):
+        slots = torch.randint(-1, num_slots, (t,), generator=g)
+        info = prepare_lora_batch(slots.to(DEV), None, num_slots, block_m=bm)
+        assert info.num_blocks == max_blocks(t, num_slots, bm)
+        srt = info.sorted_tokens.cpu().long()
+        assert sorted(srt.tolist()) == list(range(t))
+        assert slots[srt].tolist() == sorted(slots.tolist(), key=lambda s: num_slots if s < 0 else s)
+        covered: list[int] = []
+        for blk, start, end in zip(info.block_slot.tolist(), info.block_start.tolist(), info.block_end.tolist()):
+            if blk >= num_slots:
+                continue
+            rows = srt[start:min(start + bm, end)].tolist()
+            assert rows and all(int(slots[r]) == blk for r in rows)
+            covered += rows
+        assert sorted(covered) == sorted((slots >= 0).nonzero().flatten().tolist()), "each LoRA token in one block"
+        assert info.slot_len.cpu().tolist() == [int((slots == s).sum()) for s in range(num_slots)]
+    # In place (graph replay): same tensors, new contents.
+    info = prepare_lora_batch([0, 1, -1, 1], [[4, 8]], 2, device=DEV)
+    ptrs = [info.sorted_tokens.data_ptr(), info.block_slot.data_ptr(), info.ranks.data_ptr()]
+    again = prepare_lora_batch(torch.tensor([1, 1, 1, -1], device=DEV), [[16, 2]], 2, out=info)
+    assert again is info and ptrs == [info.sorted_tokens.data_ptr(), info.block_slot.data_ptr(), info.ranks.data_ptr()]
+    assert info.slot_len.tolist() == [0, 3] and info.ranks.tolist() == [[16, 2]]
+    with pytest.raises(ValueError, match="outside"):
+        prepare_lora_batch([0, 2], None, 2)
+    with pytest.raises(ValueError, match="T=4"):
+        prepare_lora_batch([0, 1, 1], None, 2, out=info)
+
+
+@needs_kernels
+def test_shape_checks() -> None:
+    from kernels.lora_triton import lora_expand, lora_shrink, prepare_lora_batch
+
+    assert DEV is not None
+    p = _to(_problem(2, [16, 8], torch.float32, num_tokens=30), DEV)
+    info = prepare_lora_batch(p["slots"], p["ranks"], p["num_slots"])
+    with pytest.raises(ValueError, match="inputs"):
+        lora_shrink(p["x"][:, :50], p["a"], info)
+    with pytest.raises(ValueError, match="tokens"):
+        lora_shrink(p["x"][:10], p["a"], info)
+    with pytest.raises(ValueError, match="slices"):
+        lora_shrink(p["x"], p["a"][:1], info)  # info.ranks has two slices
+    buf = lora_shrink(p["x"], p["a"], info)
+    with pytest.raises(ValueError, match="outside y"):
+        lora_expand(p["y"], buf, p["b"], info, [0, p["y"].size(1) - 4])
+    with pytest.raises(ValueError, match="does not match"):
+        lora_expand(p["y"], torch.zeros(2, 30, 128, device=DEV), p["b"], info, p["offsets"])
+
+
+@pytest.mark.skipif(DEV is None or DEV.type != "cuda", reason="graph capture is checked on CUDA")
+def test_cuda_graph_capture_and_replay_with_new_mapping() -> None:
+    """The kernels need no host sync: capture once, then replay after writing a new mapping in place."""
+    from kernels.lora_triton import add_lora, prepare_lora_batch, ranks_tensor
+
+    assert DEV is not None
+    p = _problem(11, [48, 16, 24], torch.bfloat16, num_tokens=40)
+    d = _to(p, DEV)
+    ranks = ranks_tensor(p["ranks"], p["num_slots"], DEV).clone()
+    info = prepare_lora_batch(d["slots"], None, p["num_slots"])
+    y = d["y"].clone()
+    add_lora(y, d["x"], d["a"], d["b"], info, d["offsets"], ranks)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        add_lora(y, d["x"], d["a"], d["b"], info, d["offsets"], ranks)
+    new_slots = p["slots"].roll(7)
+    prepare_lora_batch(new_slots.to(DEV), None, p["num_slots"], out=info)
+    y.copy_(d["y"])
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_close(y, _reference(dict(p, slots=new_slots), True), torch.bfloat16, "graph replay")
+
+
+# ----------------------------------------------------------------------------------------------------
+# the same cases on the CPU under the Triton interpreter
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(INTERPRETING or DEV is not None, reason="kernels run in this process already")
+def test_kernels_under_interpreter() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "not interpreter and not bench"],
+        cwd=REPO, env=_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------------
+# benchmark scripts: a CPU smoke run (--quick), so they cannot rot between runs on a GPU
+
+
+@pytest.mark.parametrize("script", ["bench_lora.py", "bench_int4.py"])
+def test_bench_quick_runs_on_cpu(script: str) -> None:
+    extra = {"TRITON_INTERPRET": "1"} if HAS_TRITON else {}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--quick", "--device", "cpu"],
+                          cwd=REPO, env=_env(**extra), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines and all("us" in json.dumps(rec) for rec in lines), proc.stdout[-3000:]
+    if HAS_TRITON:
+        assert any(rec.get("triton_us") is not None for rec in lines), proc.stdout[-3000:]
