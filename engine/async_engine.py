@@ -44,14 +44,11 @@ def resolve_under_roots(path: str, roots: Sequence[str]) -> str:
         raise AdapterPathForbiddenError("runtime adapter loads are disabled: start the server with --lora-root DIR")
     real_roots = [os.path.realpath(r) for r in roots]
     candidates = [path] if os.path.isabs(path) else [os.path.join(r, path) for r in real_roots]
-    for cand in candidates:
-        real = os.path.realpath(cand)
-        inside = any(os.path.commonpath([real, r]) == r for r in real_roots)
-        if not inside:
+    reals = [os.path.realpath(c) for c in candidates]
+    for real in reals:
+        if not any(os.path.commonpath([real, r]) == r for r in real_roots):
             raise AdapterPathForbiddenError(f"adapter path {path} is outside every --lora-root")
-        if os.path.exists(real) or cand is candidates[-1]:
-            return real
-    raise AssertionError("unreachable")  # candidates is never empty
+    return next((r for r in reals if os.path.exists(r)), reals[0])
 
 
 @dataclass(frozen=True)

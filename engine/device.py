@@ -7,6 +7,7 @@ is free, which distributed backend to use and which int4 kernel suits the device
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 import os
 from dataclasses import dataclass
@@ -130,6 +131,19 @@ class Device:
         if forced:
             return forced
         return {"cpu": "reference", "cuda": "triton", "xpu": "triton"}[self.kind]
+
+    def gdn_backend(self) -> str:
+        """Gated-delta-rule kernels: fla-core's Triton kernels on GPUs when installed, else the torch reference."""
+        forced = os.environ.get("XPULORA_GDN_BACKEND")
+        if forced:
+            return forced
+        if self.kind == "cpu":
+            return "reference"
+        if importlib.util.find_spec("fla") is None:
+            log.warning("fla-core is not installed: Gated DeltaNet layers use the slow torch reference on %s",
+                        self.kind)
+            return "reference"
+        return "fla"
 
     def lora_backend(self) -> str:
         """Name of the LoRA shrink/expand backend (kernels.lora) for this device."""

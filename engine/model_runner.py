@@ -87,6 +87,7 @@ class ModelRunner:
         """Per GDN layer: conv state [slots, conv_dim, K-1] and fp32 recurrent state [slots, Hv, Dk, Dv]."""
         dev, n = self.device.torch_device, self.num_state_slots
         for m in self.gdn_layers:
+            m.backend = self.device.gdn_backend()
             m.conv_state = torch.zeros(n, m.conv_dim, m.kernel - 1, dtype=self.dtype, device=dev)
             m.ssm_state = torch.zeros(n, m.hv, m.dk, m.dv, dtype=torch.float32, device=dev)
         if self.gdn_layers:

@@ -74,3 +74,50 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
         tail = (cum[:, -1:] - cum).exp()[:, :, None]  # e^{G_C - G_s}
         s = cum[:, -1].exp()[:, None, None] * s + (kc * tail).transpose(1, 2) @ d
     return out.transpose(0, 1), s
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
+
+
+def delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      states: torch.Tensor, slots: list[int], cu: list[int], backend: str = "reference",
+                      chunk_threshold: int = 16) -> torch.Tensor:
+    """Sequences laid end to end (sequence i owns rows cu[i]:cu[i+1] and state slot slots[i]); q, k raw
+    [T, Hk, Dk] (l2-normalised here, q also scaled by 1/sqrt(Dk)), v [T, Hv, Dv], g and beta [T, Hv]; value
+    head h reads key head h // (Hv / Hk). Updates `states` [slots, Hv, Dk, Dv] in place; returns o [T, Hv, Dv].
+    backend: "reference" (torch, any device) or "fla" (flash-linear-attention's Triton kernels)."""
+    if backend == "fla":
+        return _delta_rule_fla(q, k, v, g, beta, states, slots, cu)
+    if backend != "reference":
+        raise ValueError(f"unknown gated-delta-rule backend {backend!r} (reference, fla)")
+    ratio = v.size(1) // k.size(1)
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    for i, slot in enumerate(slots):
+        lo, hi = cu[i], cu[i + 1]
+        if hi == lo:
+            continue
+        qs = _l2norm(q[lo:hi].float()) * q.size(-1) ** -0.5
+        ks = _l2norm(k[lo:hi].float())
+        if ratio > 1:
+            qs, ks = qs.repeat_interleave(ratio, dim=1), ks.repeat_interleave(ratio, dim=1)
+        rule = delta_rule_chunked if hi - lo > chunk_threshold else delta_rule_recurrent
+        out[lo:hi], states[slot] = rule(qs, ks, v[lo:hi], g[lo:hi], beta[lo:hi], states[slot])
+    return out
+
+
+def _delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    states: torch.Tensor, slots: list[int], cu: list[int]) -> torch.Tensor:
+    # Imported here: fla needs triton and a GPU at import time, and must stay off the CPU path.
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+    idx = torch.tensor(slots, dtype=torch.long, device=q.device)
+    cu_t = torch.tensor(cu, dtype=torch.long, device=q.device)
+    decode = all(cu[i + 1] - cu[i] == 1 for i in range(len(slots)))
+    fn = fused_recurrent_gated_delta_rule if decode else chunk_gated_delta_rule
+    dtype = v.dtype if v.dtype != torch.float32 else torch.bfloat16
+    o, final = fn(q[None].to(dtype), k[None].to(dtype), v[None].to(dtype), g[None].float(), beta[None].to(dtype),
+                  scale=q.size(-1) ** -0.5, initial_state=states[idx], output_final_state=True,
+                  use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
+    states[idx] = final.float()
+    return o[0].float()

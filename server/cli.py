@@ -98,7 +98,7 @@ def apply_config_file(p: argparse.ArgumentParser, argv: list[str]) -> None:
         dest = str(key).replace("-", "_")
         action = actions.get(dest)
         if action is None:
-            p.error(f"{known.config}: unknown key {key!r} (keys are the flag names of `xpulora {p.prog.split()[-1]}`)")
+            p.error(f"{known.config}: unknown key {key!r} (keys are the flag names of xpulora {p.prog.split()[-1]})")
         if _on_command_line(action, argv):
             continue  # the command line wins (matters for flags that accumulate, like --lora-root)
         try:
@@ -141,14 +141,15 @@ def _config_scalar(action: argparse.Action, value: Any) -> Any:
     if isinstance(value, (list, dict)):
         raise TypeError(f"expected a single value, got {value!r}")
     conv = action.type
-    if conv is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise TypeError(f"expected an integer, got {value!r}")
-        value = int(value)
-    elif conv is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise TypeError(f"expected a number, got {value!r}")
-        value = float(value)
+    if conv in (int, float):
+        kinds = (int, str) if conv is int else (int, float, str)
+        what = "an integer" if conv is int else "a number"
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise TypeError(f"expected {what}, got {value!r}")
+        try:
+            value = conv(value)
+        except ValueError:
+            raise ValueError(f"expected {what}, got {value!r}") from None
     elif conv is not None:
         value = conv(str(value))
     elif not isinstance(value, str):

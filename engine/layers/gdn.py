@@ -20,14 +20,10 @@ from engine.layers.linear import (
     SectionedColumnParallelLinear,
 )
 from engine.layers.quant import QuantConfig
-from kernels.gdn import causal_conv1d, delta_rule_chunked, delta_rule_recurrent
+from kernels.gdn import causal_conv1d, delta_rule_varlen
 
 CHUNK_THRESHOLD = 16
 """Prompts longer than this use the chunked form of the recurrence."""
-
-
-def _l2norm(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
 
 class GatedDeltaNet(nn.Module):
@@ -69,6 +65,8 @@ class GatedDeltaNet(nn.Module):
         # Bound by the model runner: [slots, conv_dim, K-1] and [slots, hv, dk, dv] (float32).
         self.conv_state = torch.empty(0)
         self.ssm_state = torch.empty(0)
+        self.backend = "reference"
+        """Delta-rule kernels (kernels.gdn): chosen per device by the model runner."""
 
     # -- loaders: each shard cut by heads ----------------------------------------------------------------
     def _check(self, loaded: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
@@ -99,22 +97,15 @@ class GatedDeltaNet(nn.Module):
         b, a = self.in_proj_ba(x).float().split([self.hv, self.hv], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
-        out = torch.empty(t, self.hv, self.dv, dtype=torch.float32, device=x.device)
-        w = self.conv1d
+        mixed = torch.empty_like(qkv)
+        cu = meta.cu_q_list
         for i, slot in enumerate(slots):
-            lo, hi = meta.cu_q_list[i], meta.cu_q_list[i + 1]
-            if hi == lo:
-                continue
-            y, self.conv_state[slot] = causal_conv1d(qkv[lo:hi], self.conv_state[slot], w)
-            q, k, v = y.split(self.local_sections, dim=-1)
-            n = hi - lo
-            q = _l2norm(q.float().view(n, self.hk, self.dk)) * self.dk**-0.5
-            k = _l2norm(k.float().view(n, self.hk, self.dk))
-            v = v.float().view(n, self.hv, self.dv)
-            if self.ratio > 1:  # value head h reads key head h // ratio
-                q, k = q.repeat_interleave(self.ratio, dim=1), k.repeat_interleave(self.ratio, dim=1)
-            rule = delta_rule_chunked if n > CHUNK_THRESHOLD else delta_rule_recurrent
-            out[lo:hi], self.ssm_state[slot] = rule(q, k, v, g[lo:hi], beta[lo:hi], self.ssm_state[slot])
+            if cu[i + 1] > cu[i]:
+                mixed[cu[i]:cu[i + 1]], self.conv_state[slot] = causal_conv1d(qkv[cu[i]:cu[i + 1]],
+                                                                              self.conv_state[slot], self.conv1d)
+        q, k, v = mixed.split(self.local_sections, dim=-1)
+        out = delta_rule_varlen(q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk), v.view(t, self.hv, self.dv),
+                                g, beta, self.ssm_state, slots, cu, self.backend, CHUNK_THRESHOLD)
         # Gated RMSNorm over each head's output: plain weight, norm before the silu(z) gate.
         o = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
         o = (self.norm * o.to(x.dtype)).float() * F.silu(z.float())

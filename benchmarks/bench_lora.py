@@ -1,0 +1,204 @@
+"""Batched multi-LoRA (issue 6 (b)): Triton shrink+expand vs the torch reference vs a per-adapter loop.
+
+    python benchmarks/bench_lora.py                  # Qwen3-8B-shaped layers on the default device
+    python benchmarks/bench_lora.py --quick --device cpu   # tiny shapes, seconds (CI smoke test;
+                                                            # TRITON_INTERPRET=1 adds the triton column)
+
+One JSON line per case (layer, tokens, distinct adapters, rank). All times in microseconds per call of
+one wrapped layer (all its slices):
+  triton_us        kernels.lora_triton.add_lora (2 launches), the step's LoRABatchInfo prepared once outside
+  triton_graph_us  the same replayed from a captured device graph (no Python launch cost), where supported
+  prepare_us       kernels.lora_triton.prepare_lora_batch (once per step, shared by every layer)
+  reference_us     kernels.lora.add_lora(backend="reference"): per slot, boolean gathers, fp32 matmuls
+  loop_us          per adapter and slice: y[rows, slice] += (x[rows] @ A[:r].T) @ B[:, :r].T in the layer
+                   dtype, with each adapter's row indices precomputed on the device (a naive engine)
+  loop_graph_us    the loop replayed from a captured graph
+  base_us          the layer's dense x @ W in the layer dtype (what the LoRA work rides on)
+and ratios loop_over_triton, reference_over_triton, triton_over_base (eager), *_graph likewise.
+Buffers are engine-shaped: 64 slots (max_loras), r_max 64 (max_lora_rank), each adapter's true rank
+`rank`; tokens are dealt round-robin to the adapters (every token has one: the worst case). Repeated
+calls keep small adapter sets in L2, so times for 1-8 adapters are optimistic for a real decode step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import lora as lora_ops
+from kernels import lora_triton
+
+# Qwen3-8B: hidden 4096, 32 q heads / 8 kv heads of 128, intermediate 12288.
+FULL = dict(
+    layers={"qkv": (4096, [4096, 1024, 1024]), "gate_up": (4096, [12288, 12288]), "down": (12288, [4096])},
+    tokens=[64, 1024], adapters=[1, 8, 32, 64], ranks=[8, 16, 64], slots=64, r_max=64)
+QUICK = dict(
+    layers={"qkv": (64, [64, 16, 16]), "gate_up": (64, [96, 96]), "down": (96, [64])},
+    tokens=[8], adapters=[1, 4], ranks=[16], slots=4, r_max=64)
+
+
+def default_device() -> str:
+    if torch.cuda.is_available():
+        return "cuda"
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        return "xpu"
+    return "cpu"
+
+
+def _sync(dev: torch.device) -> Callable[[], None]:
+    mod = getattr(torch, dev.type, None)
+    fn = getattr(mod, "synchronize", None) if dev.type != "cpu" else None
+    return fn if callable(fn) else (lambda: None)
+
+
+def time_us(fn: Callable[[], object], sync: Callable[[], None], budget_s: float, max_iters: int = 2000) -> float:
+    """Mean wall time per call in microseconds: one warm-up call, then enough calls to fill budget_s
+    (at least 3, or 1 when budget_s is 0)."""
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    one = time.perf_counter() - t0
+    if budget_s <= 0:
+        return one * 1e6
+    iters = int(min(max_iters, max(3, budget_s / max(one, 1e-7))))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
+def graph_time_us(fn: Callable[[], object], dev: torch.device, budget_s: float, reps: int = 10) -> float | None:
+    """Per-call time of `reps` calls captured in one device graph and replayed; None where unsupported."""
+    mod = getattr(torch, dev.type, None)
+    graph_cls = getattr(mod, "CUDAGraph", None) or getattr(mod, "XPUGraph", None)
+    graph_ctx = getattr(mod, "graph", None)
+    if dev.type == "cpu" or graph_cls is None or graph_ctx is None:
+        return None
+    sync = _sync(dev)
+    try:
+        stream = mod.Stream()
+        stream.wait_stream(mod.current_stream())
+        with mod.stream(stream):  # warm up on a side stream, as capture requires
+            fn()
+        mod.current_stream().wait_stream(stream)
+        sync()
+        g = graph_cls()
+        with graph_ctx(g):
+            for _ in range(reps):
+                fn()
+        sync()
+    except Exception as e:
+        print(f"# graph capture failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        return None
+    return time_us(g.replay, sync, budget_s) / reps
+
+
+def triton_usable(dev: torch.device) -> bool:
+    if lora_triton.triton is None:
+        return False
+    if dev.type == "cpu":
+        return lora_triton._interpreting()
+    return True
+
+
+def run_case(dev: torch.device, dtype: torch.dtype, layer: str, k: int, sizes: list[int], tokens: int,
+             adapters: int, rank: int, slots: int, r_max: int, budget_s: float, use_triton: bool) -> dict:
+    g = torch.Generator(device="cpu").manual_seed(tokens * 1000 + adapters * 10 + rank)
+    lora_a = [(torch.randn(slots, r_max, k, generator=g) / k ** 0.5).to(dev, dtype) for _ in sizes]
+    lora_b = [(torch.randn(slots, n, r_max, generator=g) / r_max ** 0.5).to(dev, dtype) for n in sizes]
+    ranks = [[rank] * slots for _ in sizes]
+    slot_ids = [(i % adapters) * (slots // adapters) for i in range(tokens)]  # spread over the slot range
+    token_slots = torch.tensor(slot_ids, dtype=torch.long, device=dev)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    x = torch.randn(tokens, k, generator=g).to(dev, dtype)
+    y = torch.zeros(tokens, sum(sizes), device=dev, dtype=dtype)
+    w = (torch.randn(k, sum(sizes), generator=g) / k ** 0.5).to(dev, dtype)
+    sync = _sync(dev)
+    rec: dict = dict(bench="lora", device=str(dev), dtype=str(dtype).removeprefix("torch."), layer=layer, k=k,
+                     n=sizes, tokens=tokens, adapters=adapters, rank=rank, r_max=r_max, slots=slots)
+
+    rec["base_us"] = time_us(lambda: x @ w, sync, budget_s)
+
+    rec["triton_us"] = rec["triton_graph_us"] = rec["prepare_us"] = None
+    if use_triton:
+        rec["prepare_us"] = time_us(lambda: lora_triton.prepare_lora_batch(token_slots, None, slots), sync, budget_s)
+        info = lora_triton.prepare_lora_batch(slot_ids, None, slots, device=dev)
+        rt = lora_triton.ranks_tensor(ranks, slots, dev)
+
+        def tri() -> None:
+            lora_triton.add_lora(y, x, lora_a, lora_b, info, offsets, rt)
+
+        rec["triton_us"] = time_us(tri, sync, budget_s)
+        rec["triton_graph_us"] = graph_time_us(tri, dev, budget_s)
+
+    rec["reference_us"] = time_us(
+        lambda: lora_ops.add_lora(y, x, lora_a, lora_b, ranks, offsets, token_slots, backend="reference"),
+        sync, budget_s)
+
+    groups = [(s, (token_slots == s).nonzero().flatten()) for s in sorted(set(slot_ids))]
+
+    def loop() -> None:
+        for s, rows in groups:
+            xs = x[rows]
+            for a, b, off in zip(lora_a, lora_b, offsets):
+                n = b.size(1)
+                y[rows, off:off + n] += (xs @ a[s, :rank].t()) @ b[s, :, :rank].t()
+
+    rec["loop_us"] = time_us(loop, sync, budget_s)
+    rec["loop_graph_us"] = graph_time_us(loop, dev, budget_s)
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a is not None and b else None
+
+    rec["loop_over_triton"] = ratio(rec["loop_us"], rec["triton_us"])
+    rec["reference_over_triton"] = ratio(rec["reference_us"], rec["triton_us"])
+    rec["triton_over_base"] = ratio(rec["triton_us"], rec["base_us"])
+    rec["loop_over_triton_graph"] = ratio(rec["loop_graph_us"], rec["triton_graph_us"])
+    rec["triton_graph_over_base"] = ratio(rec["triton_graph_us"], rec["base_us"])
+    for key, val in rec.items():
+        if key.endswith("_us") and val is not None:
+            rec[key] = round(val, 2)
+    return rec
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default=default_device(), help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--quick", action="store_true", help="tiny shapes and short timings (CI smoke test)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--layers", default=None, help="comma-separated subset of qkv,gate_up,down")
+    p.add_argument("--budget-ms", type=float, default=None,
+                   help="timing budget per measurement (default 50; --quick: 0, i.e. one timed call)")
+    args = p.parse_args(argv)
+    dev = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    cfg = QUICK if args.quick or dev.type == "cpu" else FULL
+    budget_s = (args.budget_ms if args.budget_ms is not None else (0.0 if args.quick else 50.0)) / 1e3
+    use_triton = triton_usable(dev)
+    if not use_triton:
+        print(f"# triton not usable on {dev} (CPU: set TRITON_INTERPRET=1): no triton columns", file=sys.stderr)
+    layers = args.layers.split(",") if args.layers else list(cfg["layers"])
+    for layer in layers:
+        k, sizes = cfg["layers"][layer]
+        for tokens in cfg["tokens"]:
+            for adapters in cfg["adapters"]:
+                for rank in cfg["ranks"]:
+                    rec = run_case(dev, dtype, layer, k, sizes, tokens, adapters, rank, cfg["slots"], cfg["r_max"],
+                                   budget_s, use_triton)
+                    print(json.dumps(rec), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
