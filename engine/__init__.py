@@ -3,7 +3,7 @@
 from engine.async_engine import (
     AdapterPathForbiddenError,
     AsyncEngine,
-    EngineDeadError,
+    EngineFailedError,
     EngineStats,
     OverloadedError,
     RequestStream,
@@ -34,7 +34,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "EngineConfig",
-    "EngineDeadError",
+    "EngineFailedError",
     "EngineStats",
     "GenerationResult",
     "LLMEngine",

@@ -10,7 +10,6 @@ LoRA manager (which has its own lock) and run in worker threads, so they are saf
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import os
 import threading
@@ -29,7 +28,7 @@ class OverloadedError(RuntimeError):
     """The server cannot take the request now: waiting queue full, shutting down (HTTP 503)."""
 
 
-class EngineDeadError(OverloadedError):
+class EngineFailedError(OverloadedError):
     """The step loop failed; the engine serves nothing more (HTTP 503, /health unhealthy)."""
 
 
@@ -122,12 +121,11 @@ class AsyncEngine:
         self._queued = 0  # adds posted and not yet in the scheduler
         self._stop = False
         self._stats = EngineStats()
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._streams: dict[str, asyncio.Queue[_Item]] = {}  # touched on the event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._accepting = False
-        self._ids = itertools.count()
-        self._load_locks: dict[str, asyncio.Lock] = {}
+        self._load_locks: dict[str, asyncio.Lock] = {}  # per adapter name (folders under roots, loads)
         self.error: BaseException | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -140,10 +138,6 @@ class AsyncEngine:
     @property
     def healthy(self) -> bool:
         return self.error is None and self._thread is not None and self._thread.is_alive()
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
         """Stop accepting, let in-flight requests finish for up to grace_s, abort the rest, join."""
@@ -162,9 +156,6 @@ class AsyncEngine:
             return self._stats
 
     # -- requests ------------------------------------------------------------------------------------
-    def new_request_id(self, prefix: str = "req") -> str:
-        return f"{prefix}-{next(self._ids)}"
-
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                           lora_name: str | None = None) -> RequestStream:
         """Queue a request and wait until the engine accepts it. Raises RequestError (400; its
@@ -216,7 +207,7 @@ class AsyncEngine:
 
     def _check_accepting(self) -> None:
         if self.error is not None:
-            raise EngineDeadError(f"the engine failed and serves no more requests: {self.error!r}")
+            raise EngineFailedError(f"the engine failed and serves no more requests: {self.error!r}")
         if not self._accepting:
             raise OverloadedError("the server is shutting down")
 
@@ -234,10 +225,8 @@ class AsyncEngine:
     async def ensure_adapter(self, name: str) -> None:
         """Autoload: a model name that is not loaded but names a folder under a lora root is loaded
         once (concurrent first requests wait for the same load)."""
-        lora = self.engine.lora
-        cfg = self.engine.config.lora
-        if lora is None or not cfg.lora_autoload or not cfg.lora_roots or name == self.engine.served_model_name \
-                or name in lora:
+        lora, cfg = self.engine.lora, self.engine.config.lora
+        if lora is None or not cfg.lora_autoload or name == self.engine.served_model_name or name in lora:
             return
         try:
             validate_name(name)
@@ -285,9 +274,9 @@ class AsyncEngine:
                 log.exception("engine step failed; the server is now unhealthy")
                 with self._cv:
                     self.error = e
-                self._publish(added, [], len(added), None)
+                self._publish(added, [], None)
                 return
-            self._publish(added, outs, len(added), stats)
+            self._publish(added, outs, stats)
             if stop:
                 return
 
@@ -310,9 +299,9 @@ class AsyncEngine:
                            tuple(sorted(running)), tuple(sorted(waiting)))
 
     def _publish(self, added: list[tuple[str, list[int] | BaseException]], outs: list[RequestOutput],
-                 num_adds: int, stats: EngineStats | None) -> None:
+                 stats: EngineStats | None) -> None:
         with self._cv:
-            self._queued -= num_adds
+            self._queued -= len(added)
             if stats is not None:
                 self._stats = stats
         assert self._loop is not None
@@ -330,6 +319,6 @@ class AsyncEngine:
             if (q := self._streams.get(out.request_id)) is not None:
                 q.put_nowait(out)
         if self.error is not None:
-            dead = EngineDeadError(f"the engine failed: {self.error!r}")
+            dead = EngineFailedError(f"the engine failed: {self.error!r}")
             for q in self._streams.values():
                 q.put_nowait(dead)

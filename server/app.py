@@ -68,7 +68,8 @@ def create_app(engine_config: EngineConfig, *, engine: LLMEngine | None = None, 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         llm = engine if engine is not None else await asyncio.to_thread(LLMEngine, engine_config, progress)
-        async_engine = AsyncEngine(llm, max_waiting_requests)
+        limit = max_waiting_requests if max_waiting_requests is not None else llm.config.scheduler.max_waiting_requests
+        async_engine = AsyncEngine(llm, limit)
         metrics = Metrics(async_engine)
         app.state.engine, app.state.metrics = async_engine, metrics
         app.state.serving = Serving(async_engine, metrics)
@@ -77,6 +78,8 @@ def create_app(engine_config: EngineConfig, *, engine: LLMEngine | None = None, 
             yield
         finally:
             await async_engine.shutdown(grace_s=5.0)
+            if engine is None:  # built here, so stopped here (TP workers); a given engine is the caller's
+                llm.shutdown()
 
     app = FastAPI(title="xpulora", version=VERSION, lifespan=lifespan)
     install_error_handlers(app)
@@ -170,5 +173,8 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _ignore_signal)
     server = _Server(config)
-    server.run()
+    try:
+        server.run()
+    finally:
+        llm.shutdown()
     return 0 if server.started else 1

@@ -116,3 +116,37 @@ def test_host_cache_eviction_rereads_and_detects_changed_files(six: dict, tmp_pa
     assert r.finish_reason == "error" and "changed on disk" in (r.error or "")
     assert engine.blocks.num_free == engine.blocks.num_blocks
     assert engine.generate([p], GREEDY, ["a2"])[0].finish_reason == "length"
+
+
+def test_waiting_adapter_is_not_starved(six: dict) -> None:
+    """One slot; a0 requests keep arriving while an a1 request waits: a1 must run before the a0 stream ends."""
+    engine = make_lora_engine(six["model"], {"a0": six["adapters"]["a0"], "a1": six["adapters"]["a1"]}, max_loras=1)
+    short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    p = prompts(1, seed=6)[0]
+    for i in range(3):
+        engine.add_request(f"a0-{i}", p, short, "a0")
+    engine.step()
+    engine.add_request("a1", p, short, "a1")
+    finished_at: dict[str, int] = {}
+    for step in range(200):
+        engine.add_request(f"a0-late-{step}", p, short, "a0")  # a steady stream for the adapter in the slot
+        for o in engine.step():
+            if o.finished:
+                finished_at[o.request_id] = step
+        if "a1" in finished_at:
+            break
+    assert "a1" in finished_at and finished_at["a1"] < 20, finished_at.get("a1")
+
+
+def test_pinned_adapter_keeps_its_slot(six: dict) -> None:
+    engine = make_lora_engine(six["model"], max_loras=2)
+    engine.load_lora_adapter("pinned", six["adapters"]["a0"], pin=True)
+    for n in ("a1", "a2", "a3"):
+        engine.load_lora_adapter(n, six["adapters"][n])
+    p = prompts(1, seed=7)[0]
+    engine.generate([p], GREEDY, ["pinned"])
+    pinned_id = engine.lora.resolve("pinned")
+    for n in ("a1", "a2", "a3", "a1"):
+        engine.generate([p], GREEDY, [n])
+        assert pinned_id in engine.lora.slots_snapshot()
+    assert engine.lora.num_evictions >= 2

@@ -1,0 +1,142 @@
+"""GPU check for tensor parallelism and the hybrid model (run on a 2-GPU machine):
+
+1. TP=2 (NCCL) equals TP=1 on larger random int4 checkpoints in the AutoRound layout: a Qwen3-8B-shaped
+   dense model and a Qwen3.6-27B-shaped hybrid (few layers), float32 (greedy ids and logits).
+2. Decode tokens/s at batch 1 and 32, bf16, TP=1 and TP=2 for both shapes.
+3. The cost of the collectives: all-reduce of [B, hidden] bf16 timed on NCCL, times the number per token.
+One JSON line per result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig, ParallelConfig, SamplingParams
+from tools.random_int4 import QWEN3_8B, QWEN36_27B, write_random_int4
+
+
+def emit(**kw: object) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def engine(path: str, tp: int, dtype: str, max_num_seqs: int = 64) -> LLMEngine:
+    from engine import SchedulerConfig
+
+    return LLMEngine(EngineConfig(ModelConfig(path, dtype=dtype, max_model_len=1024),
+                                  cache=CacheConfig(gpu_memory_utilization=0.5),
+                                  parallel=ParallelConfig(tensor_parallel_size=tp),
+                                  scheduler=SchedulerConfig(max_num_seqs=max_num_seqs)))
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, min(vocab, 400), (length + i,), generator=g).tolist() for i in range(n)]
+
+
+def equality(name: str, path: str) -> None:
+    ps = prompts(8, 40, 400, 1)
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    res = {}
+    logits = {}
+    for tp in (1, 2):
+        with engine(path, tp, "float32") as e:
+            res[tp] = [r.token_ids for r in e.generate(ps, greedy)]
+            logits[tp] = e.runner.prompt_logits(ps[0])
+    diff = float((logits[1] - logits[2]).abs().max())
+    emit(check=f"{name} TP=2 vs TP=1 float32", greedy_equal=res[1] == res[2],
+         prompts_equal=sum(a == b for a, b in zip(res[1], res[2])), of=len(ps), max_logit_diff=diff,
+         logit_scale=float(logits[1].abs().max()))
+
+
+def decode_speed(name: str, path: str, tp: int, batch: int) -> None:
+    with engine(path, tp, "bfloat16", max_num_seqs=max(batch, 1)) as e:
+        ps = prompts(batch, 32, 400, 2)
+        warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        e.generate(ps[:1], warm)
+        params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+        for i, p in enumerate(ps):
+            e.add_request(str(i), p, params)
+        e.step()  # prefill
+        torch.cuda.synchronize()
+        t0, steps = time.perf_counter(), 0
+        while e.has_unfinished():
+            e.step()
+            steps += 1
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    emit(bench=f"{name} decode", tp=tp, batch=batch, steps=steps, ms_per_step=1e3 * dt / steps,
+         tokens_per_s=batch * steps / dt)
+
+
+def _allreduce_worker(rank: int, hidden: int, out: str) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=rank, world_size=2,
+                            device_id=torch.device("cuda", rank))
+    rows = []
+    for b in (1, 8, 32, 64):
+        x = torch.randn(b, hidden, dtype=torch.bfloat16, device="cuda")
+        for _ in range(20):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        n = 200
+        t0 = time.perf_counter()
+        for _ in range(n):
+            dist.all_reduce(x)
+        torch.cuda.synchronize()
+        rows.append({"batch": b, "hidden": hidden, "us_per_allreduce": 1e6 * (time.perf_counter() - t0) / n})
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def collectives(hidden: int, layers: int, name: str) -> None:
+    import torch.multiprocessing as mp
+
+    out = f"/tmp/ar-{hidden}.json"
+    mp.start_processes(_allreduce_worker, args=(hidden, out), nprocs=2, start_method="spawn")
+    with open(out) as f:
+        rows = json.load(f)
+    for r in rows:
+        # Per token step: 2 all-reduces per layer (attention/mixer out + MLP down) + 1 for the vocab-parallel
+        # embedding; the lm_head all-gather is of similar size per token and counted as one more.
+        per_step = (2 * layers + 2) * r["us_per_allreduce"]
+        emit(collective=f"{name} all-reduce [B, {hidden}] bf16", **r, allreduces_per_step=2 * layers + 2,
+             us_per_decode_step_full_model=per_step)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", default="/tmp/xpulora-ckpt")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--skip", nargs="*", default=[])
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    dense = write_random_int4(f"{a.root}/qwen3-8b-shape", QWEN3_8B, layers=a.layers, device=dev)
+    hybrid = write_random_int4(f"{a.root}/qwen36-27b-shape", QWEN36_27B, layers=a.layers, device=dev)
+    emit(info="checkpoints", dense_layers=a.layers, hybrid_layers=a.layers, gpus=torch.cuda.device_count())
+    if "collectives" not in a.skip:
+        collectives(QWEN3_8B.hidden, QWEN3_8B.layers, "Qwen3-8B")
+        collectives(QWEN36_27B.hidden, QWEN36_27B.layers, "Qwen3.6-27B")
+    if "equal" not in a.skip:
+        equality("Qwen3-8B-shaped int4", dense)
+        equality("Qwen3.6-27B-shaped int4 hybrid", hybrid)
+    if "speed" not in a.skip:
+        for name, path in (("Qwen3-8B-shaped", dense), ("Qwen3.6-27B-shaped", hybrid)):
+            for tp in (1, 2):
+                for b in (1, 32):
+                    decode_speed(f"{name} ({a.layers} layers)", path, tp, b)
+
+
+if __name__ == "__main__":
+    main()
