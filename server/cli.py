@@ -176,6 +176,15 @@ def build_engine_config(a: argparse.Namespace) -> EngineConfig:
         seed=a.seed, enforce_eager=a.enforce_eager)
 
 
+def use_demo(a: argparse.Namespace) -> None:
+    """No model given: the bundled demo model, with its adapters registered unless others were named."""
+    a.model = str(DEMO_MODEL)
+    if not a.lora_modules and DEMO_ADAPTERS.is_dir():
+        a.enable_lora = True
+        a.lora_modules = [(d.name, str(d)) for d in sorted(DEMO_ADAPTERS.iterdir()) if d.is_dir()]
+        a.max_lora_rank = max(a.max_lora_rank, 64)
+
+
 # -- generate ----------------------------------------------------------------------------------------
 GENERATE_KEYS = {"prompt", "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs"}
 
@@ -305,8 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     a = build_parser(argv).parse_args(argv)
     try:
-        if a.command in ("serve", "generate") and a.model is None:
-            a.model = str(DEMO_MODEL)
+        if a.command == "serve" and a.model is None:
+            a.model = str(DEMO_MODEL)  # the server sets up the demo's adapters and lora root itself
+        if a.command == "generate" and a.model is None:
+            use_demo(a)
         if a.command == "generate":
             return cmd_generate(a)
         if a.command == "serve":

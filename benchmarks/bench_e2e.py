@@ -1,0 +1,179 @@
+"""End-to-end decode throughput on a Qwen3-8B-shaped random int4 checkpoint (AutoRound layout), with
+0/1/8/32 distinct rank-16 adapters on all seven projections, against transformers + peft mixed-adapter
+`generate` (bf16 dense model of the same shape, a faster peer than its int4 path) in the same run, and
+against the bandwidth floor (bytes read per decode step / measured copy bandwidth). One JSON line per case.
+
+    python benchmarks/bench_e2e.py --layers 36            # on a GPU
+    python benchmarks/bench_e2e.py --quick                # tiny shapes on the CPU (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine import (
+    CacheConfig,
+    EngineConfig,
+    LLMEngine,
+    LoRAConfig,
+    ModelConfig,
+    SamplingParams,
+    SchedulerConfig,
+)
+from tools.random_int4 import QWEN3_8B, Shape, write_random_int4
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def emit(**kw: object) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def module_shapes(s: Shape) -> dict[str, tuple[int, int]]:
+    qd, kd = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    return {"self_attn.q_proj": (s.hidden, qd), "self_attn.k_proj": (s.hidden, kd), "self_attn.v_proj": (s.hidden, kd),
+            "self_attn.o_proj": (qd, s.hidden), "mlp.gate_proj": (s.hidden, s.intermediate),
+            "mlp.up_proj": (s.hidden, s.intermediate), "mlp.down_proj": (s.intermediate, s.hidden)}
+
+
+def write_adapter(path: str, s: Shape, layers: int, r: int, seed: int) -> str:
+    """A PEFT-format adapter with random non-zero A and B on every projection of every layer."""
+    g = torch.Generator().manual_seed(seed)
+    t = {}
+    for i in range(layers):
+        for mod, (k, n) in module_shapes(s).items():
+            key = f"base_model.model.model.layers.{i}.{mod}"
+            t[f"{key}.lora_A.weight"] = (torch.randn(r, k, generator=g) / k**0.5).to(torch.bfloat16)
+            t[f"{key}.lora_B.weight"] = (torch.randn(n, r, generator=g) * 0.01).to(torch.bfloat16)
+    os.makedirs(path, exist_ok=True)
+    save_file(t, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(TARGETS),
+                   "bias": "none", "task_type": "CAUSAL_LM"}, f)
+    return path
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted)."""
+    n = 1 << 30 if device.type != "cpu" else 1 << 26
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        b.copy_(a)
+    sync(device)
+    return 2 * n * 10 / (time.perf_counter() - t0)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def ours(path: str, adapters: list[str], batch: int, n_adapters: int, new_tokens: int, device: str) -> dict:
+    lora = LoRAConfig(enable_lora=True, max_loras=max(1, len(adapters)), max_lora_rank=16,
+                      lora_modules=tuple((f"a{i}", p) for i, p in enumerate(adapters)))
+    cfg = EngineConfig(ModelConfig(path, dtype="bfloat16" if device != "cpu" else "float32", max_model_len=512),
+                       cache=CacheConfig(gpu_memory_utilization=0.6), scheduler=SchedulerConfig(max_num_seqs=batch),
+                       lora=lora if n_adapters else LoRAConfig())
+    with LLMEngine(cfg) as e:
+        names = [f"a{i % n_adapters}" if n_adapters else None for i in range(batch)]
+        g = torch.Generator().manual_seed(0)
+        ps = [torch.randint(0, 400, (32,), generator=g).tolist() for _ in range(batch)]
+        e.generate(ps[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), names[:1])  # warm-up
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        for i, (p, n) in enumerate(zip(ps, names)):
+            e.add_request(str(i), p, params, n)
+        e.step()  # prefill of every request
+        sync(e.device.torch_device)
+        t0, steps = time.perf_counter(), 0
+        while e.has_unfinished():
+            e.step()
+            steps += 1
+        sync(e.device.torch_device)
+        dt = time.perf_counter() - t0
+    return {"ms_per_step": 1e3 * dt / steps, "tokens_per_s": batch * steps / dt}
+
+
+def peer(s: Shape, layers: int, adapters: list[str], batch: int, n_adapters: int, new_tokens: int,
+         device: torch.device) -> dict:
+    """transformers + peft, bf16 dense, mixed adapters in one batch via adapter_names."""
+    from peft import PeftModel
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
+                      num_hidden_layers=layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                      head_dim=s.head_dim, max_position_embeddings=512)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16 if device.type != "cpu" else torch.float32).eval()
+    if n_adapters:
+        model = PeftModel.from_pretrained(model, adapters[0], adapter_name="a0")
+        for i in range(1, n_adapters):
+            model.load_adapter(adapters[i], adapter_name=f"a{i}")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 400, (batch, 32), generator=g).to(device)
+    kw = {"adapter_names": [f"a{i % n_adapters}" for i in range(batch)]} if n_adapters else {}
+    with torch.no_grad():
+        model.generate(ids[:1], max_new_tokens=2, do_sample=False, **({"adapter_names": ["a0"]} if n_adapters else {}))
+        sync(device)
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kw)
+        sync(device)
+    dt = time.perf_counter() - t0
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"peer_tokens_per_s": batch * new_tokens / dt}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, CPU smoke test")
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32, 64])
+    ap.add_argument("--adapters", type=int, nargs="*", default=[0, 1, 8, 32])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--peer-cases", default="32:8,32:32,1:0", help="batch:adapters pairs run with the peer too")
+    ap.add_argument("--root", default="/tmp/xpulora-e2e")
+    a = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.quick else "cpu")
+    s = Shape(256, 768, 2, 4, 2, 64, 1024) if a.quick else QWEN3_8B
+    layers = 2 if a.quick else a.layers
+    if a.quick:
+        a.batches, a.adapters, a.new_tokens = [1, 4], [0, 2], 4
+        a.peer_cases = "4:2"
+    path = write_random_int4(f"{a.root}/model", s, layers=layers, device=device)
+    adapters = [write_adapter(f"{a.root}/lora{i}", s, layers, 16, i) for i in range(max(a.adapters))]
+    bw = copy_bandwidth(device)
+    weight_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    emb_bytes = s.vocab * s.hidden * 2  # the embedding is looked up, not read whole
+    peer_cases = {tuple(int(x) for x in c.split(":")) for c in a.peer_cases.split(",") if c}
+    for b in a.batches:
+        for n in a.adapters:
+            if n > b:
+                continue
+            r = ours(path, adapters[:n], b, n, a.new_tokens, device.type)
+            floor_ms = 1e3 * (weight_bytes - emb_bytes) / bw
+            row = {"case": "decode", "batch": b, "adapters": n, "layers": layers, **r, "floor_ms_per_step": floor_ms,
+                   "vs_floor": r["ms_per_step"] / floor_ms}
+            if (b, n) in peer_cases:
+                row.update(peer(s, layers, adapters[:n], b, n, min(a.new_tokens, 32), device))
+                row["speedup_vs_peer"] = r["tokens_per_s"] / row["peer_tokens_per_s"]
+            emit(**row)
+    emit(case="copy_bandwidth", bytes_per_s=bw, device=str(device))
+
+
+if __name__ == "__main__":
+    main()
