@@ -48,7 +48,10 @@ RUN apt-get update \
 FROM base AS runtime-cpu
 
 # ---- build: a virtualenv with torch for DEVICE and the project --------------------------------------------
-FROM base AS build
+# On top of the runtime stage, so that the import check at its end runs beside the same driver libraries
+# as the final image.
+# hadolint ignore=DL3006
+FROM runtime-${DEVICE} AS build
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 ARG DEVICE
 # torch from PyTorch's own index for the device: /whl/xpu (brings pytorch-triton-xpu and the oneAPI

@@ -182,6 +182,8 @@ class MultiprocExecutor:
         return self.runner.lora_target_shapes()
 
     def _failure(self) -> str:
+        for p in self.procs:  # a peer's socket closes a moment before its process is reaped
+            p.join(timeout=2)
         msgs = []
         for conn in self.conns:
             try:

@@ -73,38 +73,62 @@ def _require_triton() -> None:
 class LoRABatchInfo:
     """The step's tokens grouped by adapter slot, on the device (built by prepare_lora_batch).
 
-    Tensors are int32 and keep their addresses across in-place updates (prepare_lora_batch(out=...)),
-    so a captured graph that reads them stays valid when the next step's mapping is written into them.
+    All int32 metadata lives in one tensor `meta` (one host-to-device copy per step); the fields below are
+    views of it. Its address survives in-place updates (prepare_lora_batch(out=...)), so a captured graph
+    that reads it stays valid when the next step's mapping is written into it.
     """
 
-    token_slots: torch.Tensor
-    """[T] int64: adapter slot of each token, -1 for none."""
-    sorted_tokens: torch.Tensor
-    """[T] token indices stable-sorted by slot, slot -1 tokens last."""
-    slot_start: torch.Tensor
-    """[S] first position of each slot's tokens in sorted_tokens."""
-    slot_len: torch.Tensor
-    """[S] number of tokens of each slot."""
-    block_slot: torch.Tensor
-    """[NB] slot of each M-block (num_slots: an unused block, its programs exit at once)."""
-    block_start: torch.Tensor
-    """[NB] first row (position in sorted_tokens) of each M-block."""
-    block_end: torch.Tensor
-    """[NB] end (exclusive) of the block's slot run in sorted_tokens; the block's rows stop there."""
+    meta: torch.Tensor
+    """int32 [2T + 2S + 3NB]: token_slots, sorted_tokens, slot_start, slot_len, block_slot, block_start, block_end."""
+    num_tokens: int
+    num_slots: int
+    num_blocks: int
+    block_m: int
     ranks: torch.Tensor | None
     """[n_slices, S] int32 true rank of each slot per slice, when prepare_lora_batch was given ranks."""
-    num_slots: int
-    block_m: int
     has_lora: bool | None
-    """False: no token has an adapter (nothing to launch). None: unknown without a host sync (tensor input)."""
+    """False: no token has an adapter (nothing to launch). None: unknown without a host sync (device input)."""
+
+    def _part(self, i: int) -> torch.Tensor:
+        t, s, nb = self.num_tokens, self.num_slots, self.num_blocks
+        bounds = [0, t, 2 * t, 2 * t + s, 2 * t + 2 * s, 2 * t + 2 * s + nb, 2 * t + 2 * s + 2 * nb,
+                  2 * t + 2 * s + 3 * nb]
+        return self.meta[bounds[i]:bounds[i + 1]]
 
     @property
-    def num_tokens(self) -> int:
-        return self.token_slots.numel()
+    def token_slots(self) -> torch.Tensor:
+        """[T] adapter slot of each token, -1 for none."""
+        return self._part(0)
 
     @property
-    def num_blocks(self) -> int:
-        return self.block_slot.numel()
+    def sorted_tokens(self) -> torch.Tensor:
+        """[T] token indices stable-sorted by slot, slot -1 tokens last."""
+        return self._part(1)
+
+    @property
+    def slot_start(self) -> torch.Tensor:
+        """[S] first position of each slot's tokens in sorted_tokens."""
+        return self._part(2)
+
+    @property
+    def slot_len(self) -> torch.Tensor:
+        """[S] number of tokens of each slot."""
+        return self._part(3)
+
+    @property
+    def block_slot(self) -> torch.Tensor:
+        """[NB] slot of each M-block (num_slots: an unused block of the upper-bound grid)."""
+        return self._part(4)
+
+    @property
+    def block_start(self) -> torch.Tensor:
+        """[NB] first row (position in sorted_tokens) of each M-block."""
+        return self._part(5)
+
+    @property
+    def block_end(self) -> torch.Tensor:
+        """[NB] end (exclusive) of the block's slot run in sorted_tokens; the block's rows stop there."""
+        return self._part(6)
 
 
 def _default_block_m(num_tokens: int) -> int:
@@ -119,63 +143,65 @@ def max_blocks(num_tokens: int, num_slots: int, block_m: int) -> int:
     return (num_tokens + block_m - 1) // block_m + min(num_slots, num_tokens)
 
 
+def _schedule(slots: torch.Tensor, num_slots: int, block_m: int, num_blocks: int) -> torch.Tensor:
+    """meta (int32, on slots' device) for int64 slots: sort by slot, count, cut each slot's run into blocks."""
+    key = torch.where(slots >= 0, slots, num_slots)  # -1 sorts last, as slot S
+    order = torch.sort(key, stable=True).indices
+    counts = torch.zeros(num_slots + 1, dtype=torch.long, device=slots.device)
+    cnt = counts.scatter_add_(0, key, torch.ones_like(key))[:num_slots]  # bincount without a host sync
+    start = torch.cumsum(cnt, 0) - cnt
+    nblk = (cnt + block_m - 1) // block_m
+    cum = torch.cumsum(nblk, 0)
+    b = torch.arange(num_blocks, dtype=torch.long, device=slots.device)
+    bslot = torch.searchsorted(cum, b, right=True)  # slot s owns blocks cum[s-1] <= b < cum[s]; S: unused
+    s_c = bslot.clamp(max=num_slots - 1)
+    bstart = start[s_c] + (b - (cum[s_c] - nblk[s_c])) * block_m
+    bend = start[s_c] + cnt[s_c]
+    return torch.cat([slots, order, start, cnt, bslot, bstart, bend]).to(torch.int32)
+
+
 def prepare_lora_batch(token_slots: torch.Tensor | Sequence[int], ranks_per_slice: torch.Tensor |
                        Sequence[Sequence[int]] | None, num_slots: int, *, device: torch.device | None = None,
                        block_m: int | None = None, out: LoRABatchInfo | None = None) -> LoRABatchInfo:
     """info: tokens sorted by slot, per-slot start/len, the M-block schedule, ranks as a device tensor.
 
-    token_slots: [T] ints in [-1, num_slots), a device tensor or a host sequence (then also checked and
-    `has_lora` known; `device` says where to put it). ranks_per_slice: [n_slices][num_slots] true ranks
-    (or an int tensor of that shape), stored as info.ranks for the kernels, or None when each layer passes
-    its own. Device work only (sort, cumsum, searchsorted): no host sync for a tensor input.
-    With `out`, the result is written into out's tensors (same T, num_slots, block_m) and out is returned.
+    token_slots: [T] ints in [-1, num_slots). From the host (a sequence or a CPU tensor; `device` says
+    where the kernels run, default CPU) it is checked, `has_lora` is known, and the schedule is computed
+    on the CPU and sent in ONE copy (the cheap path: a handful of tiny device ops cost more in launches).
+    A device tensor is scheduled on the device with no host sync (has_lora None). ranks_per_slice:
+    [n_slices][num_slots] true ranks (or an int32 tensor), kept as info.ranks for the kernels, or None
+    when each layer passes its own. With `out`, everything is written into out's tensors (same T,
+    num_slots and block_m) and out is returned: what a captured graph needs.
     """
     if num_slots <= 0:
         raise ValueError(f"prepare_lora_batch: num_slots must be positive, got {num_slots}")
-    has_lora: bool | None = None
     if not isinstance(token_slots, torch.Tensor):
-        host = [int(s) for s in token_slots]
-        bad = [s for s in host if not -1 <= s < num_slots]
-        if bad:
-            raise ValueError(f"prepare_lora_batch: slots {sorted(set(bad))} outside [-1, {num_slots})")
-        has_lora = any(s >= 0 for s in host)
-        token_slots = torch.tensor(host, dtype=torch.long, device=device)
+        token_slots = torch.tensor([int(s) for s in token_slots], dtype=torch.long)
     if token_slots.dim() != 1:
         raise ValueError(f"prepare_lora_batch: token_slots must be 1-D, got {tuple(token_slots.shape)}")
-    dev = token_slots.device
-    t = token_slots.numel()
+    slots = token_slots.to(torch.long)
+    on_host = slots.device.type == "cpu"
+    dev = torch.device(device) if device is not None else (out.meta.device if out is not None else slots.device)
+    t = slots.numel()
     bm = block_m or (out.block_m if out is not None else _default_block_m(t))
     nb = max_blocks(t, num_slots, bm)
+    has_lora: bool | None = None
+    if on_host:
+        bad = (slots < -1) | (slots >= num_slots)
+        if bool(bad.any()):
+            raise ValueError(f"prepare_lora_batch: slots {sorted(set(slots[bad].tolist()))} outside "
+                             f"[-1, {num_slots})")
+        has_lora = bool((slots >= 0).any())
+    meta = _schedule(slots, num_slots, bm, nb)
+    ranks = ranks_tensor(ranks_per_slice, num_slots, dev) if ranks_per_slice is not None else None
 
-    slots = token_slots.to(torch.long)
-    key = torch.where(slots >= 0, slots, torch.full_like(slots, num_slots))  # -1 sorts last, as slot S
-    order = torch.sort(key, stable=True).indices
-    counts = torch.zeros(num_slots + 1, dtype=torch.long, device=dev).scatter_add_(0, key, torch.ones_like(key))
-    cnt = counts[:num_slots]
-    start = torch.cumsum(cnt, 0) - cnt
-    nblk = (cnt + bm - 1) // bm
-    cum = torch.cumsum(nblk, 0)
-    b = torch.arange(nb, dtype=torch.long, device=dev)
-    bslot = torch.searchsorted(cum, b, right=True)  # slot s owns blocks cum[s-1] <= b < cum[s]; S: unused
-    s_c = bslot.clamp(max=num_slots - 1)
-    bstart = start[s_c] + (b - (cum[s_c] - nblk[s_c])) * bm
-    bend = start[s_c] + cnt[s_c]
-
-    ranks = None
-    if ranks_per_slice is not None:
-        ranks = ranks_tensor(ranks_per_slice, num_slots, dev)
-
-    i32 = torch.int32
-    fresh = LoRABatchInfo(token_slots=slots, sorted_tokens=order.to(i32), slot_start=start.to(i32),
-                          slot_len=cnt.to(i32), block_slot=bslot.to(i32), block_start=bstart.to(i32),
-                          block_end=bend.to(i32), ranks=ranks, num_slots=num_slots, block_m=bm, has_lora=has_lora)
     if out is None:
-        return fresh
+        return LoRABatchInfo(meta=meta.to(dev), num_tokens=t, num_slots=num_slots, num_blocks=nb, block_m=bm,
+                             ranks=ranks, has_lora=has_lora)
     if out.num_tokens != t or out.num_slots != num_slots or out.block_m != bm:
         raise ValueError(f"prepare_lora_batch(out=...): out holds T={out.num_tokens}, S={out.num_slots}, "
                          f"block_m={out.block_m}; got T={t}, S={num_slots}, block_m={bm}")
-    for name in ("token_slots", "sorted_tokens", "slot_start", "slot_len", "block_slot", "block_start", "block_end"):
-        getattr(out, name).copy_(getattr(fresh, name))
+    out.meta.copy_(meta)
     if ranks is not None:
         if out.ranks is None or out.ranks.shape != ranks.shape:
             raise ValueError("prepare_lora_batch(out=...): ranks shape differs from out.ranks")

@@ -282,7 +282,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     engine_flags(gen)
     q = sub.add_parser("quantize", help="quantize a 16-bit Hugging Face Qwen folder to int4 with auto-round",
                        description="Write the int4 AutoRound checkpoint this engine serves (W4A16, format "
-                                   "auto_round; symmetric packs as auto_round:auto_gptq) into a flat folder OUT. "
+                                   "auto_round; symmetric packs as auto_round:auto_gptq, asymmetric as "
+                                   "auto_round:gptqmodel) into a flat folder OUT. "
                                    "Needs the optional extra: pip install 'xpulora[quantize]'.")
     q.add_argument("src", metavar="SRC", help="16-bit Hugging Face model folder (or a hub id)")
     q.add_argument("out", metavar="OUT", help="output folder (must not exist or be empty, unless --overwrite)")
@@ -292,7 +293,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     sym = q.add_mutually_exclusive_group()
     sym.add_argument("--sym", dest="sym", action="store_true", default=True,
                      help="symmetric int4 (default; packed as auto_round:auto_gptq)")
-    sym.add_argument("--asym", dest="sym", action="store_false", help="asymmetric int4 (zero point per group)")
+    sym.add_argument("--asym", dest="sym", action="store_false",
+                     help="asymmetric int4, a zero point per group (packed as auto_round:gptqmodel)")
     q.add_argument("--iters", type=int, default=0,
                    help="auto-round tuning iterations per block (0: round-to-nearest, no calibration data; "
                         "200 is auto-round's default tuning and needs --dataset or network access)")

@@ -39,12 +39,13 @@ class _Sampling(_Strict):
 
     model: str
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
+    # Bounds keep values the sampler cannot take (inf, seeds beyond int64) from reaching the step thread.
+    temperature: float | None = Field(None, allow_inf_nan=False)
+    top_p: float | None = Field(None, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1, le=1 << 31)
     n: int = Field(1, ge=1, le=128)
     stop: Any = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), le=(1 << 63) - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

@@ -6,13 +6,14 @@ inside this command (it drags datasets and pandas, seconds of import time the se
 
 What is written: W4A16 (4-bit int weights, 16-bit activations), one scale (and for --asym one zero
 point) per `--group-size` inputs, format `auto_round` (symmetric packs as `auto_round:auto_gptq`,
-GPTQ v1 zeros; asymmetric as `auto_round`), decoder linears only (embeddings, lm_head and norms stay
-16-bit), tokenizer and generation config copied. OUT is a flat folder (config.json at its top), written
-next to OUT first and moved into place only when complete, so a failed run leaves no half checkpoint.
+GPTQ v1 zeros; asymmetric as `auto_round:gptqmodel`, v2 zeros), decoder linears only (embeddings,
+lm_head and norms stay 16-bit), tokenizer and generation config copied. OUT is a flat folder
+(config.json at its top), written next to OUT first and moved into place only when complete, so a
+failed run leaves no half checkpoint.
 
-`--iters 0` (the default) is plain round-to-nearest: no calibration data, seconds for a small model,
-minutes for an 8B one on a CPU. `--iters N` runs auto-round's sign-gradient tuning (better accuracy,
-needs calibration text and is best run on a GPU).
+`--iters 0` (the default) is plain round-to-nearest: no calibration data, seconds for a tiny model,
+and the CPU is enough. `--iters N` runs auto-round's sign-gradient tuning (better accuracy; needs
+calibration text and is best run on a GPU).
 """
 
 from __future__ import annotations
@@ -100,6 +101,14 @@ def flatten_output(tmp: Path) -> Path:
     return inner[0]
 
 
+def export_format(sym: bool) -> str:
+    """auto-round's export format. Symmetric: `auto_round`, which packs as `auto_round:auto_gptq`
+    (GPTQ v1 zeros, the common case). Asymmetric: plain `auto_round` would pack as AWQ
+    (`auto_round:auto_awq`), which this engine does not serve, so ask for the GPTQModel packing
+    (`auto_round:gptqmodel`, v2 zeros), which it serves and transformers + auto-round load."""
+    return "auto_round" if sym else "auto_round:gptqmodel"
+
+
 def _algorithm(bits: int, group_size: int, sym: bool, iters: int) -> Any:
     if iters == 0:
         from auto_round.algorithms.quantization.rtn.config import RTNConfig
@@ -151,6 +160,8 @@ def quantize_folder(src: str, out: str, *, bits: int = 4, group_size: int = 128,
         tokenizer = AutoTokenizer.from_pretrained(src)
     except (OSError, ValueError) as e:
         raise QuantizeError(f"transformers cannot load {src}: {e}") from e
+    if cfg is None:  # a hub id: now that its config is here, apply the same checks as for a folder
+        _check_config(model.config.to_dict(), src)
     where = "the first accelerator, else the CPU" if device == "auto" else device
     _say(f"[2/3] quantizing {type(model).__name__} to int{bits} group {group_size} "
          f"{'sym' if sym else 'asym'} ({mode}) on {where}")
@@ -163,9 +174,9 @@ def quantize_folder(src: str, out: str, *, bits: int = 4, group_size: int = 128,
                    device_map=device_map, **kwargs)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_path.name}.", dir=out_path.parent))
     try:
-        ar.quantize_and_save(str(tmp), format="auto_round")
+        ar.quantize_and_save(str(tmp), format=export_format(sym))
         written = flatten_output(tmp)
-        _say(f"[3/3] writing {out}")
+        _say(f"[3/3] checking the written checkpoint and moving it to {out}")
         _check_written(written)
         _readable(written)
         if out_path.exists():

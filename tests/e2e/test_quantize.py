@@ -32,23 +32,23 @@ def bf16_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 def test_quantize_writes_a_flat_folder_that_generate_serves_like_transformers(bf16_model: str,
                                                                             tmp_path: Path) -> None:
-    out = tmp_path / "tiny-qwen3-int4"
+    out = tmp_path / "models" / "tiny-qwen3-int4"  # its parent does not exist yet
     proc = _cli("quantize", bf16_model, str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     # A progress bar over the decoder blocks (auto-round's), and our stage lines.
     assert "Quantizing model.layers.1" in proc.stderr and "100%" in proc.stderr, proc.stderr[-2000:]
-    assert "[3/3] writing" in proc.stderr and f"xpulora serve {out}" in proc.stderr
+    assert f"[3/3] checking the written checkpoint and moving it to {out}" in proc.stderr and f"xpulora serve {out}" in proc.stderr
     # Flat: the checkpoint is OUT itself, not OUT/<name>-w4g128/; no temporary folder is left beside it.
     names = sorted(p.name for p in out.iterdir())
     assert not [p for p in out.iterdir() if p.is_dir()], names
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(names)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+    assert sorted(p.name for p in out.parent.iterdir()) == [out.name]
     qc = json.loads((out / "config.json").read_text())["quantization_config"]
     assert (qc["quant_method"], qc["packing_format"], qc["bits"], qc["group_size"], qc["sym"]) == (
         "auto-round", "auto_round:auto_gptq", 4, 128, True)
 
     ps = prompts(4, seed=11, min_words=2, max_words=12)
-    requests = tmp_path.parent / f"{tmp_path.name}-requests.jsonl"
+    requests = tmp_path / "requests.jsonl"
     requests.write_text("".join(json.dumps({"prompt": p, "max_tokens": MAX_NEW, "temperature": 0}) + "\n"
                                 for p in ps))
     gen = _cli("generate", str(out), "--requests", str(requests), "--max-model-len", "128")
@@ -93,3 +93,23 @@ def test_quantize_refuses_before_any_work(bf16_model: str, tmp_path: Path) -> No
     # The CLI reports the same as a one-line error and exit status 2, without a traceback.
     proc = _cli("quantize", bf16_model, str(busy))
     assert proc.returncode == 2 and "xpulora quantize: error: OUT" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_asym_writes_a_packing_the_engine_serves(tmp_path: Path) -> None:
+    """auto-round's default asymmetric export is AWQ-packed (not served); --asym must write the
+    GPTQModel packing (v2 zeros) instead, and the engine must match transformers + auto-round on it."""
+    from engine import SamplingParams
+    from server.quantize import quantize_folder
+    from tests.helpers import make_engine
+    from tools.tinymodels import make_model
+
+    src = make_model(str(tmp_path / "bf16"), "qwen3", tie=True, layers=1, seed=3)
+    out = quantize_folder(src, str(tmp_path / "int4-asym"), sym=False, device="cpu")
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert (qc["packing_format"], qc["sym"]) == ("auto_round:gptqmodel", False)
+    engine = make_engine(str(out), max_model_len=128)
+    results = engine.generate(prompts(3, seed=5, min_words=2, max_words=10),
+                              SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
+    hf = load_hf(str(out))
+    for r in results:
+        assert r.token_ids == hf_greedy(hf, r.prompt_token_ids, MAX_NEW), r.prompt_token_ids

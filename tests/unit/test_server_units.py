@@ -34,6 +34,9 @@ def test_requests_name_what_they_refuse() -> None:
     assert "only allowed when 'stream'" in _error(CompletionRequest, model="m", prompt="x",
                                                   stream_options={"include_usage": True})
     assert "field 'n'" in _error(CompletionRequest, model="m", prompt="x", n=0)
+    assert "field 'temperature'" in _error(CompletionRequest, model="m", prompt="x", temperature=float("inf"))
+    assert "field 'seed'" in _error(CompletionRequest, model="m", prompt="x", seed=1 << 64)
+    assert "field 'top_k'" in _error(CompletionRequest, model="m", prompt="x", top_k=1 << 40)
     msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     chat = ChatCompletionRequest.model_validate({"model": "m", "messages": msgs, "tool_choice": "none"})
     assert chat.messages[0].text() == "a\nb" and chat.output_limit is None
