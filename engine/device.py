@@ -130,7 +130,11 @@ class Device:
         forced = os.environ.get("XPULORA_INT4_BACKEND")
         if forced:
             return forced
-        return {"cpu": "reference", "cuda": "triton", "xpu": "triton"}[self.kind]
+        return {"cpu": "reference", "cuda": "auto:native_cuda", "xpu": "auto:native_xpu"}[self.kind]
+
+    def attention_backend(self) -> str:
+        """Paged attention kernels (kernels.attention): Triton on GPUs, the torch reference on the CPU."""
+        return os.environ.get("XPULORA_ATTENTION_BACKEND") or ("reference" if self.kind == "cpu" else "triton")
 
     def gdn_backend(self) -> str:
         """Gated-delta-rule kernels: fla-core's Triton kernels on GPUs when installed, else the torch reference."""

@@ -99,6 +99,7 @@ class ModelRunner:
         # Every rank must agree on the block count (the scheduler's block ids index all of them).
         n, bs = all_reduce_min(self._num_blocks(), self.device.torch_device), self.config.cache.block_size
         for a in self.attn_layers:
+            a.backend = self.device.attention_backend()
             shape = (n, bs, a.num_kv_heads, a.head_dim)
             a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device.torch_device)
             a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device.torch_device)

@@ -251,7 +251,7 @@ def _fp32_dot(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return _interpreting() or q.dtype == torch.float32 or k_cache.dtype == torch.float32 or q.dtype != k_cache.dtype
 
 
-def decode_num_splits(batch: int, kv_heads: int, max_keys: int, block_n: int = 64, target_programs: int = 256,
+def decode_num_splits(batch: int, kv_heads: int, max_keys: int, block_n: int = 64, target_programs: int = 512,
                       max_splits: int = 16) -> int:
     """Key-range splits per (sequence, kv head) so that about `target_programs` programs run, each with at
     least two key tiles. From static sizes only (max_keys = block_tables.size(1) * block_size), so a

@@ -423,3 +423,43 @@ def _triton_mm(x2: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None) -> 
         FP32_DOT=fp32_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     return y
+
+
+# ----------------------------------------------------------------------------------------------------
+# Fused dequantization (for large M: dequantize once into a transient dense weight, then a dense GEMM)
+
+if triton is not None:
+
+    @triton.jit
+    def _dequant_gptq_kernel(qw_ptr, qz_ptr, sc_ptr, out_ptr, KW, N, GROUP_SIZE: tl.constexpr,
+                             ZERO_OFFSET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+        """W[8r + j, n] = scales[(8r+j)//G, n] * (u_j(qweight[r, n]) - (z((8r+j)//G, n) + ZERO_OFFSET))."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = (rows[:, None] < KW) & (cols[None, :] < N)
+        words = tl.load(qw_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0)
+        grp = (rows * 8) // GROUP_SIZE  # the 8 k of a word share a group (G is a multiple of 8)
+        zw = tl.load(qz_ptr + grp[:, None] * (N // 8) + cols[None, :] // 8, mask=mask, other=0)
+        z = ((zw >> ((cols[None, :] % 8) * 4)) & 0xF) + ZERO_OFFSET
+        s = tl.load(sc_ptr + grp[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        for j in tl.static_range(8):
+            u = (words >> (4 * j)) & 0xF
+            w = (u - z).to(tl.float32) * s
+            tl.store(out_ptr + (rows[:, None] * 8 + j) * N + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def dequant_triton(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+                   zero_offset: int, dtype: torch.dtype) -> torch.Tensor:
+    """kernels.reference.dequant_int4 in one Triton pass: W [K, N] in dtype."""
+    if triton is None:
+        raise RuntimeError("dequant_triton needs the triton package")
+    kw, n = qweight.shape
+    if group_size % 8 or qzeros.shape != (kw * 8 // group_size, n // 8) or scales.shape != (kw * 8 // group_size, n):
+        raise ValueError(f"dequant_triton: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, scales "
+                         f"{tuple(scales.shape)} do not fit group size {group_size}")
+    out = torch.empty(kw * 8, n, dtype=dtype, device=qweight.device)
+    block_r, block_n = 16, 128
+    _dequant_gptq_kernel[(triton.cdiv(kw, block_r), triton.cdiv(n, block_n))](
+        qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), out, kw, n, GROUP_SIZE=group_size,
+        ZERO_OFFSET=zero_offset, BLOCK_R=block_r, BLOCK_N=block_n)
+    return out

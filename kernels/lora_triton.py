@@ -176,7 +176,7 @@ def prepare_lora_batch(token_slots: torch.Tensor | Sequence[int], ranks_per_slic
     if num_slots <= 0:
         raise ValueError(f"prepare_lora_batch: num_slots must be positive, got {num_slots}")
     if not isinstance(token_slots, torch.Tensor):
-        token_slots = torch.tensor([int(s) for s in token_slots], dtype=torch.long)
+        token_slots = torch.tensor(token_slots, dtype=torch.long)
     if token_slots.dim() != 1:
         raise ValueError(f"prepare_lora_batch: token_slots must be 1-D, got {tuple(token_slots.shape)}")
     slots = token_slots.to(torch.long)
@@ -226,6 +226,10 @@ def _cached(cache: OrderedDict[tuple, torch.Tensor], key: tuple, make: Callable[
     return hit
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
 def ranks_tensor(ranks: torch.Tensor | Sequence[Sequence[int]], num_slots: int,
                  device: torch.device) -> torch.Tensor:
     """[n_slices, num_slots] int32 ranks on `device`. Host lists are converted once and cached by value.
@@ -236,7 +240,7 @@ def ranks_tensor(ranks: torch.Tensor | Sequence[Sequence[int]], num_slots: int,
     if isinstance(ranks, torch.Tensor):
         if ranks.dim() != 2 or ranks.size(1) != num_slots:
             raise ValueError(f"ranks tensor must be [n_slices, {num_slots}], got {tuple(ranks.shape)}")
-        if ranks.device != torch.device(device):
+        if not _same_device(ranks.device, torch.device(device)):
             raise ValueError(f"ranks tensor on {ranks.device}, kernels run on {device}")
         if ranks.dtype != torch.int32 or not ranks.is_contiguous():
             raise ValueError("ranks tensor must be contiguous int32")
@@ -258,42 +262,46 @@ if triton is not None:
 
     @triton.jit
     def _lora_shrink_kernel(
-        x_ptr, a_table_ptr, a0_ptr, buf_ptr, ranks_ptr,
-        sorted_ptr, bslot_ptr, bstart_ptr, bend_ptr,
-        K, R_MAX, num_slots,
+        x_ptr, a_table_ptr, a0_ptr, buf_ptr, ranks_ptr, meta_ptr,
+        sorted_off, blocks_off, num_blocks,
+        K, K_PER_SPLIT, R_MAX, num_slots,
         stride_xm, stride_xk, stride_a0, stride_a1,
-        stride_bs, stride_bm, stride_br, stride_rs,
+        stride_bk, stride_bs, stride_bm, stride_rs,
         NUM_RB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-        EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr,
+        EVEN_K: tl.constexpr, ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr,
     ):  # fmt: skip
-        """buf[s, t, r] = sum_k x[t, k] * A_s[slot[t], r, k]  for slot[t] >= 0, r < min(ranks[s, slot[t]], r_max)."""
+        """buf[ks, s, t, r] = sum_{k in split ks} x[t, k] * A_s[slot[t], r, k]  (slot[t] >= 0, r < rank[s, slot[t]])."""
         pid_b = tl.program_id(0)
         pid_sr = tl.program_id(1)
+        pid_k = tl.program_id(2)
         s = pid_sr // NUM_RB
         r0 = (pid_sr % NUM_RB) * BLOCK_R
-        slot = tl.load(bslot_ptr + pid_b)
+        slot = tl.load(meta_ptr + blocks_off + pid_b)
         if slot >= num_slots:  # an unused block of the upper-bound grid
             return
         rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot), R_MAX)
         if r0 >= rank:  # no work on rank padding
             return
-        rows = tl.load(bstart_ptr + pid_b) + tl.arange(0, BLOCK_M)
-        mask_m = rows < tl.load(bend_ptr + pid_b)
-        tok = tl.load(sorted_ptr + rows, mask=mask_m, other=0).to(tl.int64)
+        rows = tl.load(meta_ptr + blocks_off + num_blocks + pid_b) + tl.arange(0, BLOCK_M)
+        mask_m = rows < tl.load(meta_ptr + blocks_off + 2 * num_blocks + pid_b)
+        tok = tl.load(meta_ptr + sorted_off + rows, mask=mask_m, other=0).to(tl.int64)
         a_ptr = tl.load(a_table_ptr + s).to(tl.pointer_type(a0_ptr.dtype.element_ty))
+        if ALIGNED:  # the host checked: 16-byte aligned bases (lets the loads vectorise)
+            a_ptr = tl.multiple_of(a_ptr, 16)
 
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
-        offs_k = tl.arange(0, BLOCK_K)
+        k_lo = pid_k * K_PER_SPLIT  # K_PER_SPLIT is a multiple of BLOCK_K
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :] * stride_xk
         a_ptrs = a_ptr + slot.to(tl.int64) * stride_a0 + offs_r[None, :] * stride_a1 + offs_k[:, None]  # [BK, BR]
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, tl.minimum(k_lo + K_PER_SPLIT, K), BLOCK_K):
             if EVEN_K:
                 xt = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
                 at = tl.load(a_ptrs, mask=mask_r[None, :], other=0.0)
             else:
-                mask_k = (k0 + offs_k) < K
+                mask_k = (k0 - k_lo + offs_k) < K
                 xt = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
                 at = tl.load(a_ptrs, mask=mask_r[None, :] & mask_k[:, None], other=0.0)
             if FP32_DOT:
@@ -302,25 +310,26 @@ if triton is not None:
                 acc += tl.dot(xt, at)  # 16-bit inputs, fp32 accumulate
             x_ptrs += BLOCK_K * stride_xk
             a_ptrs += BLOCK_K
-        out = buf_ptr + s * stride_bs + tok[:, None] * stride_bm + offs_r[None, :] * stride_br
+        out = buf_ptr + pid_k * stride_bk + s * stride_bs + tok[:, None] * stride_bm + offs_r[None, :]
         tl.store(out, acc, mask=mask_m[:, None] & mask_r[None, :])
 
     @triton.jit
     def _lora_expand_kernel(
-        y_ptr, buf_ptr, b_table_ptr, b0_ptr, ranks_ptr,
-        sorted_ptr, bslot_ptr, bstart_ptr, bend_ptr,
+        y_ptr, buf_ptr, b_table_ptr, b0_ptr, ranks_ptr, meta_ptr,
+        sorted_off, blocks_off, num_blocks,
         R_MAX, num_slots,
-        stride_ym, stride_yn, stride_bs, stride_bm, stride_br, stride_b1, stride_rs,
-        NUM_SLICES: tl.constexpr, ADD_INPUTS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, FP32_DOT: tl.constexpr,
+        stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_b1, stride_rs,
+        NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, ADD_INPUTS: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, BLOCK_R: tl.constexpr, ALIGNED: tl.constexpr,
+        FP32_DOT: tl.constexpr,
     ):  # fmt: skip
-        """y[t, off_s + n] (+)= sum_{r < ranks[s, slot[t]]} buf[s, t, r] * B_s[slot[t], n, r]  for slot[t] >= 0."""
+        """y[t, off_s + n] (+)= sum_{r < rank[s, slot[t]]} sum_ks buf[ks, s, t, r] * B_s[slot[t], n, r]; slot[t] >= 0"""
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
-        slot = tl.load(bslot_ptr + pid_b)
+        slot = tl.load(meta_ptr + blocks_off + pid_b)
         if slot >= num_slots:
             return
-        # Which slice owns this column block: table row s = (ptr, stride0, n_s, offset_s, first block of s).
+        # Which slice owns this column group: table row s = (ptr, stride0, n_s, offset_s, first group of s).
         s = 0
         for i in tl.static_range(1, NUM_SLICES):
             s += (pid_n >= tl.load(b_table_ptr + i * 5 + 4)).to(tl.int32)
@@ -330,36 +339,71 @@ if triton is not None:
             return
         b_ptr = tl.load(tab).to(tl.pointer_type(b0_ptr.dtype.element_ty))
         stride_b0 = tl.load(tab + 1)
-        n_s = tl.load(tab + 2)
-        y_off = tl.load(tab + 3)
-        offs_n = (pid_n - tl.load(tab + 4)) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < n_s
+        n_s = tl.load(tab + 2).to(tl.int32)
+        y_off = tl.load(tab + 3).to(tl.int32)
+        if ALIGNED:  # the host checked: 16-byte aligned bases, sizes, offsets and strides multiples of 8
+            b_ptr = tl.multiple_of(b_ptr, 16)
+            stride_b0 = tl.multiple_of(stride_b0, 8)
+            n_s = tl.multiple_of(n_s, 8)
+            y_off = tl.multiple_of(y_off, 8)
+        n_first = (pid_n - tl.load(tab + 4).to(tl.int32)) * (BLOCK_N * N_ITERS)
 
-        rows = tl.load(bstart_ptr + pid_b) + tl.arange(0, BLOCK_M)
-        mask_m = rows < tl.load(bend_ptr + pid_b)
-        tok = tl.load(sorted_ptr + rows, mask=mask_m, other=0).to(tl.int64)
-
+        rows = tl.load(meta_ptr + blocks_off + num_blocks + pid_b) + tl.arange(0, BLOCK_M)
+        mask_m = rows < tl.load(meta_ptr + blocks_off + 2 * num_blocks + pid_b)
+        tok = tl.load(meta_ptr + sorted_off + rows, mask=mask_m, other=0).to(tl.int64)
         offs_r = tl.arange(0, BLOCK_R)
-        buf_ptrs = buf_ptr + s * stride_bs + tok[:, None] * stride_bm + offs_r[None, :] * stride_br  # [BM, BR]
-        w_ptrs = b_ptr + slot.to(tl.int64) * stride_b0 + offs_n[None, :] * stride_b1 + offs_r[:, None]  # [BR, BN]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r0 in range(0, rank, BLOCK_R):  # only the slot's true rank
-            mask_r = (r0 + offs_r) < rank
-            bt = tl.load(buf_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-            wt = tl.load(w_ptrs, mask=mask_r[:, None] & mask_n[None, :], other=0.0)
-            if FP32_DOT:
-                acc += tl.dot(bt.to(tl.float32), wt.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(bt.to(wt.dtype), wt)  # shrink result rounded to B's 16-bit dtype, fp32 accumulate
-            buf_ptrs += BLOCK_R * stride_br
-            w_ptrs += BLOCK_R
+        buf_rows = buf_ptr + s * stride_bs + tok[:, None] * stride_bm + offs_r[None, :]  # [BM, BR]
+        b_slot = b_ptr + slot.to(tl.int64) * stride_b0 + offs_r[:, None]  # [BR, 1]
+        y_rows = y_ptr + tok[:, None] * stride_ym
 
-        y_ptrs = y_ptr + tok[:, None] * stride_ym + (y_off + offs_n)[None, :] * stride_yn
-        mask = mask_m[:, None] & mask_n[None, :]
-        out = acc.to(y_ptr.dtype.element_ty)
-        if ADD_INPUTS:  # like torch's y += out.to(y.dtype): add in fp32, round once
-            out = (tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32) + out.to(tl.float32)).to(out.dtype)
-        tl.store(y_ptrs, out, mask=mask)
+        for j in range(N_ITERS):  # several column blocks per program: the slot/token lookups are paid once
+            offs_n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < n_s
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for r0 in range(0, rank, BLOCK_R):  # only the slot's true rank
+                mask_r = (r0 + offs_r) < rank
+                bt = tl.load(buf_rows + r0, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+                for kk in tl.static_range(1, SPLIT_K):  # the shrink's K splits, summed in a fixed order
+                    bt += tl.load(buf_rows + kk * stride_bk + r0, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+                wt = tl.load(b_slot + r0 + offs_n[None, :] * stride_b1, mask=mask_r[:, None] & mask_n[None, :],
+                             other=0.0)  # [BR, BN]
+                if FP32_DOT:
+                    acc += tl.dot(bt, wt.to(tl.float32), input_precision="ieee")
+                else:
+                    acc += tl.dot(bt.to(wt.dtype), wt)  # shrink result rounded to B's 16-bit dtype, fp32 accumulate
+            y_ptrs = y_rows + (y_off + offs_n)[None, :] * stride_yn
+            mask = mask_m[:, None] & mask_n[None, :]
+            out = acc.to(y_ptr.dtype.element_ty)
+            if ADD_INPUTS:  # like torch's y += out.to(y.dtype): add in fp32, round once
+                out = (tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32) + out.to(tl.float32)).to(out.dtype)
+            tl.store(y_ptrs, out, mask=mask)
+
+
+# ----------------------------------------------------------------------------------------------------
+# launch configuration (sizes chosen by measurement on an H200; `CONFIG_OVERRIDES` is for tuning runs)
+
+CONFIG_OVERRIDES: dict[str, int] = {}
+"""Force a launch parameter: shrink_block_k, shrink_split_k, shrink_block_r, shrink_warps, shrink_stages,
+expand_block_n, expand_warps, expand_stages (tuning scripts only; empty in normal use)."""
+
+
+def _shrink_config(k: int, r_max: int) -> dict[str, int]:
+    # Split K so that each program runs ~8 K steps (an H200 sweep: 4096 -> 4 splits, 12288 -> 12), deterministic
+    # because the expand sums the splits' partials in a fixed order.
+    block_k = CONFIG_OVERRIDES.get("shrink_block_k", 128 if k >= 128 else 16)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    iters = triton.cdiv(k, block_k)
+    split = CONFIG_OVERRIDES.get("shrink_split_k", max(1, min(16, iters // 8)))
+    split = max(1, min(split, iters))
+    return dict(block_k=block_k, split_k=split, k_per_split=triton.cdiv(iters, split) * block_k,
+                block_r=CONFIG_OVERRIDES.get("shrink_block_r", 16),
+                num_warps=CONFIG_OVERRIDES.get("shrink_warps", 4), num_stages=CONFIG_OVERRIDES.get("shrink_stages", 3))
+
+
+def _expand_config(n_max: int) -> dict[str, int]:
+    block_n = CONFIG_OVERRIDES.get("expand_block_n", 128 if n_max >= 128 else 32)
+    return dict(block_n=block_n, n_iters=CONFIG_OVERRIDES.get("expand_n_iters", 4),
+                num_warps=CONFIG_OVERRIDES.get("expand_warps", 4), num_stages=CONFIG_OVERRIDES.get("expand_stages", 2))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -367,17 +411,16 @@ if triton is not None:
 
 
 def _ptr_table(tensors: Sequence[torch.Tensor], rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    """int64 [len(rows) * len(rows[0])] on device, cached by (pointers, shapes, strides, rows)."""
-    key = (tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in tensors), tuple(map(tuple, rows)),
-           str(device))
+    """int64 [len(rows) * len(rows[0])] on device, cached by its contents (pointers, strides, offsets)."""
+    key = (tuple(map(tuple, rows)), str(device))
     return _cached(_table_cache, key, lambda: torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1))
 
 
 def _check_info(info: LoRABatchInfo, t: int, device: torch.device) -> None:
     if info.num_tokens != t:
         raise ValueError(f"LoRA batch info is for {info.num_tokens} tokens, the tensors have {t}")
-    if info.sorted_tokens.device != device:
-        raise ValueError(f"LoRA batch info on {info.sorted_tokens.device}, tensors on {device}")
+    if not _same_device(info.meta.device, device):
+        raise ValueError(f"LoRA batch info on {info.meta.device}, tensors on {device}")
 
 
 def _layer_ranks(info: LoRABatchInfo, ranks: torch.Tensor | Sequence[Sequence[int]] | None, n_slices: int,
@@ -394,68 +437,112 @@ def _nothing_to_do(info: LoRABatchInfo) -> bool:
     return info.has_lora is False or info.num_blocks == 0
 
 
-def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: LoRABatchInfo,
-                ranks: torch.Tensor | Sequence[Sequence[int]] | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """buf[s, t, :r] = x[t] @ A_s[slot[t], :r].T, r = ranks[s][slot[t]]; one launch for all slices.
+def _meta_offsets(info: LoRABatchInfo) -> tuple[int, int, int]:
+    """(sorted_tokens offset, block arrays offset, num_blocks) inside info.meta."""
+    t, s = info.num_tokens, info.num_slots
+    return t, 2 * t + 2 * s, info.num_blocks
 
-    x [T, K]; lora_a[s] [S, r_max, K] (same shape for every slice, last dim contiguous) -> float32
-    [n_slices, T, r_max]. Entries the kernel does not compute (slot -1 rows, columns past a slot's rank)
-    keep out's contents: zeros when out is None (the reference's result), whatever out held otherwise
-    (the expand never reads them).
-    """
-    _require_triton()
+
+def _check_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: LoRABatchInfo) -> None:
     if x.dim() != 2 or not lora_a:
         raise ValueError(f"lora_shrink: x must be [T, K] and lora_a non-empty, got x {tuple(x.shape)}")
     a0 = lora_a[0]
-    n_slices, (num_slots, r_max, k) = len(lora_a), a0.shape
     for a in lora_a:
         if a.dim() != 3 or a.shape != a0.shape or a.stride() != a0.stride() or a.dtype != a0.dtype:
             raise ValueError(f"lora_shrink: every A must match [S, r_max, K] = {tuple(a0.shape)} (same strides, "
                              f"dtype); got {tuple(a.shape)} {a.stride()} {a.dtype}")
         if a.stride(-1) != 1 or a.device != x.device:
             raise ValueError("lora_shrink: A must be contiguous in K and on x's device")
-    if x.size(1) != k:
-        raise ValueError(f"lora_shrink: A has {k} inputs, x has {x.size(1)}")
+    if x.size(1) != a0.size(2):
+        raise ValueError(f"lora_shrink: A has {a0.size(2)} inputs, x has {x.size(1)}")
     if x.dtype not in _FLOATS or a0.dtype not in _FLOATS:
         raise TypeError(f"lora_shrink: unsupported dtypes x {x.dtype}, A {a0.dtype}")
-    if info.num_slots != num_slots:
-        raise ValueError(f"lora_shrink: info has {info.num_slots} slots, A has {num_slots}")
-    t = x.size(0)
-    _check_info(info, t, x.device)
+    if info.num_slots != a0.size(0):
+        raise ValueError(f"lora_shrink: info has {info.num_slots} slots, A has {a0.size(0)}")
+    _check_info(info, x.size(0), x.device)
+
+
+def _launch_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: LoRABatchInfo, r: torch.Tensor,
+                   buf: torch.Tensor, cfg: dict[str, int]) -> None:
+    """buf [split_k, n_slices, T, r_max] float32 (last dim contiguous) <- per-split partial shrink results."""
+    a0 = lora_a[0]
+    num_slots, r_max, k = a0.shape
+    table = _ptr_table(lora_a, [[a.data_ptr()] for a in lora_a], x.device)
+    num_rb = triton.cdiv(r_max, cfg["block_r"])
+    sorted_off, blocks_off, nb = _meta_offsets(info)
+    grid = (nb, len(lora_a) * num_rb, cfg["split_k"])
+    _lora_shrink_kernel[grid](
+        x, table, a0, buf, r, info.meta,
+        sorted_off, blocks_off, nb,
+        k, cfg["k_per_split"], r_max, num_slots,
+        x.stride(0), x.stride(1), a0.stride(0), a0.stride(1),
+        buf.stride(0), buf.stride(1), buf.stride(2), r.stride(0),
+        NUM_RB=num_rb, BLOCK_M=info.block_m, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
+        EVEN_K=k % cfg["block_k"] == 0, ALIGNED=all(a.data_ptr() % 16 == 0 for a in lora_a),
+        FP32_DOT=_interpreting() or x.dtype == torch.float32 or x.dtype != a0.dtype,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+
+
+def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: LoRABatchInfo,
+                ranks: torch.Tensor | Sequence[Sequence[int]] | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """buf[s, t, :r] = x[t] @ A_s[slot[t], :r].T, r = ranks[s][slot[t]]; one launch for all slices.
+
+    x [T, K]; lora_a[s] [S, r_max, K] (same shape for every slice, last dim contiguous) -> float32
+    [n_slices, T, r_max]. Entries not computed (slot -1 rows, columns past a slot's rank) are zero, as in
+    the reference. (add_lora skips this function's zero fill and K-split sum: its expand reads the
+    per-split partials directly.)
+    """
+    _require_triton()
+    _check_shrink(x, lora_a, info)
+    n_slices, (_, r_max, k) = len(lora_a), lora_a[0].shape
     r = _layer_ranks(info, ranks, n_slices, x.device)
     if out is None:
-        out = torch.zeros(n_slices, t, r_max, dtype=torch.float32, device=x.device)
-    elif out.shape != (n_slices, t, r_max) or out.dtype != torch.float32:
-        raise ValueError(f"lora_shrink: out must be float32 {(n_slices, t, r_max)}, got {tuple(out.shape)}")
+        out = torch.zeros(n_slices, x.size(0), r_max, dtype=torch.float32, device=x.device)
+    elif out.shape != (n_slices, x.size(0), r_max) or out.dtype != torch.float32 or out.stride(-1) != 1:
+        raise ValueError(f"lora_shrink: out must be float32 {(n_slices, x.size(0), r_max)}, got {tuple(out.shape)}")
+    else:
+        out.zero_()
     if _nothing_to_do(info) or r_max == 0:
         return out
-
-    table = _ptr_table(lora_a, [[a.data_ptr()] for a in lora_a], x.device)
-    block_k = 128 if k >= 128 else max(16, triton.next_power_of_2(k))
-    num_rb = triton.cdiv(r_max, _BLOCK_R)
-    grid = (info.num_blocks, n_slices * num_rb)
-    _lora_shrink_kernel[grid](
-        x, table, a0, out, r,
-        info.sorted_tokens, info.block_slot, info.block_start, info.block_end,
-        k, r_max, num_slots,
-        x.stride(0), x.stride(1), a0.stride(0), a0.stride(1),
-        out.stride(0), out.stride(1), out.stride(2), r.stride(0),
-        NUM_RB=num_rb, BLOCK_M=info.block_m, BLOCK_R=_BLOCK_R, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        FP32_DOT=_interpreting() or x.dtype == torch.float32 or x.dtype != a0.dtype,
-    )  # fmt: skip
+    cfg = _shrink_config(k, r_max)
+    if cfg["split_k"] == 1:
+        _launch_shrink(x, lora_a, info, r, out.unsqueeze(0), cfg)
+    else:
+        parts = torch.zeros(cfg["split_k"], *out.shape, dtype=torch.float32, device=x.device)
+        _launch_shrink(x, lora_a, info, r, parts, cfg)
+        torch.sum(parts, dim=0, out=out)  # fixed-order reduction: deterministic
     return out
 
 
-def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: LoRABatchInfo,
-                offsets: Sequence[int], ranks: torch.Tensor | Sequence[Sequence[int]] | None = None,
-                add_inputs: bool = True) -> torch.Tensor:
-    """y[t, off_s:off_s+n_s] (+)= buf[s, t, :r] @ B_s[slot[t], :, :r].T for slot[t] >= 0; one launch.
+def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: LoRABatchInfo,
+                   offsets: Sequence[int], r: torch.Tensor, add_inputs: bool) -> None:
+    """buf [split_k, n_slices, T, r_max] float32, summed over split_k in order inside the kernel."""
+    b0 = lora_b[0]
+    cfg = _expand_config(max(b.size(1) for b in lora_b))
+    block_n, n_iters = cfg["block_n"], cfg["n_iters"]
+    rows, first, aligned = [], 0, b0.stride(1) % 8 == 0
+    for b, off in zip(lora_b, offsets):
+        rows.append([b.data_ptr(), b.stride(0), b.size(1), int(off), first])
+        first += triton.cdiv(b.size(1), block_n * n_iters)
+        aligned = aligned and b.data_ptr() % 16 == 0 and b.stride(0) % 8 == 0 and b.size(1) % 8 == 0 and off % 8 == 0
+    table = _ptr_table(lora_b, rows, y.device)
+    sorted_off, blocks_off, nb = _meta_offsets(info)
+    _lora_expand_kernel[(nb, first)](
+        y, buf, table, b0, r, info.meta,
+        sorted_off, blocks_off, nb,
+        b0.size(-1), b0.size(0),
+        y.stride(0), y.stride(1), buf.stride(0), buf.stride(1), buf.stride(2), b0.stride(1), r.stride(0),
+        NUM_SLICES=len(lora_b), SPLIT_K=buf.size(0), ADD_INPUTS=bool(add_inputs), BLOCK_M=info.block_m,
+        BLOCK_N=block_n, N_ITERS=n_iters, BLOCK_R=16, ALIGNED=aligned,
+        FP32_DOT=_interpreting() or b0.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
 
-    y [T, N]; buf float32 [n_slices, T, r_max] with r_max = B.size(-1) exactly; lora_b[s] [S, n_s, r_max]
-    (n_s may differ per slice, last dim contiguous). Rows with slot -1 are untouched. Returns y (in place).
-    """
-    _require_triton()
+
+def _check_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: LoRABatchInfo,
+                  offsets: Sequence[int]) -> None:
     if y.dim() != 2 or buf.dim() != 3 or not lora_b:
         raise ValueError(f"lora_expand: y must be [T, N], buf [n_slices, T, r_max]; got {tuple(y.shape)}, "
                          f"{tuple(buf.shape)}")
@@ -466,8 +553,8 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tenso
     if buf.shape != (n_slices, y.size(0), r_max):
         raise ValueError(f"lora_expand: shrink result {tuple(buf.shape)} does not match {n_slices} slices of "
                          f"LoRA B (rank dim {r_max}) for {y.size(0)} tokens")
-    if buf.dtype != torch.float32 or buf.device != y.device:
-        raise ValueError("lora_expand: buf must be float32 on y's device")
+    if buf.dtype != torch.float32 or buf.device != y.device or buf.stride(-1) != 1:
+        raise ValueError("lora_expand: buf must be float32 on y's device, contiguous in its last dim")
     for b, off in zip(lora_b, offsets):
         if b.dim() != 3 or b.size(0) != num_slots or b.size(-1) != r_max or b.dtype != b0.dtype:
             raise ValueError(f"lora_expand: every B must be [{num_slots}, n_s, {r_max}] of {b0.dtype}, "
@@ -481,26 +568,21 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tenso
     if info.num_slots != num_slots:
         raise ValueError(f"lora_expand: info has {info.num_slots} slots, B has {num_slots}")
     _check_info(info, y.size(0), y.device)
-    r = _layer_ranks(info, ranks, n_slices, y.device)
-    if _nothing_to_do(info):
-        return y
 
-    block_n = 128 if max(b.size(1) for b in lora_b) >= 128 else 32
-    rows, first = [], 0
-    for b, off in zip(lora_b, offsets):
-        rows.append([b.data_ptr(), b.stride(0), b.size(1), int(off), first])
-        first += triton.cdiv(b.size(1), block_n)
-    table = _ptr_table(lora_b, rows, y.device)
-    grid = (info.num_blocks, first)
-    _lora_expand_kernel[grid](
-        y, buf, table, b0, r,
-        info.sorted_tokens, info.block_slot, info.block_start, info.block_end,
-        r_max, num_slots,
-        y.stride(0), y.stride(1), buf.stride(0), buf.stride(1), buf.stride(2), b0.stride(1), r.stride(0),
-        NUM_SLICES=n_slices, ADD_INPUTS=bool(add_inputs),
-        BLOCK_M=info.block_m, BLOCK_N=block_n, BLOCK_R=_BLOCK_R,
-        FP32_DOT=_interpreting() or b0.dtype == torch.float32,
-    )  # fmt: skip
+
+def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: LoRABatchInfo,
+                offsets: Sequence[int], ranks: torch.Tensor | Sequence[Sequence[int]] | None = None,
+                add_inputs: bool = True) -> torch.Tensor:
+    """y[t, off_s:off_s+n_s] (+)= buf[s, t, :r] @ B_s[slot[t], :, :r].T for slot[t] >= 0; one launch.
+
+    y [T, N]; buf float32 [n_slices, T, r_max] with r_max = B.size(-1) exactly; lora_b[s] [S, n_s, r_max]
+    (n_s may differ per slice, last dim contiguous). Rows with slot -1 are untouched. Returns y (in place).
+    """
+    _require_triton()
+    _check_expand(y, buf, lora_b, info, offsets)
+    r = _layer_ranks(info, ranks, len(lora_b), y.device)
+    if not _nothing_to_do(info):
+        _launch_expand(y, buf.unsqueeze(0), lora_b, info, offsets, r, add_inputs)
     return y
 
 
@@ -509,14 +591,22 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], l
              add_inputs: bool = True) -> torch.Tensor:
     """y[:, off_s:off_s+n_s] (+)= (x @ A_s[slot].T)[:, :r] @ B_s[slot][:, :r].T per slice: two launches in all,
     none when info.has_lora is False. Returns y (in place)."""
+    _require_triton()
     if len(lora_a) != len(lora_b):
         raise ValueError("add_lora: one A and one B per slice")
     if _nothing_to_do(info):
         return y
-    for a, b in zip(lora_a, lora_b):
-        if a.size(1) != b.size(-1):
-            raise ValueError(f"add_lora: A rank dim {a.size(1)} != B rank dim {b.size(-1)}")
-    # The expand reads only computed entries (active rows, columns below the rank): no zero fill needed.
-    buf = torch.empty(len(lora_a), x.size(0), lora_a[0].size(1), dtype=torch.float32, device=x.device)
-    buf = lora_shrink(x, lora_a, info, ranks, out=buf)
-    return lora_expand(y, buf, lora_b, info, offsets, ranks, add_inputs)
+    _check_shrink(x, lora_a, info)
+    n_slices, (_, r_max, k) = len(lora_a), lora_a[0].shape
+    if lora_b[0].size(-1) != r_max:
+        raise ValueError(f"add_lora: A rank dim {r_max} != B rank dim {lora_b[0].size(-1)}")
+    buf_shape = (n_slices, x.size(0), r_max)
+    cfg = _shrink_config(k, r_max)
+    # Per-split partials, summed in order by the expand; it reads only computed entries (active rows,
+    # columns below the rank), so no zero fill.
+    buf = torch.empty(cfg["split_k"], *buf_shape, dtype=torch.float32, device=x.device)
+    _check_expand(y, buf[0], lora_b, info, offsets)
+    r = _layer_ranks(info, ranks, n_slices, x.device)
+    _launch_shrink(x, lora_a, info, r, buf, cfg)
+    _launch_expand(y, buf, lora_b, info, offsets, r, add_inputs)
+    return y

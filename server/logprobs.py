@@ -80,10 +80,3 @@ class TokenText:
 
         return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 
-
-def merge_completion_logprobs(parts: list[dict[str, list[Any]]]) -> dict[str, list[Any]]:
-    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for p in parts:
-        for k in out:
-            out[k].extend(p[k])
-    return out

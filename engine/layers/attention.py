@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from engine.forward_context import get_context
-from kernels.attention import paged_attention_ref, write_kv
+from kernels.attention import paged_attention, write_kv
 
 
 class Attention(nn.Module):
@@ -16,6 +16,8 @@ class Attention(nn.Module):
         # Bound by the model runner once the cache is allocated: [num_blocks, block_size, kv_heads, head_dim].
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
+        self.backend = "reference"
+        """Attention kernels (kernels.attention): chosen per device by the model runner."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
@@ -26,6 +28,6 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
-        o = paged_attention_ref(q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_q_list,
-                                meta.context_lens_list, self.scale)
+        o = paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_q, meta.context_lens,
+                            meta.cu_q_list, meta.context_lens_list, meta.max_q_len, self.scale, self.backend)
         return o.reshape(t, self.num_heads * self.head_dim)

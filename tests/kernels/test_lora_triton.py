@@ -171,7 +171,7 @@ def test_rank_zero_slot_replace_writes_zeros_and_ranks_tensor_matches_lists() ->
     d = _to(p, DEV)
     ref = _reference(p, add_inputs=False)
     info = prepare_lora_batch(d["slots"], None, p["num_slots"])
-    assert info.has_lora is None  # a device tensor: not known without a sync
+    assert info.has_lora is (True if DEV.type == "cpu" else None)  # a device tensor: unknown without a sync
     rt = ranks_tensor(p["ranks"], p["num_slots"], DEV)
     out = add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt, add_inputs=False)
     _assert_close(out, ref, torch.float32)
@@ -179,6 +179,26 @@ def test_rank_zero_slot_replace_writes_zeros_and_ranks_tensor_matches_lists() ->
     assert bool((out.cpu()[rows0, :24] == 0).all()), "slot 0 has rank 0 in slice 0: replace writes zeros"
     lists = add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], p["ranks"], add_inputs=False)
     assert torch.equal(out, lists)
+
+
+@needs_kernels
+@pytest.mark.parametrize("block_k, split_k", [(32, 3), (64, 2)], ids=["split3", "split2-uneven-k"])
+def test_shrink_split_k_sums_in_order(monkeypatch: pytest.MonkeyPatch, block_k: int, split_k: int) -> None:
+    """K cut into splits (partials summed by the expand, or by lora_shrink), K not a multiple of the tile."""
+    from kernels import lora_triton
+
+    assert DEV is not None
+    monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "shrink_block_k", block_k)
+    monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "shrink_split_k", split_k)
+    assert lora_triton._shrink_config(96, 64)["split_k"] == split_k
+    p = _problem(21, [40, 8], torch.float32, num_tokens=30)
+    d = _to(p, DEV)
+    info = lora_triton.prepare_lora_batch(p["slots"].tolist(), p["ranks"], p["num_slots"], device=DEV)
+    out = lora_triton.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"])
+    _assert_close(out, _reference(p, True), torch.float32, f"split_k={split_k}")
+    buf = lora_triton.lora_shrink(d["x"], d["a"], info)
+    for i in range(2):
+        _assert_close(buf[i], reference.lora_shrink(p["x"], p["a"][i], p["slots"], p["ranks"][i]), torch.float32)
 
 
 @needs_kernels
@@ -225,6 +245,10 @@ def test_prepare_lora_batch_schedule_and_in_place_update() -> None:
             covered += rows
         assert sorted(covered) == sorted((slots >= 0).nonzero().flatten().tolist()), "each LoRA token in one block"
         assert info.slot_len.cpu().tolist() == [int((slots == s).sum()) for s in range(num_slots)]
+    # A host list (scheduled on the CPU, one copy) and a device tensor (scheduled there) agree.
+    slots = torch.randint(-1, 5, (50,), generator=g)
+    host = prepare_lora_batch(slots.tolist(), None, 5, device=DEV)
+    assert host.has_lora is True and torch.equal(host.meta, prepare_lora_batch(slots.to(DEV), None, 5).meta)
     # In place (graph replay): same tensors, new contents.
     info = prepare_lora_batch([0, 1, -1, 1], [[4, 8]], 2, device=DEV)
     ptrs = [info.sorted_tokens.data_ptr(), info.block_slot.data_ptr(), info.ranks.data_ptr()]
