@@ -6,9 +6,13 @@
 
 One JSON line per case (layer, tokens, distinct adapters, rank). All times in microseconds per call of
 one wrapped layer (all its slices):
-  triton_us        kernels.lora_triton.add_lora (2 launches), the step's LoRABatchInfo prepared once outside
+  triton_us        kernels.lora_triton.add_lora (2 launches), the step's LoRABatchInfo prepared once outside,
+                   B in the engine's layout [slots, n, r_max] (r contiguous)
   triton_graph_us  the same replayed from a captured device graph (no Python launch cost), where supported
-  prepare_us       kernels.lora_triton.prepare_lora_batch (once per step, shared by every layer)
+  triton_rm_us, triton_rm_graph_us   the same with B stored rank-major ([slots, r_max, n] storage, passed
+                   as its transposed view): a small rank's padding is then never read
+  prepare_us       kernels.lora_triton.prepare_lora_batch from the host slot list (once per step, shared by
+                   every layer)
   reference_us     kernels.lora.add_lora(backend="reference"): per slot, boolean gathers, fp32 matmuls
   loop_us          per adapter and slice: y[rows, slice] += (x[rows] @ A[:r].T) @ B[:, :r].T in the layer
                    dtype, with each adapter's row indices precomputed on the device (a naive engine)
@@ -130,17 +134,21 @@ def run_case(dev: torch.device, dtype: torch.dtype, layer: str, k: int, sizes: l
 
     rec["base_us"] = time_us(lambda: x @ w, sync, budget_s)
 
-    rec["triton_us"] = rec["triton_graph_us"] = rec["prepare_us"] = None
+    for key in ("triton_us", "triton_graph_us", "triton_rm_us", "triton_rm_graph_us", "prepare_us"):
+        rec[key] = None
     if use_triton:
-        rec["prepare_us"] = time_us(lambda: lora_triton.prepare_lora_batch(token_slots, None, slots), sync, budget_s)
+        rec["prepare_us"] = time_us(lambda: lora_triton.prepare_lora_batch(slot_ids, None, slots, device=dev), sync,
+                                    budget_s)
         info = lora_triton.prepare_lora_batch(slot_ids, None, slots, device=dev)
         rt = lora_triton.ranks_tensor(ranks, slots, dev)
+        lora_b_rm = [b.transpose(1, 2).contiguous().transpose(1, 2) for b in lora_b]
+        for tag, bs in (("", lora_b), ("_rm", lora_b_rm)):
 
-        def tri() -> None:
-            lora_triton.add_lora(y, x, lora_a, lora_b, info, offsets, rt)
+            def tri(bs: list[torch.Tensor] = bs) -> None:
+                lora_triton.add_lora(y, x, lora_a, bs, info, offsets, rt)
 
-        rec["triton_us"] = time_us(tri, sync, budget_s)
-        rec["triton_graph_us"] = graph_time_us(tri, dev, budget_s)
+            rec[f"triton{tag}_us"] = time_us(tri, sync, budget_s)
+            rec[f"triton{tag}_graph_us"] = graph_time_us(tri, dev, budget_s)
 
     rec["reference_us"] = time_us(
         lambda: lora_ops.add_lora(y, x, lora_a, lora_b, ranks, offsets, token_slots, backend="reference"),
@@ -166,6 +174,8 @@ def run_case(dev: torch.device, dtype: torch.dtype, layer: str, k: int, sizes: l
     rec["triton_over_base"] = ratio(rec["triton_us"], rec["base_us"])
     rec["loop_over_triton_graph"] = ratio(rec["loop_graph_us"], rec["triton_graph_us"])
     rec["triton_graph_over_base"] = ratio(rec["triton_graph_us"], rec["base_us"])
+    rec["triton_rm_graph_over_base"] = ratio(rec["triton_rm_graph_us"], rec["base_us"])
+    rec["loop_over_triton_rm_graph"] = ratio(rec["loop_graph_us"], rec["triton_rm_graph_us"])
     for key, val in rec.items():
         if key.endswith("_us") and val is not None:
             rec[key] = round(val, 2)

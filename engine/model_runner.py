@@ -150,7 +150,8 @@ class ModelRunner:
             cu_q_list=cu, context_lens_list=ctx_lens,
             max_q_len=max(len(s.token_ids) for s in step.seqs), max_context_len=max(ctx_lens),
             decode_only=all(len(s.token_ids) == 1 for s in step.seqs))
-        lora = build_mapping(lora_slots, dev, self.lora_backend) if self.lora_layers else None
+        lora = (build_mapping(lora_slots, dev, self.lora_backend, self.config.lora.max_loras)
+                if self.lora_layers else None)
         states = [s.state_slot for s in step.seqs] if self.gdn_layers else None
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
                 ForwardContext(attn=meta, lora=lora, state_slots=states), sample_rows)

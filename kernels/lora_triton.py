@@ -318,10 +318,10 @@ if triton is not None:
         y_ptr, buf_ptr, b_table_ptr, b0_ptr, ranks_ptr, meta_ptr,
         sorted_off, blocks_off, num_blocks,
         R_MAX, num_slots,
-        stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_b1, stride_rs,
+        stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_bn, stride_rs,
         NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, ADD_INPUTS: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, BLOCK_R: tl.constexpr, ALIGNED: tl.constexpr,
-        FP32_DOT: tl.constexpr,
+        BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, BLOCK_R: tl.constexpr, B_RANK_MAJOR: tl.constexpr,
+        ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr,
     ):  # fmt: skip
         """y[t, off_s + n] (+)= sum_{r < rank[s, slot[t]]} sum_ks buf[ks, s, t, r] * B_s[slot[t], n, r]; slot[t] >= 0"""
         pid_b = tl.program_id(0)
@@ -329,11 +329,12 @@ if triton is not None:
         slot = tl.load(meta_ptr + blocks_off + pid_b)
         if slot >= num_slots:
             return
-        # Which slice owns this column group: table row s = (ptr, stride0, n_s, offset_s, first group of s).
+        # Which slice owns this column group: table row s = (ptr, stride0, n_s, offset_s, first group of s,
+        # rank stride of s when B is stored rank-major).
         s = 0
         for i in tl.static_range(1, NUM_SLICES):
-            s += (pid_n >= tl.load(b_table_ptr + i * 5 + 4)).to(tl.int32)
-        tab = b_table_ptr + s * 5
+            s += (pid_n >= tl.load(b_table_ptr + i * 6 + 4)).to(tl.int32)
+        tab = b_table_ptr + s * 6
         rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot), R_MAX)
         if ADD_INPUTS and rank == 0:  # adds nothing (a replace still writes its zeros)
             return
@@ -341,11 +342,17 @@ if triton is not None:
         stride_b0 = tl.load(tab + 1)
         n_s = tl.load(tab + 2).to(tl.int32)
         y_off = tl.load(tab + 3).to(tl.int32)
+        if B_RANK_MAJOR:  # B_s[slot] stored [r_max, n_s] (n contiguous): rank rows are read whole, padding never
+            stride_r = tl.load(tab + 5)
+        else:  # [n_s, r_max] (r contiguous)
+            stride_r = 1
         if ALIGNED:  # the host checked: 16-byte aligned bases, sizes, offsets and strides multiples of 8
             b_ptr = tl.multiple_of(b_ptr, 16)
             stride_b0 = tl.multiple_of(stride_b0, 8)
             n_s = tl.multiple_of(n_s, 8)
             y_off = tl.multiple_of(y_off, 8)
+            if B_RANK_MAJOR:
+                stride_r = tl.multiple_of(stride_r, 8)
         n_first = (pid_n - tl.load(tab + 4).to(tl.int32)) * (BLOCK_N * N_ITERS)
 
         rows = tl.load(meta_ptr + blocks_off + num_blocks + pid_b) + tl.arange(0, BLOCK_M)
@@ -353,7 +360,7 @@ if triton is not None:
         tok = tl.load(meta_ptr + sorted_off + rows, mask=mask_m, other=0).to(tl.int64)
         offs_r = tl.arange(0, BLOCK_R)
         buf_rows = buf_ptr + s * stride_bs + tok[:, None] * stride_bm + offs_r[None, :]  # [BM, BR]
-        b_slot = b_ptr + slot.to(tl.int64) * stride_b0 + offs_r[:, None]  # [BR, 1]
+        b_slot = b_ptr + slot.to(tl.int64) * stride_b0 + offs_r[:, None] * stride_r  # [BR, 1]
         y_rows = y_ptr + tok[:, None] * stride_ym
 
         for j in range(N_ITERS):  # several column blocks per program: the slot/token lookups are paid once
@@ -365,8 +372,8 @@ if triton is not None:
                 bt = tl.load(buf_rows + r0, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
                 for kk in tl.static_range(1, SPLIT_K):  # the shrink's K splits, summed in a fixed order
                     bt += tl.load(buf_rows + kk * stride_bk + r0, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-                wt = tl.load(b_slot + r0 + offs_n[None, :] * stride_b1, mask=mask_r[:, None] & mask_n[None, :],
-                             other=0.0)  # [BR, BN]
+                wt = tl.load(b_slot + r0 * stride_r + offs_n[None, :] * stride_bn,
+                             mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [BR, BN]
                 if FP32_DOT:
                     acc += tl.dot(bt, wt.to(tl.float32), input_precision="ieee")
                 else:
@@ -388,21 +395,22 @@ expand_block_n, expand_warps, expand_stages (tuning scripts only; empty in norma
 
 
 def _shrink_config(k: int, r_max: int) -> dict[str, int]:
-    # Split K so that each program runs ~8 K steps (an H200 sweep: 4096 -> 4 splits, 12288 -> 12), deterministic
+    # Split K so that each program runs ~4-6 K steps (an H200 sweep: 4096 -> 8 splits, 12288 -> 16), deterministic
     # because the expand sums the splits' partials in a fixed order.
     block_k = CONFIG_OVERRIDES.get("shrink_block_k", 128 if k >= 128 else 16)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     iters = triton.cdiv(k, block_k)
-    split = CONFIG_OVERRIDES.get("shrink_split_k", max(1, min(16, iters // 8)))
+    split = CONFIG_OVERRIDES.get("shrink_split_k", max(1, min(16, iters // 4)))
     split = max(1, min(split, iters))
     return dict(block_k=block_k, split_k=split, k_per_split=triton.cdiv(iters, split) * block_k,
                 block_r=CONFIG_OVERRIDES.get("shrink_block_r", 16),
                 num_warps=CONFIG_OVERRIDES.get("shrink_warps", 4), num_stages=CONFIG_OVERRIDES.get("shrink_stages", 3))
 
 
-def _expand_config(n_max: int) -> dict[str, int]:
-    block_n = CONFIG_OVERRIDES.get("expand_block_n", 128 if n_max >= 128 else 32)
-    return dict(block_n=block_n, n_iters=CONFIG_OVERRIDES.get("expand_n_iters", 4),
+def _expand_config(n_max: int, num_tokens: int) -> dict[str, int]:
+    block_n = CONFIG_OVERRIDES.get("expand_block_n", 256 if n_max >= 256 else 64 if n_max >= 64 else 16)
+    n_iters = CONFIG_OVERRIDES.get("expand_n_iters", 1 if num_tokens <= 256 else 2)
+    return dict(block_n=block_n, n_iters=n_iters,
                 num_warps=CONFIG_OVERRIDES.get("expand_warps", 4), num_stages=CONFIG_OVERRIDES.get("expand_stages", 2))
 
 
@@ -520,13 +528,15 @@ def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Te
                    offsets: Sequence[int], r: torch.Tensor, add_inputs: bool) -> None:
     """buf [split_k, n_slices, T, r_max] float32, summed over split_k in order inside the kernel."""
     b0 = lora_b[0]
-    cfg = _expand_config(max(b.size(1) for b in lora_b))
+    rank_major = _b_rank_major(lora_b)
+    cfg = _expand_config(max(b.size(1) for b in lora_b), y.size(0))
     block_n, n_iters = cfg["block_n"], cfg["n_iters"]
-    rows, first, aligned = [], 0, b0.stride(1) % 8 == 0
+    rows, first, aligned = [], 0, True
     for b, off in zip(lora_b, offsets):
-        rows.append([b.data_ptr(), b.stride(0), b.size(1), int(off), first])
+        rows.append([b.data_ptr(), b.stride(0), b.size(1), int(off), first, b.stride(2)])
         first += triton.cdiv(b.size(1), block_n * n_iters)
-        aligned = aligned and b.data_ptr() % 16 == 0 and b.stride(0) % 8 == 0 and b.size(1) % 8 == 0 and off % 8 == 0
+        aligned = (aligned and b.data_ptr() % 16 == 0 and b.stride(0) % 8 == 0 and b.size(1) % 8 == 0
+                   and off % 8 == 0 and b.stride(2 if rank_major else 1) % 8 == 0)
     table = _ptr_table(lora_b, rows, y.device)
     sorted_off, blocks_off, nb = _meta_offsets(info)
     _lora_expand_kernel[(nb, first)](
@@ -535,7 +545,7 @@ def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Te
         b0.size(-1), b0.size(0),
         y.stride(0), y.stride(1), buf.stride(0), buf.stride(1), buf.stride(2), b0.stride(1), r.stride(0),
         NUM_SLICES=len(lora_b), SPLIT_K=buf.size(0), ADD_INPUTS=bool(add_inputs), BLOCK_M=info.block_m,
-        BLOCK_N=block_n, N_ITERS=n_iters, BLOCK_R=16, ALIGNED=aligned,
+        BLOCK_N=block_n, N_ITERS=n_iters, BLOCK_R=16, B_RANK_MAJOR=rank_major, ALIGNED=aligned,
         FP32_DOT=_interpreting() or b0.dtype == torch.float32,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
@@ -559,15 +569,27 @@ def _check_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Ten
         if b.dim() != 3 or b.size(0) != num_slots or b.size(-1) != r_max or b.dtype != b0.dtype:
             raise ValueError(f"lora_expand: every B must be [{num_slots}, n_s, {r_max}] of {b0.dtype}, "
                              f"got {tuple(b.shape)} {b.dtype}")
-        if b.stride(-1) != 1 or b.stride(1) != b0.stride(1) or b.device != y.device:
-            raise ValueError("lora_expand: B must be contiguous in the rank dim (same row stride) on y's device")
+        if b.device != y.device:
+            raise ValueError("lora_expand: B must be on y's device")
         if off < 0 or off + b.size(1) > y.size(1):
             raise ValueError(f"lora_expand: slice [{off}, {off + b.size(1)}) outside y of width {y.size(1)}")
     if y.dtype not in _FLOATS or b0.dtype not in _FLOATS:
         raise TypeError(f"lora_expand: unsupported dtypes y {y.dtype}, B {b0.dtype}")
     if info.num_slots != num_slots:
         raise ValueError(f"lora_expand: info has {info.num_slots} slots, B has {num_slots}")
+    _b_rank_major(lora_b)
     _check_info(info, y.size(0), y.device)
+
+
+def _b_rank_major(lora_b: Sequence[torch.Tensor]) -> bool:
+    """True when every B [S, n_s, r_max] is a view of rank-major storage [S, r_max, n_s] (n contiguous),
+    False when every one is r-contiguous with one row stride; anything else is refused."""
+    if all(b.stride(1) == 1 and b.stride(2) >= b.size(1) for b in lora_b):
+        return True
+    if all(b.stride(2) == 1 and b.stride(1) == lora_b[0].stride(1) for b in lora_b):
+        return False
+    raise ValueError("lora_expand: every B [S, n_s, r_max] must be contiguous in r with one row stride, or a "
+                     "transposed view of [S, r_max, n_s] storage (n contiguous)")
 
 
 def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: LoRABatchInfo,
@@ -576,7 +598,9 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tenso
     """y[t, off_s:off_s+n_s] (+)= buf[s, t, :r] @ B_s[slot[t], :, :r].T for slot[t] >= 0; one launch.
 
     y [T, N]; buf float32 [n_slices, T, r_max] with r_max = B.size(-1) exactly; lora_b[s] [S, n_s, r_max]
-    (n_s may differ per slice, last dim contiguous). Rows with slot -1 are untouched. Returns y (in place).
+    (n_s may differ per slice), either r-contiguous or, faster, a transposed view of rank-major storage
+    [S, r_max, n_s] (rank rows are then read whole and a small rank's padding is never fetched). Rows with
+    slot -1 are untouched. Returns y (in place).
     """
     _require_triton()
     _check_expand(y, buf, lora_b, info, offsets)

@@ -1,22 +1,26 @@
 """The FastAPI app (factory + lifespan), its routes and `run_server` behind `xpulora serve`.
 
 /v1/* needs `Authorization: Bearer KEY` when an API key is set (constant-time compare); /health,
-/metrics and /version stay open. Every error is JSON {"error": {"message", "type", "code"}}.
-SIGTERM: uvicorn stops accepting, lets in-flight requests finish (up to GRACE_S), the lifespan then
-aborts what is left and joins the step thread, and the process exits 0.
+/metrics and /version stay open. Every error is JSON {"error": {"message", "type", "code"}}. A request
+body over `max_request_bytes` (1 MiB; env XPULORA_MAX_REQUEST_BYTES) is refused with 413 before it is read.
+SIGTERM: uvicorn stops accepting, in-flight requests may finish for GRACE_S, then the engine aborts
+what is left (streams end with finish_reason "abort" and [DONE], others get a 503), the lifespan joins
+the step thread, and the process exits 0. If the engine dies (a tensor-parallel rank died, a step
+raised), the server shuts down the same way and the process exits with ENGINE_FAILED_EXIT (3).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import hmac
 import importlib.metadata
 import json
 import logging
 import os
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -25,7 +29,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine import AsyncEngine, CheckpointError, EngineConfig, LLMEngine
 from server.adapters import router as adapters_router
@@ -36,6 +40,8 @@ from server.serving import Serving
 
 log = logging.getLogger(__name__)
 GRACE_S = float(os.environ.get("XPULORA_SHUTDOWN_GRACE_S", "30"))
+MAX_REQUEST_BYTES = int(os.environ.get("XPULORA_MAX_REQUEST_BYTES", str(1 << 20)))
+ENGINE_FAILED_EXIT = 3
 try:
     VERSION = importlib.metadata.version("xpulora")
 except importlib.metadata.PackageNotFoundError:  # running from a checkout that was never installed
@@ -47,29 +53,81 @@ class BearerAuth:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = _digest(f"Bearer {api_key}".encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
             got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-            if not hmac.compare_digest(got, self.expected):
-                body = json.dumps(error_body(401, "invalid or missing API key (Authorization: Bearer KEY)")).encode()
-                await send({"type": "http.response.start", "status": 401,
-                            "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
-                await send({"type": "http.response.body", "body": body})
+            # Digests, not the raw values: compare_digest returns early when the lengths differ, which
+            # would leak the key's length; two SHA-256 digests always have the same length.
+            if not hmac.compare_digest(_digest(got), self.expected):
+                await _send_error(send, 401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                  ((b"www-authenticate", b"Bearer"),))
                 return
         await self.app(scope, receive, send)
 
 
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()
+
+
+async def _send_error(send: Send, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    body = json.dumps(error_body(status, message)).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class BodyLimit:
+    """413 for a request body larger than max_bytes: refused on its Content-Length before any byte is
+    read, or (chunked uploads) as soon as the bytes read pass the limit. The body is buffered here
+    (it is JSON the app parses whole anyway) and replayed to the app, so the app never sees a partial
+    body; later receive() calls (disconnect detection) go straight through."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await _send_error(send, 413, f"request body of {int(declared)} bytes exceeds the limit of "
+                                         f"{self.max_bytes} bytes")
+            return
+        chunks: list[bytes] = []
+        size, more = 0, True
+        while more:
+            msg = await receive()
+            if msg["type"] != "http.request":  # disconnected while uploading
+                return
+            chunks.append(msg.get("body", b""))
+            size += len(chunks[-1])
+            more = msg.get("more_body", False)
+            if size > self.max_bytes:
+                await _send_error(send, 413, f"request body exceeds the limit of {self.max_bytes} bytes")
+                return
+        replay: list[Message] = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed() -> Message:
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, replayed, send)
+
+
 def create_app(engine_config: EngineConfig, *, engine: LLMEngine | None = None, api_key: str | None = None,
-               max_waiting_requests: int | None = None, progress: bool = False) -> FastAPI:
-    """The app; its lifespan builds the engine (unless one is given) and starts/stops the step thread."""
+               max_waiting_requests: int | None = None, progress: bool = False,
+               max_request_bytes: int = MAX_REQUEST_BYTES,
+               on_engine_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+    """The app; its lifespan builds the engine (unless one is given) and starts/stops the step thread.
+    on_engine_failure is called on the event loop once if the step loop dies (run_server exits then)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         llm = engine if engine is not None else await asyncio.to_thread(LLMEngine, engine_config, progress)
         limit = max_waiting_requests if max_waiting_requests is not None else llm.config.scheduler.max_waiting_requests
-        async_engine = AsyncEngine(llm, limit)
+        async_engine = AsyncEngine(llm, limit, on_failure=on_engine_failure)
         metrics = Metrics(async_engine)
         app.state.engine, app.state.metrics = async_engine, metrics
         app.state.serving = Serving(async_engine, metrics)
@@ -78,12 +136,14 @@ def create_app(engine_config: EngineConfig, *, engine: LLMEngine | None = None, 
             yield
         finally:
             await async_engine.shutdown(grace_s=5.0)
+            app.state.serving.close()
             if engine is None:  # built here, so stopped here (TP workers); a given engine is the caller's
                 llm.shutdown()
 
     app = FastAPI(title="xpulora", version=VERSION, lifespan=lifespan)
     install_error_handlers(app)
-    if api_key:
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if api_key:  # added last: outermost, so an unauthenticated body is never read
         app.add_middleware(BearerAuth, api_key=api_key)
     app.include_router(adapters_router)
 
@@ -158,8 +218,18 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     except (CheckpointError, OSError, ValueError) as e:  # ConfigError, AdapterError are ValueErrors
         print(f"xpulora: cannot start: {e}")
         return 2
+    failures: list[BaseException] = []
+
+    def engine_failed(e: BaseException) -> None:
+        # A dead engine serves nothing again: shut down (in-flight requests already got their error)
+        # and exit non-zero so that a supervisor restarts the server instead of it idling unhealthy.
+        failures.append(e)
+        log.error("the engine failed (%r); shutting the server down", e)
+        server.should_exit = True
+
     app = create_app(engine_config, engine=llm, api_key=args.api_key,
-                     max_waiting_requests=args.max_waiting_requests)
+                     max_waiting_requests=args.max_waiting_requests,
+                     on_engine_failure=engine_failed)
     ready = _ready_lines(args.host, args.port, llm, demo, bool(args.api_key))
 
     class _Server(uvicorn.Server):
@@ -168,8 +238,22 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
             if self.started:
                 print(ready, flush=True)
 
+        async def shutdown(self, sockets: Any = None) -> None:
+            # Drain for GRACE_S, then abort what still runs so that every client gets a complete
+            # response (finish_reason "abort" / 503) rather than a connection cut by uvicorn's backstop.
+            engine: AsyncEngine | None = getattr(app.state, "engine", None)
+            timer = None
+            if engine is not None:
+                engine.stop_accepting()
+                timer = asyncio.get_running_loop().call_later(GRACE_S, engine.abort_all)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if timer is not None:
+                    timer.cancel()
+
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=int(GRACE_S), lifespan="on")
+                            timeout_graceful_shutdown=int(GRACE_S) + 10, lifespan="on")
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _ignore_signal)
     server = _Server(config)
@@ -177,4 +261,6 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         server.run()
     finally:
         llm.shutdown()
+    if failures:
+        return ENGINE_FAILED_EXIT
     return 0 if server.started else 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 from fastapi import FastAPI, Request
@@ -28,6 +29,7 @@ ERROR_TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     500: "internal_error",
     503: "service_unavailable",
 }
@@ -62,8 +64,16 @@ def error_body(status: int, message: str) -> dict:
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"), "code": status}}
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """Escapes non-ASCII: an error message may quote client input, and a character that cannot be
+    encoded as UTF-8 (a lone surrogate from a "\\ud800" escape) must not turn the error into a crash."""
+
+    def render(self, content: object) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse(error_body(status, message), status_code=status)
+    return _AsciiJSONResponse(error_body(status, message), status_code=status)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -1,6 +1,12 @@
 """OpenAI request bodies (pydantic v2, strict). Nothing is silently ignored: an unknown field is a 400
 naming it, and a field OpenAI defines that we do not implement is accepted only at its neutral value
-(null / 0 / empty), otherwise a 400 naming it. Responses are built as plain dicts in serving.py."""
+(null / 0 / empty), otherwise a 400 naming it. Responses are built as plain dicts in serving.py.
+
+Limits that keep one request's cost bounded (docs/RELIABILITY.md): at most MAX_CHOICES engine requests
+(prompts x n), MAX_STOP stop strings of at most MAX_STOP_CHARS characters (the stop check runs in the
+step thread for every token), MAX_STOP_TOKEN_IDS stop token ids; strings must be valid Unicode (a lone
+surrogate from a "\\ud800" escape cannot be tokenized or encoded as UTF-8). max_tokens, logprobs and
+the prompt length are checked by the engine against max_model_len and max_logprobs."""
 
 from __future__ import annotations
 
@@ -9,9 +15,41 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 
+MAX_CHOICES = 256
+MAX_STOP = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+
+
+def _bad_unicode(v: Any) -> list[str | int] | None:
+    """The path to the first string (or key) in v holding a lone surrogate, else None."""
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")  # C speed; only lone surrogates fail
+        except UnicodeEncodeError:
+            return []
+        return None
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+    for k, x in items:
+        if isinstance(k, str) and _bad_unicode(k) is not None:
+            return [k]
+        if isinstance(x, (str, dict, list)) and (sub := _bad_unicode(x)) is not None:
+            return [k, *sub]
+    return None
+
+
 class _Strict(BaseModel):
     # strict: "5" is not an int, 1 is not a bool; extra="forbid": unknown fields are errors.
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if (where := _bad_unicode(data)) is not None:
+            field = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in where).lstrip(".") or "body"
+            field = field.encode("utf-8", "backslashreplace").decode("utf-8")  # a key may hold the surrogate
+            raise ValueError(f"field '{field}' is not valid Unicode (lone surrogate)")
+        return data
 
 
 def _neutral(v: Any, info: ValidationInfo) -> Any:
@@ -21,9 +59,14 @@ def _neutral(v: Any, info: ValidationInfo) -> Any:
 
 
 def _stop(v: Any) -> Any:
-    if v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)):
-        return v
-    raise ValueError("'stop' must be a string or a list of strings")
+    if not (v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))):
+        raise ValueError("'stop' must be a string or a list of strings")
+    stops = [v] if isinstance(v, str) else v or []
+    if len(stops) > MAX_STOP:
+        raise ValueError(f"'stop' has {len(stops)} strings; at most {MAX_STOP} are allowed")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ValueError(f"a stop string is longer than {MAX_STOP_CHARS} characters")
+    return v
 
 
 def _is_ids(v: Any) -> bool:
@@ -50,7 +93,7 @@ class _Sampling(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     skip_special_tokens: bool = True
     # Defined by OpenAI, not implemented here: only their neutral values pass.
     logit_bias: Any = None
@@ -110,6 +153,13 @@ class CompletionRequest(_Sampling):
             return v
         raise ValueError("'prompt' must be a string, a non-empty list of strings, a list of token ids or a "
                          "non-empty list of token-id lists")
+
+    @model_validator(mode="after")
+    def _choices(self) -> CompletionRequest:
+        if len(self.prompts()) * self.n > MAX_CHOICES:
+            raise ValueError(f"{len(self.prompts())} prompts x n={self.n} is more than {MAX_CHOICES} completions "
+                             "in one request; split it")
+        return self
 
     def prompts(self) -> list[str | list[int]]:
         if isinstance(self.prompt, str) or _is_ids(self.prompt):
@@ -186,7 +236,7 @@ class ChatCompletionRequest(_Sampling):
 
 class LoadLoRAAdapterRequest(_Strict):
     lora_name: str
-    lora_path: str
+    lora_path: str = Field(max_length=4096)  # PATH_MAX
 
 
 class UnloadLoRAAdapterRequest(_Strict):

@@ -31,7 +31,7 @@ from engine.layers.linear import (
     SectionedColumnParallelLinear,
 )
 from engine.lora.adapter import LoRAModule
-from engine.lora.punica import add_lora, expand, shrink
+from engine.lora.punica import LoRAMapping, add_lora, expand, shrink
 
 
 def shrink_needs_gather(fully_sharded: bool, tp_size: int) -> bool:
@@ -57,6 +57,9 @@ class BaseLayerWithLoRA(nn.Module):
         """True rank of each slot per slice (what the expand reads)."""
         self.a_ranks: list[list[int]] = [[0] * max_loras for _ in module_names]
         """Valid rows of this rank's A buffer per slot (= ranks unless A's rank dim is sharded)."""
+        # The same on the device, updated in place so that captured graphs see new slots.
+        self.ranks_dev = torch.zeros(len(module_names), max_loras, dtype=torch.int32, device=dev)
+        self.a_ranks_dev = torch.zeros(len(module_names), max_loras, dtype=torch.int32, device=dev)
 
     # -- geometry, per layer kind ----------------------------------------------------------------------
     def a_rows(self) -> int:
@@ -88,6 +91,8 @@ class BaseLayerWithLoRA(nn.Module):
             self.lora_b[i][slot, :, : m.rank].copy_(b)
             self.ranks[i][slot] = m.rank
             self.a_ranks[i][slot] = a.size(0)
+            self.ranks_dev[i, slot] = m.rank
+            self.a_ranks_dev[i, slot] = a.size(0)
 
     def clear_slot(self, slot: int) -> None:
         for i in range(len(self.module_names)):
@@ -95,6 +100,14 @@ class BaseLayerWithLoRA(nn.Module):
             self.lora_b[i][slot].zero_()
             self.ranks[i][slot] = 0
             self.a_ranks[i][slot] = 0
+        self.ranks_dev[:, slot] = 0
+        self.a_ranks_dev[:, slot] = 0
+
+    def slot_ranks(self, mapping: LoRAMapping, a_side: bool = False) -> list[list[int]] | torch.Tensor:
+        """Per-slice ranks in the form the backend reads: host lists (reference) or the device tensor."""
+        if mapping.backend == "reference":
+            return self.a_ranks if a_side else self.ranks
+        return self.a_ranks_dev if a_side else self.ranks_dev
 
 
 class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
@@ -164,10 +177,11 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
         if mapping is None:
             return y
         if not shrink_needs_gather(self.fully_sharded, self.tp_size):
-            return add_lora(y, x, self.lora_a, self.lora_b, self.ranks, self.offsets(), mapping)
+            return add_lora(y, x, self.lora_a, self.lora_b, self.slot_ranks(mapping), self.offsets(), mapping)
+        ranks, a_ranks = self.slot_ranks(mapping), self.slot_ranks(mapping, a_side=True)
         for i, off in enumerate(self.offsets()):
-            buf = all_gather(shrink(x, self.lora_a[i], self.a_ranks[i], mapping), dim=-1)  # [T, r_max]
-            expand(y, buf, self.lora_b[i], self.ranks[i], off, mapping)
+            buf = all_gather(shrink(x, self.lora_a[i], a_ranks[i], mapping), dim=-1)  # [T, r_max]
+            expand(y, buf, self.lora_b[i], ranks[i], off, mapping)
         return y
 
 
@@ -204,11 +218,13 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
         y = self.base.apply_base(x, bias)
         mapping = get_context().lora
         if mapping is not None:
+            ranks = self.slot_ranks(mapping)
             if self.fully_sharded:
-                buf = all_reduce(shrink(x, self.lora_a[0], self.a_ranks[0], mapping))  # full x A^T, [T, r]
-                expand(y, buf, self.lora_b[0], self.ranks[0], self.tp_rank * self.b_sizes()[0], mapping)
+                a_ranks = self.slot_ranks(mapping, a_side=True)
+                buf = all_reduce(shrink(x, self.lora_a[0], a_ranks[0], mapping))  # full x A^T, [T, r]
+                expand(y, buf, self.lora_b[0], ranks[0], self.tp_rank * self.b_sizes()[0], mapping)
             else:
-                add_lora(y, x, self.lora_a, self.lora_b, self.ranks, [0], mapping)
+                add_lora(y, x, self.lora_a, self.lora_b, ranks, [0], mapping)
         return all_reduce(y) if self.base.reduce_results else y
 
 
