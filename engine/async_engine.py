@@ -5,23 +5,30 @@ The event loop never calls into the engine directly: it posts commands (add, abo
 step thread applies them under the engine lock between steps and hands each step's outputs back to
 per-request asyncio queues through ``loop.call_soon_threadsafe``. Adapter load/unload only touch the
 LoRA manager (which has its own lock) and run in worker threads, so they are safe while stepping.
+
+If a step raises, or a tensor-parallel worker dies (noticed within IDLE_CHECK_S even when idle), the
+engine is failed: every open stream gets EngineFailedError, /health turns unhealthy and `on_failure`
+runs once on the event loop (the server shuts down and exits non-zero).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.llm_engine import LLMEngine
-from engine.lora.adapter import AdapterError, validate_name
+from engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError, validate_name
 from engine.protocol import RequestError, RequestOutput, SamplingParams
+from engine.worker import EngineDeadError
 
 log = logging.getLogger(__name__)
+IDLE_CHECK_S = 0.5  # how often an idle step thread checks that the tensor-parallel workers live
 
 
 class OverloadedError(RuntimeError):
@@ -38,16 +45,27 @@ class AdapterPathForbiddenError(AdapterError):
 
 def resolve_under_roots(path: str, roots: Sequence[str]) -> str:
     """The real path of `path` if it lies inside one of `roots` (both resolved, so `..` and symlinks
-    cannot escape); a relative path is taken relative to each root in turn."""
+    cannot escape); a relative path is taken relative to each root in turn. The adapter's two files
+    are checked too: a folder inside a root whose files are symlinks to elsewhere is refused."""
     if not roots:
         raise AdapterPathForbiddenError("runtime adapter loads are disabled: start the server with --lora-root DIR")
+    if "\0" in path:  # os.path raises ValueError on it (was an HTTP 500)
+        raise AdapterError(f"adapter path {path!r} contains a NUL character")
     real_roots = [os.path.realpath(r) for r in roots]
+
+    def inside(real: str) -> bool:
+        return any(os.path.commonpath([real, r]) == r for r in real_roots)
+
     candidates = [path] if os.path.isabs(path) else [os.path.join(r, path) for r in real_roots]
     reals = [os.path.realpath(c) for c in candidates]
     for real in reals:
-        if not any(os.path.commonpath([real, r]) == r for r in real_roots):
+        if not inside(real):
             raise AdapterPathForbiddenError(f"adapter path {path} is outside every --lora-root")
-    return next((r for r in reals if os.path.exists(r)), reals[0])
+    chosen = next((r for r in reals if os.path.exists(r)), reals[0])
+    for f in (CONFIG_FILE, WEIGHTS_FILE):
+        if not inside(os.path.realpath(os.path.join(chosen, f))):
+            raise AdapterPathForbiddenError(f"adapter path {path}: {f} is a link to outside every --lora-root")
+    return chosen
 
 
 @dataclass(frozen=True)
@@ -112,20 +130,25 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
+                 on_failure: Callable[[BaseException], None] | None = None) -> None:
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.on_failure = on_failure
         self.lock = threading.Lock()  # everything that touches scheduler / request state
         self._cv = threading.Condition()  # guards the inbox, the queued count and the stats
         self._inbox: list[_Add | str] = []  # str: a request id to abort
         self._queued = 0  # adds posted and not yet in the scheduler
         self._stop = False
+        self._abort_all = False
         self._stats = EngineStats()
         self._streams: dict[str, asyncio.Queue[_Item]] = {}  # touched on the event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._accepting = False
-        self._load_locks: dict[str, asyncio.Lock] = {}  # per adapter name (folders under roots, loads)
+        # Per adapter name (loads, autoloads), with a count of holders and waiters: dropped when the
+        # count returns to 0, or a churn of new names would grow this dict without bound.
+        self._load_locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
         self.error: BaseException | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -137,7 +160,23 @@ class AsyncEngine:
 
     @property
     def healthy(self) -> bool:
-        return self.error is None and self._thread is not None and self._thread.is_alive()
+        return (self.error is None and self._thread is not None and self._thread.is_alive()
+                and self._worker_failure() is None)
+
+    def _worker_failure(self) -> str | None:
+        """Why a tensor-parallel worker is gone (the executor's watchdog sets `dead`), else None."""
+        return getattr(self.engine.executor, "dead", None)
+
+    def stop_accepting(self) -> None:
+        """New requests get 503 from now on; the ones already in keep running."""
+        self._accepting = False
+
+    def abort_all(self) -> None:
+        """End every request now with finish_reason "abort" (the end of a shutdown's grace period)."""
+        self._accepting = False
+        with self._cv:
+            self._abort_all = True
+            self._cv.notify()
 
     async def shutdown(self, grace_s: float = 30.0) -> None:
         """Stop accepting, let in-flight requests finish for up to grace_s, abort the rest, join."""
@@ -244,28 +283,41 @@ class AsyncEngine:
                 raise RequestError(f"model {name!r}: loading it from {path} failed: {e}") from e
             log.info("autoloaded adapter %r from %s", name, path)
 
-    def _name_lock(self, name: str) -> asyncio.Lock:
-        return self._load_locks.setdefault(name, asyncio.Lock())
+    @contextlib.asynccontextmanager
+    async def _name_lock(self, name: str) -> AsyncIterator[None]:
+        lock, users = self._load_locks.setdefault(name, (asyncio.Lock(), [0]))
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                del self._load_locks[name]
 
     # -- the step thread -----------------------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
         while True:
             with self._cv:
-                while not self._inbox and not self._stop and not engine.has_unfinished():
-                    self._cv.wait()
+                while not self._inbox and not self._stop and not self._abort_all and not engine.has_unfinished():
+                    self._cv.wait(IDLE_CHECK_S)
+                    if self._worker_failure() is not None:
+                        break
                 cmds, self._inbox = self._inbox, []
-                stop = self._stop
+                stop, abort_all, self._abort_all = self._stop, self._abort_all, False
             added: list[tuple[str, list[int] | BaseException]] = []
             outs: list[RequestOutput] = []
             try:
+                if (dead := self._worker_failure()) is not None:  # also when idle: fail now, not at the next request
+                    raise EngineDeadError(f"tensor-parallel worker died: {dead}")
                 with self.lock:
                     for cmd in cmds:
                         if isinstance(cmd, str):
                             engine.abort(cmd)
                         else:
                             added.append((cmd.request_id, self._add(cmd)))
-                    if stop:
+                    if stop or abort_all:
                         outs = [self._abort_output(rid) for rid in list(engine.requests)]
                     elif engine.has_unfinished():
                         outs = engine.step()
@@ -275,10 +327,17 @@ class AsyncEngine:
                 with self._cv:
                     self.error = e
                 self._publish(added, [], None)
+                self._notify_failure(e)
                 return
             self._publish(added, outs, stats)
             if stop:
                 return
+
+    def _notify_failure(self, e: BaseException) -> None:
+        if self.on_failure is None or self._loop is None:
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to tell
+            self._loop.call_soon_threadsafe(self.on_failure, e)
 
     def _add(self, cmd: _Add) -> list[int] | BaseException:
         try:

@@ -117,6 +117,18 @@ class Device:
         # float32 on the CPU: bf16 matmuls are slow there and exactness helps tests.
         return torch.float32 if self.kind == "cpu" else torch.bfloat16
 
+    def new_graph(self) -> object:
+        return torch.cuda.CUDAGraph() if self.kind == "cuda" else torch.xpu.XPUGraph()
+
+    def graph_pool(self) -> object:
+        return torch.cuda.graph_pool_handle() if self.kind == "cuda" else torch.xpu.graph_pool_handle()
+
+    def graph_capture(self, graph: object, pool: object) -> object:
+        """Context manager capturing the work queued on this device into graph."""
+        if self.kind == "cuda":
+            return torch.cuda.graph(graph, pool=pool)  # type: ignore[arg-type]
+        return torch.xpu.graph(graph, pool=pool)  # type: ignore[attr-defined]
+
     @property
     def supports_graphs(self) -> bool:
         if self.kind == "cuda":

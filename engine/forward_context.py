@@ -26,6 +26,8 @@ class AttentionMetadata:
     max_q_len: int
     max_context_len: int
     decode_only: bool
+    all_slots_valid: bool = False
+    """No slot_mapping entry is negative (graph replays: lets write_kv skip a host-syncing check)."""
 
 
 @dataclass

@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.device import Device
 from engine.distributed import all_reduce_min, tp_rank
 from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
+from engine.graph_runner import DecodeGraphs
 from engine.layers.attention import Attention
 from engine.layers.gdn import GatedDeltaNet
 from engine.loader import CheckpointInfo, build_model, load_weights
@@ -25,6 +26,8 @@ from engine.scheduler import ScheduledSeq, SchedulerOutput
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+"""Decode batch sizes captured as graphs (those up to max_num_seqs)."""
 
 
 @dataclass(frozen=True)
@@ -55,9 +58,18 @@ class ModelRunner:
         self.gdn_layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
         self.num_state_slots = config.scheduler.max_num_seqs if self.gdn_layers else 0
         self._allocate_state_pool()  # before the KV cache, which takes what memory is left
+        self.use_graphs = (device.supports_graphs and not config.enforce_eager and not self.gdn_layers
+                           and device.attention_backend() == "triton"
+                           and (not self.lora_layers or self.lora_backend == "triton"))
         self.kv = self._allocate_kv_cache()
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
+        self.graphs: DecodeGraphs | None = None
+        if self.use_graphs:
+            bs = self.kv.block_size
+            sizes = [s for s in GRAPH_SIZES if s <= config.scheduler.max_num_seqs] or [1]
+            self.graphs = DecodeGraphs(self.model, device, sizes, (max_model_len + bs - 1) // bs, bs,
+                                       self.kv.num_blocks, config.lora.max_loras if self.lora_layers else 0)
 
     # -- KV cache --------------------------------------------------------------------------------
     def _block_bytes(self) -> int:
@@ -98,9 +110,10 @@ class ModelRunner:
     def _allocate_kv_cache(self) -> KVCacheSpec:
         # Every rank must agree on the block count (the scheduler's block ids index all of them).
         n, bs = all_reduce_min(self._num_blocks(), self.device.torch_device), self.config.cache.block_size
+        extra = 1 if self.use_graphs else 0  # a scratch block for the padding rows of graph replays
         for a in self.attn_layers:
             a.backend = self.device.attention_backend()
-            shape = (n, bs, a.num_kv_heads, a.head_dim)
+            shape = (n + extra, bs, a.num_kv_heads, a.head_dim)
             a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device.torch_device)
             a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device.torch_device)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, bs, n * self._block_bytes() / 2**20)
@@ -170,9 +183,13 @@ class ModelRunner:
         for sid in step.finished_seq_ids:
             self.generators.pop(sid, None)
         self._reset_states(step)
-        input_ids, positions, ctx, rows = self._prepare(step)
-        with forward_context(ctx):
-            h = self.model(input_ids, positions)
+        if self.graphs is not None and self.graphs.can_run(step):
+            h = self.graphs.run(step)
+            rows = list(range(len(step.seqs)))
+        else:
+            input_ids, positions, ctx, rows = self._prepare(step)
+            with forward_context(ctx):
+                h = self.model(input_ids, positions)
         sampled = [s for s in step.seqs if s.sample]
         if not sampled:
             return SamplerOutput([], [])

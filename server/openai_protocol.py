@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-
 MAX_CHOICES = 256
 MAX_STOP = 16
 MAX_STOP_CHARS = 256

@@ -1,9 +1,11 @@
 """OpenAI completions and chat completions over the AsyncEngine: request -> one engine request per
 (prompt, choice), outputs -> a JSON body or SSE chunks ending with `data: [DONE]`.
 
-Prompts are tokenized here (with a private tokenizer copy: a HF fast tokenizer used from two threads
-at once can fail with "Already borrowed", and the step thread detokenizes with the engine's), so the
-engine always gets token ids. Every engine request is closed (aborted if unfinished) when its HTTP
+Prompts are tokenized here, so the engine always gets token ids, on one dedicated thread with its own
+tokenizer copy: a HF fast tokenizer used from two threads at once can fail with "Already borrowed"
+(the step thread detokenizes with the engine's, the event loop decodes logprob tokens with another
+copy), and encoding a 1 MiB prompt takes about half a second, which must not stall the event loop
+(the tokenizer releases the GIL). Every engine request is closed (aborted if unfinished) when its HTTP
 request ends, whatever the reason: a client disconnect frees KV blocks and the adapter slot at once.
 """
 
@@ -14,7 +16,8 @@ import copy
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -60,20 +63,36 @@ class Serving:
     def __init__(self, engine: AsyncEngine, metrics: Metrics) -> None:
         self.engine, self.metrics = engine, metrics
         llm = engine.engine
-        self.tok = copy.deepcopy(llm.tokenizer)
+        self.tok = copy.deepcopy(llm.tokenizer)  # event loop only
+        self._enc_tok = copy.deepcopy(llm.tokenizer)  # the tokenizer thread only
+        self._enc_pool = ThreadPoolExecutor(1, thread_name_prefix="xpulora-tokenize")
         self.tokens = TokenText(self.tok)
         self.base = llm.served_model_name
         self.max_model_len = llm.max_model_len
         self.lora_enabled = llm.lora is not None
 
+    def close(self) -> None:
+        self._enc_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _on_tokenizer_thread(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._enc_pool, fn)
+
     # -- endpoints -----------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         if req.echo and req.logprobs is not None:
             raise ApiError(400, "'echo' with 'logprobs' needs prompt logprobs, which this server does not support")
+        tok = self._enc_tok
+
+        def encode() -> list[tuple[list[int], str]]:
+            out = []
+            for prompt in req.prompts():
+                ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                prefix = (prompt if isinstance(prompt, str) else tok.decode(ids)) if req.echo else ""
+                out.append((ids, prefix))
+            return out
+
         choices: list[_Choice] = []
-        for pi, prompt in enumerate(req.prompts()):
-            ids = self.tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            prefix = (prompt if isinstance(prompt, str) else self.tok.decode(ids)) if req.echo else ""
+        for pi, (ids, prefix) in enumerate(await self._on_tokenizer_thread(encode)):
             for j in range(req.n):
                 choices.append(_Choice(len(choices), pi, ids, self._params(req, ids, j, req.max_tokens, req.logprobs),
                                        prefix, offset=len(prefix)))
@@ -84,11 +103,16 @@ class Serving:
             raise ApiError(400, f"model {self.base!r} has no chat template; use /v1/completions")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
                      **({"name": m.name} if m.name else {})} for m in req.messages]
-        try:
-            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # jinja errors from a model-supplied template: the client's input
-            raise ApiError(400, f"the chat template failed on these messages: {e}") from e
-        ids = self.tok.encode(text, add_special_tokens=False)
+        tok = self._enc_tok
+
+        def encode() -> list[int]:
+            try:
+                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            except Exception as e:  # jinja errors from a model-supplied template: the client's input
+                raise ApiError(400, f"the chat template failed on these messages: {e}") from e
+            return tok.encode(text, add_special_tokens=False)
+
+        ids = await self._on_tokenizer_thread(encode)
         lp = (req.top_logprobs or 0) if req.logprobs else None
         choices = [_Choice(j, 0, ids, self._params(req, ids, j, req.output_limit, lp)) for j in range(req.n)]
         return await self._respond("chatcmpl", req, raw, choices, chat=True)
@@ -133,6 +157,8 @@ class Serving:
         failed = next((c for c in choices if c.finish_reason == "error"), None)
         if failed is not None:
             raise ApiError(500, failed.error or "generation failed")
+        if any(c.finish_reason == "abort" for c in choices):  # only shutdown aborts a request it still serves
+            raise ApiError(503, "the request was aborted: the server is shutting down")
         body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": req.model, "choices": [self._full_choice(c, chat) for c in choices],
                 "usage": _usage(choices)}

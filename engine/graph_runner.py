@@ -1,0 +1,109 @@
+"""Captured decode steps (CUDA graphs; XPU graphs where torch has them).
+
+A decode-only step of B sequences replays the graph captured for the smallest size >= B. Inputs are
+copied into static buffers; rows past B are padding that writes its K/V into a scratch block that no
+sequence owns and attends only to it. Steps with LoRA tokens replay a graph captured with the LoRA
+kernels; the per-step token grouping is rewritten in place into the tensors that graph reads, and the
+adapter buffers and their ranks are updated in place by set_slot, so new adapters stay valid.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from engine.device import Device
+from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
+from engine.lora.punica import LoRAMapping
+from engine.scheduler import SchedulerOutput
+from kernels.lora_triton import LoRABatchInfo, prepare_lora_batch
+
+log = logging.getLogger(__name__)
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, device: Device, sizes: list[int], max_blocks_per_seq: int,
+                 block_size: int, scratch_block: int, lora_slots: int) -> None:
+        self.model, self.device, self.sizes = model, device, sorted(sizes)
+        self.block_size, self.scratch = block_size, scratch_block
+        self.lora_slots = lora_slots
+        dev, n = device.torch_device, self.sizes[-1]
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=dev)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.context_lens = torch.ones(n, dtype=torch.int32, device=dev)
+        self.cu_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.token_slots = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self.graphs: dict[tuple[int, bool], tuple[object, torch.Tensor, LoRABatchInfo | None]] = {}
+        pool = device.graph_pool()
+        for size in reversed(self.sizes):
+            for with_lora in ((False, True) if lora_slots else (False,)):
+                self.graphs[(size, with_lora)] = self._capture(size, with_lora, pool)
+        log.info("captured decode graphs for batch sizes %s (LoRA variants: %s)", self.sizes, bool(lora_slots))
+
+    def _pad(self, start: int, end: int) -> None:
+        """Rows start:end write into and read only the scratch block."""
+        self.input_ids[start:end] = 0
+        self.positions[start:end] = 0
+        self.slot_mapping[start:end] = self.scratch * self.block_size
+        self.block_tables[start:end] = self.scratch
+        self.context_lens[start:end] = 1
+        self.token_slots[start:end] = -1
+
+    def _context(self, size: int, info: LoRABatchInfo | None) -> ForwardContext:
+        meta = AttentionMetadata(self.slot_mapping[:size], self.block_tables[:size], self.context_lens[:size],
+                                 self.cu_q[: size + 1], cu_q_list=[], context_lens_list=[], max_q_len=1,
+                                 max_context_len=self.block_tables.size(1) * self.block_size, decode_only=True,
+                                 all_slots_valid=True)
+        lora = LoRAMapping(self.token_slots[:size], "triton", info) if info is not None else None
+        return ForwardContext(attn=meta, lora=lora)
+
+    @torch.inference_mode()
+    def _capture(self, size: int, with_lora: bool, pool: object) -> tuple[object, torch.Tensor, LoRABatchInfo | None]:
+        self._pad(0, size)
+        info = None
+        if with_lora:
+            self.token_slots[:size] = 0  # shapes only; every replay rewrites the grouping in place
+            info = prepare_lora_batch(self.token_slots[:size].tolist(), None, self.lora_slots,
+                                      device=self.device.torch_device)
+        ctx = self._context(size, info)
+        with forward_context(ctx):
+            for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
+                self.model(self.input_ids[:size], self.positions[:size])
+        self.device.synchronize()
+        graph = self.device.new_graph()
+        with self.device.graph_capture(graph, pool), forward_context(ctx):
+            out = self.model(self.input_ids[:size], self.positions[:size])
+        return graph, out, info
+
+    def can_run(self, step: SchedulerOutput) -> bool:
+        return all(len(s.token_ids) == 1 for s in step.seqs) and len(step.seqs) <= self.sizes[-1]
+
+    @torch.inference_mode()
+    def run(self, step: SchedulerOutput) -> torch.Tensor:
+        """Hidden states [B, hidden] of a decode-only step."""
+        b = len(step.seqs)
+        size = next(s for s in self.sizes if s >= b)
+        dev = self.device.torch_device
+        bs = self.block_size
+        pos = [s.start_pos for s in step.seqs]
+        self.input_ids[:b].copy_(torch.tensor([s.token_ids[0] for s in step.seqs], device=dev))
+        self.positions[:b].copy_(torch.tensor(pos, device=dev))
+        self.slot_mapping[:b].copy_(torch.tensor([s.block_table[p // bs] * bs + p % bs
+                                                  for s, p in zip(step.seqs, pos)], device=dev))
+        width = self.block_tables.size(1)
+        table = [s.block_table + [self.scratch] * (width - len(s.block_table)) for s in step.seqs]
+        self.block_tables[:b].copy_(torch.tensor(table, dtype=torch.int32, device=dev))
+        self.context_lens[:b].copy_(torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=dev))
+        slots = [s.lora_slot for s in step.seqs]
+        self._pad(b, size)
+        with_lora = any(x >= 0 for x in slots) and (size, True) in self.graphs
+        graph, out, info = self.graphs[(size, with_lora)]
+        if with_lora:
+            padded = slots + [-1] * (size - b)
+            self.token_slots[:size].copy_(torch.tensor(padded, device=dev))
+            prepare_lora_batch(padded, None, self.lora_slots, device=dev, out=info)
+        graph.replay()  # type: ignore[attr-defined]
+        return out[:b]
