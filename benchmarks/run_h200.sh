@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Device runs on NVIDIA H200 (see docs/PERFORMANCE.md). Usage: bash benchmarks/run_h200.sh PART
+# The image's python3 has torch + triton; fla-core travels as a wheel in .whl/.
+set -uo pipefail
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+case "${1:-}" in
+  tests)
+    nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/env.txt"
+    python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/env.txt"
+    timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/layers/test_lora_layers.py 2>&1 | tail -30 | tee "$OUT/kernel_tests.txt"
+    timeout 120 python3 benchmarks/check_fla.py 2>&1 | tail -8 | tee "$OUT/fla.txt"
+    timeout 200 python3 benchmarks/gpu_engine_check.py 2>&1 | grep -v Warn | tail -12 | tee "$OUT/engine_check.txt"
+    ;;
+  tp)
+    timeout 560 python3 benchmarks/gpu_tp_check.py --layers "${2:-8}" 2>&1 | grep -E '^\{|Error|error' | tail -40 | tee "$OUT/tp.txt"
+    ;;
+  bench)
+    timeout 200 python3 benchmarks/bench_int4.py 2>&1 | tail -30 | tee "$OUT/int4.txt"
+    timeout 150 python3 benchmarks/bench_lora.py 2>&1 | tail -40 | tee "$OUT/lora.txt"
+    timeout 240 python3 benchmarks/bench_e2e.py --layers "${2:-36}" 2>&1 | grep -E '^\{|Error' | tee "$OUT/e2e.txt"
+    ;;
+  *) echo "usage: run_h200.sh tests|tp|bench"; exit 2 ;;
+esac
