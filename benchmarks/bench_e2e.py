@@ -86,7 +86,8 @@ def ours(path: str, adapters: list[str], batch: int, n_adapters: int, new_tokens
     lora = LoRAConfig(enable_lora=True, max_loras=max(1, len(adapters)), max_lora_rank=16,
                       lora_modules=tuple((f"a{i}", p) for i, p in enumerate(adapters)))
     cfg = EngineConfig(ModelConfig(path, dtype="bfloat16" if device != "cpu" else "float32", max_model_len=512),
-                       cache=CacheConfig(gpu_memory_utilization=0.6), scheduler=SchedulerConfig(max_num_seqs=batch),
+                       cache=CacheConfig(num_blocks=None if device == "cpu" else 8192),
+                       scheduler=SchedulerConfig(max_num_seqs=batch),
                        lora=lora if n_adapters else LoRAConfig())
     with LLMEngine(cfg) as e:
         names = [f"a{i % n_adapters}" if n_adapters else None for i in range(batch)]

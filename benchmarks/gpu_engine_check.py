@@ -31,7 +31,7 @@ def run(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]
             os.environ.pop(k, None)
     lora = LoRAConfig(enable_lora=True, max_loras=4, max_lora_rank=16,
                       lora_modules=tuple((f"a{i}", p) for i, p in enumerate(adapters)))
-    cfg = EngineConfig(ModelConfig(path, dtype=dtype, max_model_len=512), cache=CacheConfig(gpu_memory_utilization=0.3),
+    cfg = EngineConfig(ModelConfig(path, dtype=dtype, max_model_len=512), cache=CacheConfig(num_blocks=2048),
                        scheduler=SchedulerConfig(max_num_seqs=64), lora=lora, enforce_eager=eager)
     with LLMEngine(cfg) as e:
         t0 = time.perf_counter()

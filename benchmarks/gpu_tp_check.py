@@ -31,7 +31,7 @@ def engine(path: str, tp: int, dtype: str, max_num_seqs: int = 64) -> LLMEngine:
     from engine import SchedulerConfig
 
     return LLMEngine(EngineConfig(ModelConfig(path, dtype=dtype, max_model_len=1024),
-                                  cache=CacheConfig(gpu_memory_utilization=0.5),
+                                  cache=CacheConfig(num_blocks=4096),
                                   parallel=ParallelConfig(tensor_parallel_size=tp),
                                   scheduler=SchedulerConfig(max_num_seqs=max_num_seqs)))
 

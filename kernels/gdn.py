@@ -116,8 +116,9 @@ def _delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     decode = all(cu[i + 1] - cu[i] == 1 for i in range(len(slots)))
     fn = fused_recurrent_gated_delta_rule if decode else chunk_gated_delta_rule
     dtype = v.dtype if v.dtype != torch.float32 else torch.bfloat16
-    o, final = fn(q[None].to(dtype), k[None].to(dtype), v[None].to(dtype), g[None].float(), beta[None].to(dtype),
-                  scale=q.size(-1) ** -0.5, initial_state=states[idx], output_final_state=True,
-                  use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
+    # Keywords only: the two fla entry points order their optional arguments differently (gk/gv).
+    o, final = fn(q=q[None].to(dtype), k=k[None].to(dtype), v=v[None].to(dtype), g=g[None].float(),
+                  beta=beta[None].to(dtype), scale=q.size(-1) ** -0.5, initial_state=states[idx].contiguous(),
+                  output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
     states[idx] = final.float()
     return o[0].float()

@@ -1,23 +1,29 @@
 """Batched multi-LoRA shrink / expand in Triton (CUDA through `triton`, Intel GPUs through triton-xpu,
 the CPU under TRITON_INTERPRET=1). Same semantics as kernels.reference.lora_shrink / lora_expand.
 
-Once per step, outside graph capture, the engine groups the step's tokens by adapter slot on the device:
+Once per step, outside graph capture, the engine groups the step's tokens by adapter slot (from the host
+list: computed on the CPU, one copy to the device):
 
-    info = prepare_lora_batch(token_slots, ranks_per_slice, num_slots)   # LoRABatchInfo
+    info = prepare_lora_batch(slot_list, None, num_slots, device=dev)   # LoRABatchInfo
     # (graph replay: prepare_lora_batch(new_slots, None, num_slots, out=info) updates it in place)
 
 and every wrapped layer then runs two launches, whatever its number of slices:
 
-    buf = lora_shrink(x, lora_a, info, ranks)           # [n_slices, T, r_max] float32
-    lora_expand(y, buf, lora_b, info, offsets, ranks)    # y[:, off_s:off_s+n_s] (+)= ...
+    add_lora(y, x, lora_a, lora_b, info, offsets, ranks)   # ranks: the layer's [n_slices, S] int32 tensor
+    # = lora_shrink (K-split partials) + lora_expand: y[:, off_s:off_s+n_s] (+)= ...
+
+Layouts: A_s [S, r_max, K] rank-major (K contiguous). B_s [S, n_s, r_max] either r-contiguous or, ~2x
+faster for small ranks (measured on an H200), a transposed view of rank-major storage [S, r_max, n_s]:
+then a rank-r adapter reads r whole rows and never touches its padding.
 
 Work is scheduled in M-blocks of tokens that share one slot (tokens sorted by slot, each slot's run cut
 into blocks of BLOCK_M rows); slot -1 tokens belong to no block. Each program reads its slot's true rank
 from a device tensor and computes only rank columns below it (shrink: rank chunks at or past the rank
-exit; expand: the reduction loops over rank in BLOCK_R chunks up to the rank). Every output element is
-written by exactly one program (no atomics, no split-K): results are deterministic. Grids are sized from
-upper bounds (tokens, slots, r_max, output widths), so no launch needs a host sync and all of them can
-be captured in a graph.
+exit; expand: the reduction loops over rank in BLOCK_R chunks up to the rank). The shrink splits K into
+a fixed number of ranges whose fp32 partials the expand sums in a fixed order; every element is written
+by exactly one program (no atomics): results are deterministic. Grids are sized from upper bounds
+(tokens, slots, r_max, output widths), so no launch needs a host sync and all of them can be captured in
+a graph.
 """
 
 from __future__ import annotations
@@ -391,7 +397,7 @@ if triton is not None:
 
 CONFIG_OVERRIDES: dict[str, int] = {}
 """Force a launch parameter: shrink_block_k, shrink_split_k, shrink_block_r, shrink_warps, shrink_stages,
-expand_block_n, expand_warps, expand_stages (tuning scripts only; empty in normal use)."""
+expand_block_n, expand_n_iters, expand_warps, expand_stages (tuning scripts only; empty in normal use)."""
 
 
 def _shrink_config(k: int, r_max: int) -> dict[str, int]:

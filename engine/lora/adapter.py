@@ -22,6 +22,13 @@ trained on a Qwen3.5 vision-language export and one trained on a text-only expor
 Everything is read and validated before a LoRAAdapter is returned; any problem raises AdapterError
 (HTTP 400) or AdapterNotFoundError (HTTP 404) with a message naming the adapter, the module and the
 limit.
+
+The weights file is read with plain reads, never memory-mapped: a file truncated by another process
+while mapped kills the reading process with SIGBUS, and adapter folders are written by other people's
+tools while the server runs. Only the header is read until every tensor's name, shape and dtype has
+been checked (and the header must describe exactly the file's size), so a file that declares huge
+shapes, or a huge sparse file, is refused before its data is read. The data is then read once; the
+checksum and the tensors come from those same bytes.
 """
 
 from __future__ import annotations
@@ -36,7 +43,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -46,6 +52,11 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")
 # <prefix?><module>.lora_A|lora_B[.<adapter name>].weight
 _KEY_RE = re.compile(r"(?P<module>.+)\.(?P<ab>lora_A|lora_B)(?:\.(?P<seg>[^.]+))?\.weight")
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+_TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+_ITEM_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
+MAX_CONFIG_BYTES = 1 << 20  # a peft adapter_config.json is about 1 KiB
+MAX_HEADER_BYTES = 16 << 20  # safetensors' own limit is 100 MB; ~150 bytes per tensor in practice
 # Config fields that turn on a LoRA variant whose forward is not plain x A^T B^T (peft marks them
 # `is_lora_variant`; VeLoRA only changes the backward pass and is therefore accepted).
 _VARIANT_FIELDS = {
@@ -141,6 +152,127 @@ def _checksum(cfg: str, weights: str) -> str:
     return h.hexdigest()
 
 
+def _checksum_bytes(*parts: bytes | bytearray) -> str:
+    """_checksum over contents already in memory (same digest as over the files holding them)."""
+    h = hashlib.sha256()
+    for b in parts:
+        h.update(len(b).to_bytes(8, "little"))
+        h.update(b)
+    return h.hexdigest()
+
+
+def _read_small(path: str, limit: int, what: str) -> bytes:
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size > limit:
+            raise ValueError(f"{what} is {size} bytes; at most {limit} are accepted")
+        return fh.read(limit + 1)
+
+
+class _Slice:
+    def __init__(self, meta: dict[str, Any]) -> None:
+        self.meta = meta
+
+    def get_shape(self) -> list[int]:
+        return list(self.meta["shape"])
+
+    def get_dtype(self) -> str:
+        return str(self.meta["dtype"])
+
+
+class _SafetensorsFile:
+    """The subset of safetensors.safe_open's API that _read_tensors uses, over plain reads (see the
+    module docstring). Opening reads and checks the header only; the first get_tensor reads the whole
+    file once into memory and stores it in `snapshot["bytes"]`."""
+
+    def __init__(self, path: str, snapshot: dict[str, bytearray] | None = None) -> None:
+        self._fh = open(path, "rb")  # noqa: SIM115 - closed by __exit__ / close
+        try:
+            self._size = os.fstat(self._fh.fileno()).st_size
+            self._header_raw = self._read_header()
+        except BaseException:
+            self._fh.close()
+            raise
+        self._data: bytearray | None = None
+        self._snapshot = snapshot if snapshot is not None else {}
+
+    def _read_header(self) -> bytes:
+        head = self._fh.read(8)
+        if len(head) < 8:
+            raise ValueError(f"file of {self._size} bytes is too short for a safetensors header")
+        n = int.from_bytes(head, "little")
+        if n > MAX_HEADER_BYTES or 8 + n > self._size:
+            raise ValueError(f"declared header length {n} exceeds the file ({self._size} bytes) or the limit "
+                             f"of {MAX_HEADER_BYTES} bytes")
+        raw = self._fh.read(n)
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"corrupt header: {e}") from e
+        if not isinstance(header, dict):
+            raise ValueError("corrupt header: not a JSON object")
+        header.pop("__metadata__", None)
+        spans: list[tuple[int, int]] = []
+        for key, meta in header.items():
+            dt, shape, offs = (meta.get(k) if isinstance(meta, dict) else None
+                               for k in ("dtype", "shape", "data_offsets"))
+            if (not isinstance(dt, str) or not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape)
+                    or not isinstance(offs, list) or len(offs) != 2 or not all(_is_int(o) for o in offs)):
+                raise ValueError(f"corrupt header entry for {key!r}: {meta!r}"[:300])
+            if dt in _ITEM_SIZES and offs[1] - offs[0] != math.prod(shape) * _ITEM_SIZES[dt]:
+                raise ValueError(f"tensor {key!r}: data_offsets {offs} do not match shape {shape} and dtype {dt}")
+            spans.append((offs[0], offs[1]))
+        # Like safetensors: the tensors tile the data region exactly (no gap, no overlap, nothing after),
+        # so the file's size is what the (checked) shapes say and nothing else is ever read.
+        end = 0
+        for b, e in sorted(spans):
+            if b != end or e < b:
+                raise ValueError(f"tensor data offsets overlap or leave a gap at byte {end}")
+            end = e
+        if 8 + n + end != self._size:
+            raise ValueError(f"the header describes {8 + n + end} bytes but the file has {self._size} "
+                             "(truncated, or data after the tensors)")
+        self._header, self._base = header, 8 + n
+        return head + raw
+
+    def __enter__(self) -> _SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def keys(self) -> list[str]:
+        return list(self._header)
+
+    def get_slice(self, key: str) -> _Slice:
+        return _Slice(self._header[key])
+
+    def get_tensor(self, key: str) -> torch.Tensor:
+        if self._data is None:
+            data = bytearray(self._size)
+            self._fh.seek(0)
+            got = self._fh.readinto(data)
+            if got != self._size or self._fh.read(1) or bytes(data[: len(self._header_raw)]) != self._header_raw:
+                raise AdapterError("the file changed while being loaded; retry")
+            self._data = self._snapshot["bytes"] = data
+        meta = self._header[key]
+        dtype = _TORCH_DTYPES[meta["dtype"]]
+        b, e = meta["data_offsets"]
+        count = (e - b) // _ITEM_SIZES[meta["dtype"]]
+        return torch.frombuffer(self._data, dtype=dtype, count=count, offset=self._base + b).reshape(
+            meta["shape"]).clone()
+
+
+def safe_open(path: str, framework: str = "pt", snapshot: dict[str, bytearray] | None = None) -> _SafetensorsFile:
+    """Stand-in for safetensors.safe_open (framework "pt" only) without mmap; see _SafetensorsFile."""
+    if framework != "pt":
+        raise ValueError(f"framework {framework!r} is not supported")
+    return _SafetensorsFile(path, snapshot)
+
+
 def read_checksum(path: str) -> str:
     """sha256 over (size, bytes) of adapter_config.json then adapter_model.safetensors in `path`."""
     _, cfg, weights = _resolve(os.path.basename(os.path.normpath(os.fspath(path))) if path else "?", path)
@@ -193,10 +325,9 @@ def _str_or_list(name: str, field: str, v: Any) -> str | tuple[str, ...] | None:
     raise AdapterError(f"adapter {name!r}: {field} must be a string (regex) or a list of module names, got {v!r}")
 
 
-def _parse_config(name: str, cfg_path: str) -> _Config:
+def _parse_config(name: str, cfg_bytes: bytes) -> _Config:
     try:
-        with open(cfg_path, "rb") as fh:
-            raw = json.loads(fh.read().decode("utf-8"))
+        raw = json.loads(cfg_bytes.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise AdapterError(f"adapter {name!r}: {CONFIG_FILE} is not valid JSON: {e}") from e
     if not isinstance(raw, dict):
@@ -376,19 +507,25 @@ def load_adapter(name: str, path: str, target_shapes: Mapping[str, tuple[int, in
     real, cfg_path, weights = _resolve(name, path)
     try:
         before = _stat_sig(cfg_path, weights)
-        checksum = _checksum(cfg_path, weights)
+        cfg_bytes = _read_small(cfg_path, MAX_CONFIG_BYTES, CONFIG_FILE)
     except OSError as e:
         raise AdapterNotFoundError(f"adapter {name!r}: cannot read adapter files in {path}: {e}") from e
-    cfg = _parse_config(name, cfg_path)
+    except ValueError as e:
+        raise AdapterError(f"adapter {name!r}: {e}") from e
+    cfg = _parse_config(name, cfg_bytes)
     _check_targets_exist(name, cfg, target_shapes)
 
+    snapshot: dict[str, bytearray] = {}
     try:
-        with safe_open(weights, framework="pt") as f:
+        with safe_open(weights, framework="pt", snapshot=snapshot) as f:
             modules = _read_tensors(name, cfg, f, target_shapes, max_rank)
-    except AdapterError:
+    except AdapterError as e:
+        if "changed while being loaded" in str(e):
+            raise AdapterError(f"adapter {name!r}: files in {path} changed while being loaded; retry") from e
         raise
-    except Exception as e:  # safetensors raises its own error type for corrupt headers/data
+    except Exception as e:  # corrupt or truncated header/data
         raise AdapterError(f"adapter {name!r}: cannot read {WEIGHTS_FILE}: {e}") from e
+    checksum = _checksum_bytes(cfg_bytes, snapshot["bytes"])  # of exactly the bytes the tensors came from
 
     try:
         changed = _stat_sig(cfg_path, weights) != before

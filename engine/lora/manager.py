@@ -19,7 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from engine.config import LoRAConfig
-from engine.lora.adapter import AdapterError, LoRAAdapter, load_adapter, read_checksum
+from engine.lora.adapter import AdapterError, LoRAAdapter, load_adapter
+from engine.protocol import ModelNotFoundError
 
 
 class AdapterNotLoadedError(KeyError):
@@ -105,8 +106,14 @@ class LoRAManager:
 
     # -- users (requests) -----------------------------------------------------------------------------
     def add_user(self, adapter_id: int) -> None:
+        """Raises ModelNotFoundError (HTTP 404) if the adapter was unloaded since the caller resolved its
+        name: an unload on a server thread can fall between resolve() and this call in the step thread
+        (a KeyError here used to kill the step loop)."""
         with self._lock:
-            self._by_id[adapter_id].users += 1
+            e = self._by_id.get(adapter_id)
+            if e is None or not e.registered:
+                raise ModelNotFoundError(f"model {e.name if e else adapter_id!r} was unloaded")
+            e.users += 1
 
     def remove_user(self, adapter_id: int) -> None:
         with self._lock:
@@ -139,12 +146,16 @@ class LoRAManager:
             if hit is not None:
                 self._host.move_to_end(adapter_id)
                 return hit
-        if read_checksum(e.path) != e.checksum:
+        # Re-read with the same bounded, validated reader (a plain checksum of the files first would read
+        # whatever size they have now); its checksum is of the bytes the tensors came from.
+        try:
+            adapter = load_adapter(e.name, e.path, self.target_shapes, self.config.max_lora_rank)
+        except AdapterError as err:
+            raise AdapterError(f"adapter {e.name!r}: files under {e.path} changed on disk since it was loaded "
+                               f"and no longer load ({err}); unload and load it again") from err
+        if adapter.checksum != e.checksum:
             raise AdapterError(f"adapter {e.name!r}: files under {e.path} changed on disk since it was loaded; "
                                "unload and load it again")
-        adapter = load_adapter(e.name, e.path, self.target_shapes, self.config.max_lora_rank)
-        if adapter.checksum != e.checksum:
-            raise AdapterError(f"adapter {e.name!r}: files under {e.path} changed while being read")
         with self._lock:
             self._cache(adapter_id, adapter)
         return adapter

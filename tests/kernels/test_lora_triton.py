@@ -323,6 +323,27 @@ def test_kernels_under_interpreter() -> None:
     assert " passed" in proc.stdout and " failed" not in proc.stdout, proc.stdout[-3000:]
 
 
+def test_imports_and_reference_backends_without_triton() -> None:
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
+        "import torch, kernels.lora as L, kernels.attention as A, kernels.lora_triton as LT\n"
+        "assert LT.triton is None and not LT.triton_available()\n"
+        "y = L.add_lora(torch.zeros(2, 4), torch.ones(2, 3), [torch.ones(1, 2, 3)], [torch.ones(1, 4, 2)], [[2]], [0],\n"
+        "               torch.tensor([0, -1]))\n"
+        "assert y[0].tolist() == [6.0] * 4 and y[1].tolist() == [0.0] * 4\n"
+        "info = LT.prepare_lora_batch([0, -1], [[2]], 1)\n"
+        "try:\n"
+        "    LT.add_lora(torch.zeros(2, 4), torch.ones(2, 3), [torch.ones(1, 2, 3)], [torch.ones(1, 4, 2)], info, [0])\n"
+        "except RuntimeError as e:\n"
+        "    assert 'triton' in str(e)\n"
+        "else:\n"
+        "    raise AssertionError('no error without triton')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
 # ----------------------------------------------------------------------------------------------------
 # benchmark scripts: a CPU smoke run (--quick), so they cannot rot between runs on a GPU
 
