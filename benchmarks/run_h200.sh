@@ -27,10 +27,10 @@ case "${1:-}" in
     ;;
   tp_bench)  # one 2-GPU call for both, inside the 10-minute limit
     python3 -c "import torch; print([torch.cuda.mem_get_info(i) for i in range(torch.cuda.device_count())])"
-    timeout 90 python3 benchmarks/check_fla.py 2>&1 | tail -6 | tee "$OUT/fla.txt"
-    timeout 250 python3 benchmarks/gpu_tp_check.py --layers 4 2>&1 | grep -E '^\{|Error|error' | tail -40 | tee "$OUT/tp.txt"
-    timeout 150 python3 benchmarks/gpu_engine_check.py 2>&1 | grep -E '^\{|Error' | tail -12 | tee "$OUT/engine_check.txt"
-    timeout 200 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 --adapters 0 32 --peer-cases 32:32,1:0 \
+    timeout 60 python3 benchmarks/check_fla.py 2>&1 | tail -6 | tee "$OUT/fla.txt"
+    timeout 220 python3 benchmarks/gpu_tp_check.py --layers 4 2>&1 | grep -E '^\{|Error|error' | tail -40 | tee "$OUT/tp.txt"
+    timeout 110 python3 benchmarks/gpu_engine_check.py 2>&1 | grep -E '^\{|Error' | tail -12 | tee "$OUT/engine_check.txt"
+    timeout 110 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 --adapters 0 32 --peer-cases 32:32 \
       2>&1 | grep -E '^\{|Error' | tee "$OUT/e2e.txt"
     ;;
   *) echo "usage: run_h200.sh tests|tp|bench|tp_bench"; exit 2 ;;
