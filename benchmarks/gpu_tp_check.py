@@ -45,15 +45,11 @@ def equality(name: str, path: str) -> None:
     ps = prompts(8, 40, 400, 1)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     res = {}
-    logits = {}
-    for tp in (1, 2):
+    for tp in (1, 2):  # (prompt_logits runs on rank 0 alone, so only generate is compared under TP)
         with engine(path, tp, "float32") as e:
             res[tp] = [r.token_ids for r in e.generate(ps, greedy)]
-            logits[tp] = e.runner.prompt_logits(ps[0])
-    diff = float((logits[1] - logits[2]).abs().max())
     emit(check=f"{name} TP=2 vs TP=1 float32", greedy_equal=res[1] == res[2],
-         prompts_equal=sum(a == b for a, b in zip(res[1], res[2])), of=len(ps), max_logit_diff=diff,
-         logit_scale=float(logits[1].abs().max()))
+         prompts_equal=sum(a == b for a, b in zip(res[1], res[2])), of=len(ps))
 
 
 def decode_speed(name: str, path: str, tp: int, batch: int) -> None:
@@ -134,7 +130,7 @@ def main() -> None:
     if "speed" not in a.skip:
         for name, path in (("Qwen3-8B-shaped", dense), ("Qwen3.6-27B-shaped", hybrid)):
             for tp in (1, 2):
-                for b in (1, 32):
+                for b in (32, 1):
                     decode_speed(f"{name} ({a.layers} layers)", path, tp, b)
 
 

@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine import AsyncEngine, CheckpointError, EngineConfig, LLMEngine
 from server.adapters import router as adapters_router
-from server.errors import error_body, error_response, install_error_handlers
+from server.errors import ERROR_TYPES, error_body, error_response, install_error_handlers
 from server.metrics import Metrics
 from server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from server.serving import Serving
@@ -141,6 +141,7 @@ def create_app(engine_config: EngineConfig, *, engine: LLMEngine | None = None, 
                 llm.shutdown()
 
     app = FastAPI(title="xpulora", version=VERSION, lifespan=lifespan)
+    app.openapi = lambda: _openapi(app, bool(api_key))  # type: ignore[method-assign]
     install_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     if api_key:  # added last: outermost, so an unauthenticated body is never read
@@ -171,6 +172,52 @@ def create_app(engine_config: EngineConfig, *, engine: LLMEngine | None = None, 
         return {"version": VERSION}
 
     return app
+
+
+# -- the OpenAPI document ---------------------------------------------------------------------------
+_ERRORS: dict[str, tuple[int, ...]] = {  # what each route answers besides 200 (and 401, 413, 405)
+    "/v1/completions": (400, 404, 500, 503), "/v1/chat/completions": (400, 404, 500, 503),
+    "/v1/load_lora_adapter": (400, 403, 404), "/v1/unload_lora_adapter": (400, 404), "/health": (503,)}
+_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type", "code"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "code": {"type": "integer"}}}}}
+
+
+def _openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
+    """FastAPI's document, corrected to what the server really answers (checked by tests/e2e/test_fuzz.py):
+    invalid input is 400 with the JSON error shape (never FastAPI's 422), each route's error codes,
+    the bearer key on /v1/*, SSE on the completion routes and Prometheus text on /metrics."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    comps = doc.setdefault("components", {})
+    schemas = comps.setdefault("schemas", {})
+    for unused in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(unused, None)
+    schemas["Error"] = _ERROR_SCHEMA
+    if api_key:
+        comps["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    err = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            responses = op["responses"]
+            responses.pop("422", None)
+            codes = list(_ERRORS.get(path, ()))
+            if method == "post":
+                codes.append(413)
+            if api_key and path.startswith("/v1/"):
+                codes.append(401)
+                op["security"] = [{"bearer": []}]
+            for code in codes:
+                responses[str(code)] = {"description": ERROR_TYPES.get(code, "error"), **err}
+            if path in ("/v1/completions", "/v1/chat/completions"):
+                responses["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+            if path == "/metrics":
+                responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
+    app.openapi_schema = doc
+    return doc
 
 
 # -- xpulora serve -----------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -72,8 +73,8 @@ class _AsciiJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
-def error_response(status: int, message: str) -> JSONResponse:
-    return _AsciiJSONResponse(error_body(status, message), status_code=status)
+def error_response(status: int, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return _AsciiJSONResponse(error_body(status, message), status_code=status, headers=headers)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -82,7 +83,8 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, format_validation_errors(list(exc.errors())))
 
     async def http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        # Keep the exception's headers: a 405 must say which methods are allowed (Allow, RFC 9110).
+        return error_response(exc.status_code, str(exc.detail), exc.headers)
 
     async def known(_: Request, exc: Exception) -> JSONResponse:
         return error_response(status_of(exc), str(exc))

@@ -68,6 +68,25 @@ def _stop(v: Any) -> Any:
     return v
 
 
+# OpenAPI hints (json_schema_extra: documented, not enforced by pydantic, so that the error messages
+# stay those of the validators and of the engine): what the `Any` fields accept, and the ranges.
+_STOP_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS},
+    {"type": "array", "maxItems": MAX_STOP, "items": {"type": "string", "minLength": 1, "maxLength": MAX_STOP_CHARS}},
+    {"type": "null"}]}
+_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+_PROMPT_SCHEMA = {"anyOf": [
+    {"type": "string", "minLength": 1},
+    {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}},
+    _IDS,
+    {"type": "array", "minItems": 1, "items": _IDS}]}
+_CONTENT_SCHEMA = {"anyOf": [
+    {"type": "string"}, {"type": "null"},
+    {"type": "array", "items": {"type": "object", "required": ["type", "text"], "additionalProperties": False,
+                                "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]}
+ADAPTER_NAME_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$"
+
+
 def _is_ids(v: Any) -> bool:
     return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
@@ -80,13 +99,13 @@ class _Sampling(_Strict):
     """Fields shared by completions and chat completions (plus vLLM's common extensions)."""
 
     model: str
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
     # Bounds keep values the sampler cannot take (inf, seeds beyond int64) from reaching the step thread.
-    temperature: float | None = Field(None, allow_inf_nan=False)
-    top_p: float | None = Field(None, allow_inf_nan=False)
+    temperature: float | None = Field(None, allow_inf_nan=False, json_schema_extra={"minimum": 0})
+    top_p: float | None = Field(None, allow_inf_nan=False, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1})
     top_k: int | None = Field(None, ge=-1, le=1 << 31)
     n: int = Field(1, ge=1, le=128)
-    stop: Any = None
+    stop: Any = Field(None, json_schema_extra=_STOP_SCHEMA)
     seed: int | None = Field(None, ge=-(1 << 63), le=(1 << 63) - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -130,9 +149,9 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
-    prompt: Any
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    prompt: Any = Field(json_schema_extra=_PROMPT_SCHEMA)
+    max_tokens: int | None = Field(16, json_schema_extra={"minimum": 1})
+    logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 20})
     echo: bool = False
     suffix: Any = None
 
@@ -168,7 +187,7 @@ class CompletionRequest(_Sampling):
 
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: Any = None
+    content: Any = Field(None, json_schema_extra=_CONTENT_SCHEMA)
     name: str | None = None
 
     @field_validator("content", mode="before")
@@ -193,9 +212,9 @@ class ChatMessage(_Strict):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 20})
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -234,12 +253,12 @@ class ChatCompletionRequest(_Sampling):
 
 
 class LoadLoRAAdapterRequest(_Strict):
-    lora_name: str
+    lora_name: str = Field(json_schema_extra={"pattern": ADAPTER_NAME_PATTERN})
     lora_path: str = Field(max_length=4096)  # PATH_MAX
 
 
 class UnloadLoRAAdapterRequest(_Strict):
-    lora_name: str
+    lora_name: str = Field(json_schema_extra={"pattern": ADAPTER_NAME_PATTERN})
 
 
 def format_validation_errors(errors: list[dict[str, Any]]) -> str:
@@ -254,7 +273,7 @@ def format_validation_errors(errors: list[dict[str, Any]]) -> str:
         elif kind == "extra_forbidden":
             text = f"unsupported field '{field}'"
         elif kind == "missing":
-            text = f"missing field '{field}'"
+            text = f"missing field '{field}'" if field else "missing request body (a JSON object)"
         elif kind == "value_error":
             text = msg.removeprefix("Value error, ")
         elif field:
