@@ -52,7 +52,10 @@ class BaseLayerWithLoRA(nn.Module):
         rows = self.a_rows()
         self.lora_a = [torch.zeros(max_loras, rows, self.base.in_features, dtype=dtype, device=dev)
                        for _ in module_names]
-        self.lora_b = [torch.zeros(max_loras, n, max_rank, dtype=dtype, device=dev) for n in self.b_sizes()]
+        # B is indexed [slot, out, rank] but stored rank-major ([slot, rank, out] memory): the Triton expand
+        # reads it about 2x faster that way (measured on an H200, docs/PERFORMANCE.md).
+        self.lora_b = [torch.zeros(max_loras, max_rank, n, dtype=dtype, device=dev).transpose(1, 2)
+                       for n in self.b_sizes()]
         self.ranks: list[list[int]] = [[0] * max_loras for _ in module_names]
         """True rank of each slot per slice (what the expand reads)."""
         self.a_ranks: list[list[int]] = [[0] * max_loras for _ in module_names]
