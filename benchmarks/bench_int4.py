@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,71 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import default_device, device_sync, graph_time_us, time_us
 from kernels.int4 import INT4_BACKENDS, Int4Layout, int4_mm, native_supported, prepare_int4
 from kernels.reference import pack_int4_cols, pack_int4_rows
 
 FULL = dict(shapes=[(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)], ms=[1, 16, 64, 256, 1024])
 QUICK = dict(shapes=[(256, 384), (512, 256)], ms=[1, 16])
 GROUP = 128
-
-
-def default_device() -> str:
-    if torch.cuda.is_available():
-        return "cuda"
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        return "xpu"
-    return "cpu"
-
-
-def _sync(dev: torch.device) -> Callable[[], None]:
-    mod = getattr(torch, dev.type, None)
-    fn = getattr(mod, "synchronize", None) if dev.type != "cpu" else None
-    return fn if callable(fn) else (lambda: None)
-
-
-def time_us(fn: Callable[[], object], sync: Callable[[], None], budget_s: float, max_iters: int = 5000) -> float:
-    """Mean wall time per call in microseconds: one warm-up call, then enough calls to fill budget_s
-    (at least 3, or 1 when budget_s is 0)."""
-    fn()
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    one = time.perf_counter() - t0
-    if budget_s <= 0:
-        return one * 1e6
-    iters = int(min(max_iters, max(3, budget_s / max(one, 1e-7))))
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / iters * 1e6
-
-
-def graph_time_us(fn: Callable[[], object], dev: torch.device, budget_s: float, reps: int = 20) -> float | None:
-    """Per-call time of `reps` calls captured in one device graph and replayed; None where unsupported."""
-    mod = getattr(torch, dev.type, None)
-    graph_cls = getattr(mod, "CUDAGraph", None) or getattr(mod, "XPUGraph", None)
-    graph_ctx = getattr(mod, "graph", None)
-    if dev.type == "cpu" or graph_cls is None or graph_ctx is None:
-        return None
-    sync = _sync(dev)
-    try:
-        stream = mod.Stream()
-        stream.wait_stream(mod.current_stream())
-        with mod.stream(stream):
-            fn()
-        mod.current_stream().wait_stream(stream)
-        sync()
-        g = graph_cls()
-        with graph_ctx(g):
-            for _ in range(reps):
-                fn()
-        sync()
-    except Exception as e:  # anything that cannot be captured is reported as such
-        print(f"# graph capture failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
-        return None
-    return time_us(g.replay, sync, budget_s) / reps
 
 
 def random_checkpoint(k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -116,7 +57,7 @@ def triton_usable(dev: torch.device) -> bool:
 def run_case(dev: torch.device, m_rows: int, layout: Int4Layout, dense: torch.Tensor, prepared: dict,
              methods: list[str], int4_weight_bytes: int, budget_s: float, no_graph: bool) -> dict:
     k, n = layout.in_features, layout.out_features
-    sync = _sync(dev)
+    sync = device_sync(dev)
     x = torch.randn(m_rows, k, device=dev, dtype=dense.dtype)
     act_bytes = (m_rows * k + m_rows * n) * x.element_size()
     rec: dict = dict(bench="int4", device=str(dev), dtype=str(dense.dtype).removeprefix("torch."), M=m_rows, K=k,

@@ -29,14 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import default_device, device_sync, graph_time_us, time_us
 from kernels import lora as lora_ops
 from kernels import lora_triton
 
@@ -47,65 +46,6 @@ FULL = dict(
 QUICK = dict(
     layers={"qkv": (64, [64, 16, 16]), "gate_up": (64, [96, 96]), "down": (96, [64])},
     tokens=[8], adapters=[1, 4], ranks=[16], slots=4, r_max=64)
-
-
-def default_device() -> str:
-    if torch.cuda.is_available():
-        return "cuda"
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        return "xpu"
-    return "cpu"
-
-
-def _sync(dev: torch.device) -> Callable[[], None]:
-    mod = getattr(torch, dev.type, None)
-    fn = getattr(mod, "synchronize", None) if dev.type != "cpu" else None
-    return fn if callable(fn) else (lambda: None)
-
-
-def time_us(fn: Callable[[], object], sync: Callable[[], None], budget_s: float, max_iters: int = 2000) -> float:
-    """Mean wall time per call in microseconds: one warm-up call, then enough calls to fill budget_s
-    (at least 3, or 1 when budget_s is 0)."""
-    fn()
-    sync()
-    t0 = time.perf_counter()
-    fn()
-    sync()
-    one = time.perf_counter() - t0
-    if budget_s <= 0:
-        return one * 1e6
-    iters = int(min(max_iters, max(3, budget_s / max(one, 1e-7))))
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    sync()
-    return (time.perf_counter() - t0) / iters * 1e6
-
-
-def graph_time_us(fn: Callable[[], object], dev: torch.device, budget_s: float, reps: int = 10) -> float | None:
-    """Per-call time of `reps` calls captured in one device graph and replayed; None where unsupported."""
-    mod = getattr(torch, dev.type, None)
-    graph_cls = getattr(mod, "CUDAGraph", None) or getattr(mod, "XPUGraph", None)
-    graph_ctx = getattr(mod, "graph", None)
-    if dev.type == "cpu" or graph_cls is None or graph_ctx is None:
-        return None
-    sync = _sync(dev)
-    try:
-        stream = mod.Stream()
-        stream.wait_stream(mod.current_stream())
-        with mod.stream(stream):  # warm up on a side stream, as capture requires
-            fn()
-        mod.current_stream().wait_stream(stream)
-        sync()
-        g = graph_cls()
-        with graph_ctx(g):
-            for _ in range(reps):
-                fn()
-        sync()
-    except Exception as e:
-        print(f"# graph capture failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
-        return None
-    return time_us(g.replay, sync, budget_s) / reps
 
 
 def triton_usable(dev: torch.device) -> bool:
@@ -128,7 +68,7 @@ def run_case(dev: torch.device, dtype: torch.dtype, layer: str, k: int, sizes: l
     x = torch.randn(tokens, k, generator=g).to(dev, dtype)
     y = torch.zeros(tokens, sum(sizes), device=dev, dtype=dtype)
     w = (torch.randn(k, sum(sizes), generator=g) / k ** 0.5).to(dev, dtype)
-    sync = _sync(dev)
+    sync = device_sync(dev)
     rec: dict = dict(bench="lora", device=str(dev), dtype=str(dtype).removeprefix("torch."), layer=layer, k=k,
                      n=sizes, tokens=tokens, adapters=adapters, rank=rank, r_max=r_max, slots=slots)
 

@@ -26,35 +26,13 @@ import pytest
 import torch
 
 from kernels.attention import ATTENTION_BACKENDS, paged_attention, paged_attention_ref
+from tests.kernels.triton_env import DEV, HAS_TRITON, INTERPRETING, needs_kernels
 
 REPO = Path(__file__).resolve().parents[2]
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
 TOLERANCES = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (1.6e-2, 1e-2)}
 BLOCK_SIZE = 16
 
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the environment
-    HAS_TRITON = False
-
-
-def _kernel_device() -> torch.device | None:
-    if not HAS_TRITON:
-        return None
-    if INTERPRETING:
-        return torch.device("cpu")
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and acc.is_available():
-        return acc.current_accelerator()
-    return None
-
-
-DEV = _kernel_device()
-needs_kernels = pytest.mark.skipif(
-    DEV is None, reason="no triton, or no accelerator (the CPU runs these under the interpreter, see "
-    "test_kernels_under_interpreter)")
 
 
 def _assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:

@@ -9,7 +9,6 @@ kernel are checked too.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from kernels.reference import (
     unpack_int4_cols,
     unpack_int4_rows,
 )
+from tests.interp import run_under_interpreter
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -362,8 +362,4 @@ for zo in (0, 1):
         assert torch.equal(out, ref), (zo, gs, (out - ref).abs().max())
 print("ok")
 """
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+    run_under_interpreter(code)

@@ -29,35 +29,12 @@ import torch
 
 from kernels import lora as lora_ops
 from kernels import reference
+from tests.kernels.triton_env import DEV, HAS_TRITON, INTERPRETING, needs_kernels
 
 REPO = Path(__file__).resolve().parents[2]
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2)}
 
-try:
-    import triton  # noqa: F401
-
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the environment
-    HAS_TRITON = False
-
-
-def _kernel_device() -> torch.device | None:
-    """Where compiled (or interpreted) Triton kernels run in this process, or None."""
-    if not HAS_TRITON:
-        return None
-    if INTERPRETING:
-        return torch.device("cpu")
-    acc = getattr(torch, "accelerator", None)
-    if acc is not None and acc.is_available():
-        return acc.current_accelerator()
-    return None
-
-
-DEV = _kernel_device()
-needs_kernels = pytest.mark.skipif(
-    DEV is None, reason="no triton, or no accelerator (the CPU runs these under the interpreter, see "
-    "test_kernels_under_interpreter)")
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -3,12 +3,7 @@ result as with the reference kernels; on the CPU under the Triton interpreter.""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import subprocess
-import sys
-
-import pytest
+from tests.interp import run_under_interpreter
 
 CODE = r"""
 import torch
@@ -44,8 +39,4 @@ print("ok")
 
 
 def test_triton_wrappers_equal_reference_wrappers() -> None:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton is not installed")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+    run_under_interpreter(CODE)
