@@ -68,6 +68,8 @@ class LocalExecutor:
         device = rank_device(kind, 0)
         device.activate()
         self.runner = ModelRunner(config, info, device, max_model_len, progress)
+        self.dead: str | None = None
+        """Always None: with no worker processes there is nothing that can die apart from this one."""
 
     @property
     def kv(self) -> KVCacheSpec:
