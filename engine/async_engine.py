@@ -165,7 +165,7 @@ class AsyncEngine:
 
     def _worker_failure(self) -> str | None:
         """Why a tensor-parallel worker is gone (the executor's watchdog sets `dead`), else None."""
-        return getattr(self.engine.executor, "dead", None)
+        return self.engine.executor.dead
 
     def stop_accepting(self) -> None:
         """New requests get 503 from now on; the ones already in keep running."""

@@ -183,6 +183,9 @@ _ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error"
     "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "code": {"type": "integer"}}}}}
 
 
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string"}}}  # one event
+
+
 def _openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
     """FastAPI's document, corrected to what the server really answers (checked by tests/e2e/test_fuzz.py):
     invalid input is 400 with the JSON error shape (never FastAPI's 422), each route's error codes,
@@ -213,7 +216,7 @@ def _openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
             for code in codes:
                 responses[str(code)] = {"description": ERROR_TYPES.get(code, "error"), **err}
             if path in ("/v1/completions", "/v1/chat/completions"):
-                responses["200"]["content"]["text/event-stream"] = {"schema": {"type": "string"}}
+                responses["200"]["content"]["text/event-stream"] = {"schema": _SSE_EVENT}
             if path == "/metrics":
                 responses["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     app.openapi_schema = doc

@@ -112,7 +112,7 @@ class LoRAManager:
         with self._lock:
             e = self._by_id.get(adapter_id)
             if e is None or not e.registered:
-                raise ModelNotFoundError(f"model {e.name if e else adapter_id!r} was unloaded")
+                raise ModelNotFoundError(f"model {e.name!r} was unloaded" if e else "the adapter was unloaded")
             e.users += 1
 
     def remove_user(self, adapter_id: int) -> None:

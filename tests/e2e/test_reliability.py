@@ -30,7 +30,7 @@ from benchmarks.load import DEMO, Spec, build_plan, run_load, run_one, run_seque
 from engine import ModelNotFoundError
 from tests.e2e.serverlib import REPO, ServerProcess
 
-GRACE_S = 3
+GRACE_S = 1  # short: 50 requests of 480 tokens cannot all finish in it, so the abort path runs
 MAX_BODY = 4 << 20  # the main server's limit (the default 1 MiB is checked in test_fuzz.py)
 PROMPT = "words: cat ant moon fox =>"
 
@@ -120,9 +120,9 @@ def test_client_disconnects_free_blocks_and_slots(demo: Demo) -> None:
                             return  # leaving the block closes the connection mid-stream
 
             async def give_up(k: int) -> None:
-                body = {"model": names[k % 8], "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+                body = {"model": names[k % 8], "prompt": PROMPT, "max_tokens": 480, "ignore_eos": True}
                 with pytest.raises(httpx.ReadTimeout):
-                    await c.post("/v1/completions", json=body, timeout=0.5)
+                    await c.post("/v1/completions", json=body, timeout=1.0)
 
             await asyncio.gather(*(cut_stream(k) for k in range(24)), *(give_up(k) for k in range(8)))
 
@@ -389,7 +389,8 @@ def test_tokenizing_a_huge_prompt_does_not_stall_the_event_loop(demo: Demo) -> N
     t.join()
     took = time.monotonic() - t0
     assert result[0].status_code == 400 and "max_model_len" in result[0].json()["error"]["message"]
-    assert worst < 0.5, f"/health took {worst:.2f} s while a {took:.1f} s prompt was tokenized"
+    # before the fix, /health waited for the whole tokenization (1.7-3.4 s here); now ~0.01-0.2 s
+    assert worst < 1.0, f"/health took {worst:.2f} s while a {took:.1f} s prompt was tokenized"
 
 
 def test_api_key_is_compared_in_constant_time(monkeypatch: pytest.MonkeyPatch) -> None:
