@@ -112,6 +112,35 @@ def int4_matmul(
     return y.to(x.dtype)
 
 
+# -- 8-bit (GPTQ layout, 4 values per int32) ----------------------------------------------------------
+def _bytes(words: torch.Tensor) -> torch.Tensor:
+    """[..., W] int32 -> [..., W, 4]: byte j of each word (LSB first), words read as uint32."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(0, 32, 8, device=words.device, dtype=torch.int64)
+    return ((w.unsqueeze(-1) >> shifts) & 0xFF).to(torch.int16)
+
+
+def unpack_int8_rows(qweight: torch.Tensor) -> torch.Tensor:
+    """u[k, n] = (uint32(qweight[k // 4, n]) >> 8*(k % 4)) & 0xFF;  [K/4, N] int32 -> [K, N] int16."""
+    kw, n = qweight.shape
+    return _bytes(qweight).permute(0, 2, 1).reshape(kw * 4, n)
+
+
+def unpack_int8_cols(qzeros: torch.Tensor) -> torch.Tensor:
+    """z[g, n] = (uint32(qzeros[g, n // 4]) >> 8*(n % 4)) & 0xFF;  [K/G, N/4] int32 -> [K/G, N] int16."""
+    g, nw = qzeros.shape
+    return _bytes(qzeros).reshape(g, nw * 4)
+
+
+def dequant_int8(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+                 zero_offset: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """W[k, n] = scales[k//G, n] * (u(k, n) - (z(k//G, n) + zero_offset)), 8-bit codes; [K, N]."""
+    u = unpack_int8_rows(qweight).float()
+    z = unpack_int8_cols(qzeros).float() + zero_offset
+    w = scales.float().repeat_interleave(group_size, 0) * (u - z.repeat_interleave(group_size, 0))
+    return w.to(dtype or scales.dtype)
+
+
 # -- LoRA (punica-style batched shrink / expand) --------------------------------------------------------
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, ranks: list[int]) -> torch.Tensor:
     """buf[t, :r] = x[t] @ a[slot[t], :r].T with r = ranks[slot[t]]; rows with slot -1 (and columns past r) are 0.

@@ -58,8 +58,9 @@ def load_hf_dequantized(path: str) -> torch.nn.Module:
     dense: dict[str, torch.Tensor] = {}
     for name in [k[: -len(".qweight")] for k in state if k.endswith(".qweight")]:
         qw = state[f"{name}.qweight"]
-        k, n = qw.shape[0] * 8, qw.shape[1]
-        q = cls(4, qc["group_size"], k, n, bias=False)
+        bits = int(qc.get("bits", 4))
+        k, n = qw.shape[0] * 32 // bits, qw.shape[1]
+        q = cls(bits, qc["group_size"], k, n, bias=False)
         q.qweight.copy_(qw)
         q.qzeros.copy_(state[f"{name}.qzeros"])
         q.scales = state[f"{name}.scales"].float()

@@ -152,11 +152,54 @@ class Int4LinearMethod:
         return w.t()
 
 
+@dataclass
+class Int8LinearMethod:
+    """GPTQ-layout 8-bit weight (qweight [K/4, N], qzeros [K/G, N/4], scales [K/G, N]). Served by
+    dequantizing once at load into the activation dtype: 8-bit is uncommon for AutoRound exports, and
+    the dense copy costs no more memory than a 16-bit checkpoint would."""
+
+    group_size: int
+    zero_offset: int
+    input_multiple: int = 1
+    output_multiple: int = 4
+
+    def __post_init__(self) -> None:
+        self.input_multiple = self.group_size
+
+    def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        g = self.group_size
+        if in_features % g or out_features % 4 or in_features % 4:
+            raise QuantConfigError(f"{layer.prefix}: int8 shard [{out_features} x {in_features}] is not a multiple of "
+                                   f"the group size {g} (inputs) and of 4 (outputs)")
+        qw = nn.Parameter(torch.empty(in_features // 4, out_features, dtype=torch.int32), requires_grad=False)
+        qz = nn.Parameter(torch.empty(in_features // g, out_features // 4, dtype=torch.int32), requires_grad=False)
+        sc = nn.Parameter(torch.empty(in_features // g, out_features, dtype=torch.float16), requires_grad=False)
+        layer.register_parameter("qweight", set_spec(qw, ShardSpec(1, 0, packed_dim=0, pack=4)))
+        layer.register_parameter("qzeros", set_spec(qz, ShardSpec(1, 0, packed_dim=1, pack=4, group_size=g)))
+        layer.register_parameter("scales", set_spec(sc, ShardSpec(1, 0, group_size=g)))
+        layer.compute_dtype = dtype
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        from kernels.reference import dequant_int8
+
+        layer.dense = dequant_int8(layer.qweight.data, layer.qzeros.data, layer.scales.data, self.group_size,
+                                   self.zero_offset, dtype=layer.compute_dtype).t().contiguous()
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return nn.functional.linear(x, layer.dense, bias)
+
+    def device(self, layer: nn.Module) -> torch.device:
+        return layer.qweight.device
+
+    def dense_weight(self, layer: nn.Module) -> torch.Tensor:
+        return layer.dense.float()
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """The checkpoint's quantization_config, resolved per layer name."""
 
-    method: Literal["none", "int4"]
+    method: Literal["none", "int4", "int8"]
     group_size: int = 128
     zero_offset: int = 1
     sym: bool = True
@@ -182,9 +225,9 @@ class QuantConfig:
                 "re-export with format='auto_round' or 'auto_round:auto_gptq'")
         bits = int(qc.get("bits", 4))
         dtype = str(qc.get("data_type", "int"))
-        if bits != 4 or dtype != "int":
-            raise QuantConfigError(f"AutoRound bits={bits} data_type={dtype!r} is not supported; only 4-bit int "
-                                   "weight-only (W4A16) is served")
+        if bits not in (4, 8) or dtype != "int":
+            raise QuantConfigError(f"AutoRound bits={bits} data_type={dtype!r} is not supported; 4-bit and 8-bit int "
+                                   "weight-only (W4A16, W8A16) are served")
         act_bits = int(qc.get("act_bits", 16) or 16)
         if act_bits < 16:
             raise QuantConfigError(f"activation quantization (act_bits={act_bits}) is not supported; W4A16 only")
@@ -197,12 +240,13 @@ class QuantConfig:
         overrides = []
         for name, cfg in (qc.get("extra_config") or {}).items():
             b = int(cfg.get("bits", bits))
-            if b not in (4, 16, 32) or (b == 4 and str(cfg.get("data_type", "int")) != "int"):
-                raise QuantConfigError(f"extra_config for {name!r}: bits={b} is not supported (4 or 16)")
+            if b not in (4, 8, 16, 32) or (b in (4, 8) and str(cfg.get("data_type", "int")) != "int"):
+                raise QuantConfigError(f"extra_config for {name!r}: bits={b} is not supported (4, 8 or 16)")
             overrides.append((name, b))
         # v1 (auto_gptq) stores zp - 1; the auto_round and gptqmodel packings store zp itself.
         zero_offset = 1 if fmt == "auto_round:auto_gptq" else 0
-        return QuantConfig("int4", group, zero_offset, bool(qc.get("sym", True)), tuple(blocks), tuple(overrides))
+        return QuantConfig("int4" if bits == 4 else "int8", group, zero_offset, bool(qc.get("sym", True)),
+                           tuple(blocks), tuple(overrides))
 
     def bits_for(self, name: str) -> int:
         """Bits of the linear with this checkpoint name (e.g. model.layers.0.self_attn.q_proj)."""
@@ -216,7 +260,7 @@ class QuantConfig:
                 return b
         if self.blocks and not any(name.startswith(p + ".") for p in self.blocks):
             return 16
-        return 4
+        return 4 if self.method == "int4" else 8
 
     def method_for(self, names: list[str], backend: str) -> LinearMethod:
         """Method for a (possibly fused) layer; every fused part must agree."""
@@ -224,6 +268,9 @@ class QuantConfig:
         if len(bits) > 1:
             raise QuantConfigError(f"{', '.join(names)} are fused into one layer here but quantized differently "
                                    f"({sorted(bits)} bits); this mix is not supported")
-        if bits.pop() == 4:
+        b = bits.pop()
+        if b == 4:
             return Int4LinearMethod(self.group_size, self.zero_offset, backend)
+        if b == 8:
+            return Int8LinearMethod(self.group_size, self.zero_offset)
         return UnquantizedLinearMethod()

@@ -25,6 +25,7 @@ CASES = [
     ("qwen2", None, True),  # qkv bias, tied embeddings
     ("qwen2", "auto_round:auto_gptq", False),
     ("qwen3", "auto_round+mixed", False),  # extra_config keeps two linears at 16 bits
+    ("qwen3", "auto_round+int8", False),  # 8-bit (W8A16), served through a dense dequantized copy
 ]
 MAX_NEW = 12
 

@@ -363,3 +363,23 @@ for zo in (0, 1):
 print("ok")
 """
     run_under_interpreter(code)
+
+
+def test_dequant_int8_matches_a_loop_over_bytes() -> None:
+    """8-bit GPTQ layout: 4 codes per int32 word, LSB first, words read as uint32 (negative words too)."""
+    from kernels.reference import dequant_int8
+
+    g = torch.Generator().manual_seed(5)
+    k, n, gs = 256, 8, 128
+    qweight = torch.randint(-(2**31), 2**31 - 1, (k // 4, n), generator=g, dtype=torch.int64).to(torch.int32)
+    qzeros = torch.randint(-(2**31), 2**31 - 1, (k // gs, n // 4), generator=g, dtype=torch.int64).to(torch.int32)
+    scales = (torch.randn(k // gs, n, generator=g) * 0.01).half()
+    for zo in (0, 1):
+        w = dequant_int8(qweight, qzeros, scales, gs, zo, dtype=torch.float32)
+        for kk in (0, 3, 4, 129, 255):
+            for nn in (0, 5, 7):
+                word = int(qweight[kk // 4, nn]) & 0xFFFFFFFF
+                u = (word >> (8 * (kk % 4))) & 0xFF
+                zword = int(qzeros[kk // gs, nn // 4]) & 0xFFFFFFFF
+                z = ((zword >> (8 * (nn % 4))) & 0xFF) + zo
+                assert w[kk, nn].item() == pytest.approx(float(scales[kk // gs, nn]) * (u - z), rel=1e-6, abs=1e-6)
