@@ -68,6 +68,21 @@ class LinearMethod(Protocol):
     def dense_weight(self, layer: nn.Module) -> torch.Tensor: ...
 
 
+def create_gptq_weights(layer: nn.Module, in_features: int, out_features: int, group_size: int, bits: int) -> None:
+    """Register the GPTQ tensors of one shard: qweight int32 [K*bits/32, N], qzeros int32 [K/G, N*bits/32],
+    scales fp16 [K/G, N], with the sharding metadata the parallel layers cut them by."""
+    pack, g = 32 // bits, group_size
+    if in_features % g or out_features % pack or in_features % pack:
+        raise QuantConfigError(f"{layer.prefix}: int{bits} shard [{out_features} x {in_features}] is not a multiple "
+                               f"of the group size {g} (inputs) and of {pack} (outputs)")
+    qw = nn.Parameter(torch.empty(in_features // pack, out_features, dtype=torch.int32), requires_grad=False)
+    qz = nn.Parameter(torch.empty(in_features // g, out_features // pack, dtype=torch.int32), requires_grad=False)
+    sc = nn.Parameter(torch.empty(in_features // g, out_features, dtype=torch.float16), requires_grad=False)
+    layer.register_parameter("qweight", set_spec(qw, ShardSpec(1, 0, packed_dim=0, pack=pack)))
+    layer.register_parameter("qzeros", set_spec(qz, ShardSpec(1, 0, packed_dim=1, pack=pack, group_size=g)))
+    layer.register_parameter("scales", set_spec(sc, ShardSpec(1, 0, group_size=g)))
+
+
 class UnquantizedLinearMethod:
     """16/32-bit weight stored as [out, in] (the Hugging Face layout)."""
 
@@ -109,18 +124,8 @@ class Int4LinearMethod:
         return 8
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
-        g = self.group_size
-        if in_features % g or out_features % 8 or in_features % 8:
-            raise QuantConfigError(
-                f"{layer.prefix}: int4 shard [{out_features} x {in_features}] is not a multiple of the "
-                f"group size {g} (inputs) and of 8 (outputs)")
-        qw = nn.Parameter(torch.empty(in_features // 8, out_features, dtype=torch.int32), requires_grad=False)
-        qz = nn.Parameter(torch.empty(in_features // g, out_features // 8, dtype=torch.int32), requires_grad=False)
-        sc = nn.Parameter(torch.empty(in_features // g, out_features, dtype=torch.float16), requires_grad=False)
-        layer.register_parameter("qweight", set_spec(qw, ShardSpec(1, 0, packed_dim=0, pack=8)))
-        layer.register_parameter("qzeros", set_spec(qz, ShardSpec(1, 0, packed_dim=1, pack=8, group_size=g)))
-        layer.register_parameter("scales", set_spec(sc, ShardSpec(1, 0, group_size=g)))
-        layer.int4_layout = Int4Layout(g, self.zero_offset, in_features, out_features)
+        create_gptq_weights(layer, in_features, out_features, self.group_size, bits=4)
+        layer.int4_layout = Int4Layout(self.group_size, self.zero_offset, in_features, out_features)
         layer.compute_dtype = dtype
 
     def process_after_loading(self, layer: nn.Module) -> None:
@@ -167,16 +172,7 @@ class Int8LinearMethod:
         self.input_multiple = self.group_size
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
-        g = self.group_size
-        if in_features % g or out_features % 4 or in_features % 4:
-            raise QuantConfigError(f"{layer.prefix}: int8 shard [{out_features} x {in_features}] is not a multiple of "
-                                   f"the group size {g} (inputs) and of 4 (outputs)")
-        qw = nn.Parameter(torch.empty(in_features // 4, out_features, dtype=torch.int32), requires_grad=False)
-        qz = nn.Parameter(torch.empty(in_features // g, out_features // 4, dtype=torch.int32), requires_grad=False)
-        sc = nn.Parameter(torch.empty(in_features // g, out_features, dtype=torch.float16), requires_grad=False)
-        layer.register_parameter("qweight", set_spec(qw, ShardSpec(1, 0, packed_dim=0, pack=4)))
-        layer.register_parameter("qzeros", set_spec(qz, ShardSpec(1, 0, packed_dim=1, pack=4, group_size=g)))
-        layer.register_parameter("scales", set_spec(sc, ShardSpec(1, 0, group_size=g)))
+        create_gptq_weights(layer, in_features, out_features, self.group_size, bits=8)
         layer.compute_dtype = dtype
 
     def process_after_loading(self, layer: nn.Module) -> None:
