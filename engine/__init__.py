@@ -18,6 +18,7 @@ from engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from engine.device import DEVICE_CHOICES
 from engine.llm_engine import GenerationResult, LLMEngine
 from engine.loader import CheckpointError
 from engine.lora.adapter import AdapterError, AdapterNotFoundError, validate_name
@@ -25,6 +26,7 @@ from engine.lora.manager import AdapterNotLoadedError
 from engine.protocol import ModelNotFoundError, RequestError, RequestOutput, SamplingParams, TokenLogprob
 
 __all__ = [
+    "DEVICE_CHOICES",
     "AdapterError",
     "AdapterNotFoundError",
     "AdapterNotLoadedError",

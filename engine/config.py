@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-DeviceName = Literal["auto", "xpu", "cuda", "cpu"]
+from engine.device import DeviceName
+
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
 

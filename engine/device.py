@@ -11,11 +11,14 @@ import importlib.util
 import logging
 import os
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 DeviceKind = Literal["xpu", "cuda", "cpu"]
+DeviceName = Literal["auto", "xpu", "cuda", "cpu"]
+"""What --device accepts: auto picks xpu, then cuda, then cpu."""
+DEVICE_CHOICES: tuple[str, ...] = get_args(DeviceName)
 log = logging.getLogger(__name__)
 
 
@@ -47,8 +50,8 @@ def detect(requested: str = "auto") -> DeviceKind:
                            "check the driver, the render group and ZE_AFFINITY_MASK")
     if requested == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda: no CUDA device visible to torch")
-    if requested not in ("xpu", "cuda", "cpu"):
-        raise ValueError(f"unknown device {requested!r}; choose auto, xpu, cuda or cpu")
+    if requested not in DEVICE_CHOICES:
+        raise ValueError(f"unknown device {requested!r}; choose one of {', '.join(DEVICE_CHOICES)}")
     return requested  # type: ignore[return-value]
 
 
@@ -78,13 +81,6 @@ class Device:
         elif self.kind == "xpu":
             torch.xpu.synchronize(self.index)
 
-    def device_count(self) -> int:
-        if self.kind == "cuda":
-            return torch.cuda.device_count()
-        if self.kind == "xpu":
-            return torch.xpu.device_count()
-        return os.cpu_count() or 1
-
     def mem_get_info(self) -> tuple[int, int]:
         """(free, total) bytes on the device; for the CPU, available and total RAM."""
         if self.kind == "cuda":
@@ -94,19 +90,6 @@ class Device:
         pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return avail, pages
-
-    def memory_allocated(self) -> int:
-        if self.kind == "cuda":
-            return torch.cuda.memory_allocated(self.index)
-        if self.kind == "xpu":
-            return torch.xpu.memory_allocated(self.index)
-        return 0
-
-    def empty_cache(self) -> None:
-        if self.kind == "cuda":
-            torch.cuda.empty_cache()
-        elif self.kind == "xpu":
-            torch.xpu.empty_cache()
 
     @property
     def dist_device_id(self) -> torch.device | None:

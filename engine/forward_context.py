@@ -24,10 +24,6 @@ class AttentionMetadata:
     cu_q_list: list[int]
     context_lens_list: list[int]
     max_q_len: int
-    max_context_len: int
-    decode_only: bool
-    all_slots_valid: bool = False
-    """No slot_mapping entry is negative (graph replays: lets write_kv skip a host-syncing check)."""
 
 
 @dataclass

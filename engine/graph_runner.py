@@ -54,9 +54,7 @@ class DecodeGraphs:
 
     def _context(self, size: int, info: LoRABatchInfo | None) -> ForwardContext:
         meta = AttentionMetadata(self.slot_mapping[:size], self.block_tables[:size], self.context_lens[:size],
-                                 self.cu_q[: size + 1], cu_q_list=[], context_lens_list=[], max_q_len=1,
-                                 max_context_len=self.block_tables.size(1) * self.block_size, decode_only=True,
-                                 all_slots_valid=True)
+                                 self.cu_q[: size + 1], cu_q_list=[], context_lens_list=[], max_q_len=1)
         lora = LoRAMapping(self.token_slots[:size], "triton", info) if info is not None else None
         return ForwardContext(attn=meta, lora=lora)
 

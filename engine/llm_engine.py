@@ -108,8 +108,7 @@ class LLMEngine:
             self.lora = LoRAManager(config.lora, self.executor.lora_target_shapes())
             for name, path in config.lora.lora_modules:
                 self.lora.load(name, path)
-        self.scheduler = Scheduler(config.scheduler, self.blocks, self.max_model_len, self.lora,
-                                   self.runner.num_state_slots)
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.lora, self.runner.num_state_slots)
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self.num_preemptions = 0

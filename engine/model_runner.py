@@ -161,8 +161,7 @@ class ModelRunner:
             context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
             cu_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             cu_q_list=cu, context_lens_list=ctx_lens,
-            max_q_len=max(len(s.token_ids) for s in step.seqs), max_context_len=max(ctx_lens),
-            decode_only=all(len(s.token_ids) == 1 for s in step.seqs))
+            max_q_len=max(len(s.token_ids) for s in step.seqs))
         lora = (build_mapping(lora_slots, dev, self.lora_backend, self.config.lora.max_loras)
                 if self.lora_layers else None)
         states = [s.state_slot for s in step.seqs] if self.gdn_layers else None

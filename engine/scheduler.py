@@ -55,14 +55,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, max_model_len: int,
-                 lora: LoRAManager | None = None, num_state_slots: int = 0) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, lora: LoRAManager | None = None,
+                 num_state_slots: int = 0) -> None:
         self.config = config
         self.lora = lora
         self.uses_state = num_state_slots > 0
         self._free_states: list[int] = list(range(num_state_slots - 1, -1, -1))
         self.blocks = blocks
-        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._ended: list[int] = []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
 from engine.protocol import SamplingParams
@@ -32,7 +31,6 @@ class Sequence:
     """Tokens whose K/V are in the cache."""
     block_table: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
-    arrival_time: float = field(default_factory=time.monotonic)
     num_preemptions: int = 0
 
     @property

@@ -10,14 +10,11 @@ import torch.nn.functional as F
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor, check_negative: bool = True) -> None:
-    """k_cache.flat[slot_mapping[t]] = k[t]; v likewise (slots < 0 are skipped when check_negative; a
-    caller that knows every slot is valid passes False to avoid the host sync, e.g. in graph capture)."""
+             slot_mapping: torch.Tensor) -> None:
+    """k_cache.flat[slot_mapping[t]] = k[t]; v likewise. Every slot is valid: padding rows (graph replays)
+    point at a scratch block instead, so there is no mask and no host sync here."""
     kf = k_cache.view(-1, k_cache.size(-2), k_cache.size(-1))
     vf = v_cache.view(-1, v_cache.size(-2), v_cache.size(-1))
-    valid = slot_mapping >= 0
-    if check_negative and not bool(valid.all()):
-        slot_mapping, k, v = slot_mapping[valid], k[valid], v[valid]
     kf.index_copy_(0, slot_mapping, k.to(kf.dtype))
     vf.index_copy_(0, slot_mapping, v.to(vf.dtype))
 

@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from engine import (
+    DEVICE_CHOICES,
     CacheConfig,
     ConfigError,
     EngineConfig,
@@ -42,7 +43,7 @@ def _lora_module(s: str) -> tuple[str, str]:
 def engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--config", metavar="FILE.yaml", help="preset with defaults for these flags (flags win)")
-    g.add_argument("--device", choices=["auto", "xpu", "cuda", "cpu"], default="auto",
+    g.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                    help="device kind (auto: xpu, then cuda, then cpu)")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="activation dtype (auto: float32 on the CPU, bfloat16 on GPUs)")
@@ -303,7 +304,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
                         "(default: auto-round's, NeelNanda/pile-10k)")
     q.add_argument("--nsamples", type=int, default=128, help="calibration samples for --iters > 0")
     q.add_argument("--seqlen", type=int, default=2048, help="calibration sequence length for --iters > 0")
-    q.add_argument("--device", choices=["auto", "xpu", "cuda", "cpu"], default="auto",
+    q.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                    help="where auto-round computes (auto: xpu, then cuda, then cpu)")
     q.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
     if len(argv) >= 1 and argv[0] in ("serve", "generate"):

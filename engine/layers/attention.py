@@ -27,7 +27,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping, check_negative=not meta.all_slots_valid)
+        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_q, meta.context_lens,
                             meta.cu_q_list, meta.context_lens_list, meta.max_q_len, self.scale, self.backend)
         return o.reshape(t, self.num_heads * self.head_dim)

@@ -24,7 +24,7 @@ def _run_step(s: Scheduler) -> list[tuple[int, int, bool]]:
 
 
 def test_token_budget_chunks_prefill_and_mixes_decodes() -> None:
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10), BlockManager(64, 4), 256)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10), BlockManager(64, 4))
     s.add(_seq(0, 3))
     s.add(_seq(1, 25))
     assert _run_step(s) == [(0, 3, True), (1, 7, False)]
@@ -34,7 +34,7 @@ def test_token_budget_chunks_prefill_and_mixes_decodes() -> None:
 
 
 def test_max_num_seqs() -> None:
-    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100), BlockManager(64, 4), 256)
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100), BlockManager(64, 4))
     for i in range(4):
         s.add(_seq(i, 2))
     assert [e[0] for e in _run_step(s)] == [0, 1]
@@ -44,7 +44,7 @@ def test_max_num_seqs() -> None:
 
 def test_preemption_recomputes_newest_and_frees_blocks() -> None:
     blocks = BlockManager(4, 4)  # 16 token slots
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100), blocks, 16)
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=100), blocks)
     a, b = _seq(0, 7), _seq(1, 7)
     s.add(a)
     s.add(b)
@@ -60,7 +60,7 @@ def test_preemption_recomputes_newest_and_frees_blocks() -> None:
 
 def test_finish_returns_blocks_and_reports_ended_ids() -> None:
     blocks = BlockManager(8, 4)
-    s = Scheduler(SchedulerConfig(), blocks, 32)
+    s = Scheduler(SchedulerConfig(), blocks)
     seq = _seq(0, 9)
     s.add(seq)
     _run_step(s)
