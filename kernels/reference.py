@@ -22,13 +22,18 @@ __all__ = [
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int64)  # nibble j sits at bits 4j..4j+3
 
 
-def _nibbles(words: torch.Tensor) -> torch.Tensor:
-    """out[..., j] = (uint32(words[...]) >> 4j) & 0xF  (int16, last dim 8)."""
+def _fields(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """out[..., j] = (uint32(words[...]) >> bits*j) & (2^bits - 1)  (int16, last dim 32 / bits)."""
     if words.dtype != torch.int32:
-        raise TypeError(f"packed int4 tensors must be int32, got {words.dtype}")
+        raise TypeError(f"packed int{bits} tensors must be int32, got {words.dtype}")
     # Widen to int64 and mask so negative int32 words (top bit set) read as uint32.
     w = words.to(torch.int64) & 0xFFFFFFFF
-    return ((w.unsqueeze(-1) >> _SHIFTS.to(w.device)) & 0xF).to(torch.int16)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=w.device)
+    return ((w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).to(torch.int16)
+
+
+def _nibbles(words: torch.Tensor) -> torch.Tensor:
+    return _fields(words, 4)
 
 
 def _pack8(u: torch.Tensor) -> torch.Tensor:
@@ -80,12 +85,16 @@ def dequant_int4(
     dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """W[k, n] = scales[k // G, n] * (u(k, n) - (z(k // G, n) + zero_offset))  in fp32, returned as dtype."""
-    u = unpack_int4_rows(qweight)
-    z = unpack_int4_cols(qzeros)
+    return _dequant(unpack_int4_rows(qweight), unpack_int4_cols(qzeros), scales, group_size, zero_offset, dtype)
+
+
+def _dequant(u: torch.Tensor, z: torch.Tensor, scales: torch.Tensor, group_size: int, zero_offset: int,
+             dtype: torch.dtype | None) -> torch.Tensor:
+    """The GPTQ formula on unpacked codes u [K, N] and zeros z [K/G, N], whatever their bit width."""
     k, n = u.shape
     if k % group_size or scales.shape != (k // group_size, n) or z.shape != scales.shape:
         raise ValueError(
-            f"inconsistent int4 shapes: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, "
+            f"inconsistent quantized shapes: codes {tuple(u.shape)}, zeros {tuple(z.shape)}, "
             f"scales {tuple(scales.shape)}, group_size {group_size}"
         )
     zq = z.to(torch.float32) + float(zero_offset)
@@ -113,32 +122,22 @@ def int4_matmul(
 
 
 # -- 8-bit (GPTQ layout, 4 values per int32) ----------------------------------------------------------
-def _bytes(words: torch.Tensor) -> torch.Tensor:
-    """[..., W] int32 -> [..., W, 4]: byte j of each word (LSB first), words read as uint32."""
-    w = words.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(0, 32, 8, device=words.device, dtype=torch.int64)
-    return ((w.unsqueeze(-1) >> shifts) & 0xFF).to(torch.int16)
-
-
 def unpack_int8_rows(qweight: torch.Tensor) -> torch.Tensor:
     """u[k, n] = (uint32(qweight[k // 4, n]) >> 8*(k % 4)) & 0xFF;  [K/4, N] int32 -> [K, N] int16."""
     kw, n = qweight.shape
-    return _bytes(qweight).permute(0, 2, 1).reshape(kw * 4, n)
+    return _fields(qweight, 8).permute(0, 2, 1).reshape(kw * 4, n)
 
 
 def unpack_int8_cols(qzeros: torch.Tensor) -> torch.Tensor:
     """z[g, n] = (uint32(qzeros[g, n // 4]) >> 8*(n % 4)) & 0xFF;  [K/G, N/4] int32 -> [K/G, N] int16."""
     g, nw = qzeros.shape
-    return _bytes(qzeros).reshape(g, nw * 4)
+    return _fields(qzeros, 8).reshape(g, nw * 4)
 
 
 def dequant_int8(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
                  zero_offset: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """W[k, n] = scales[k//G, n] * (u(k, n) - (z(k//G, n) + zero_offset)), 8-bit codes; [K, N]."""
-    u = unpack_int8_rows(qweight).float()
-    z = unpack_int8_cols(qzeros).float() + zero_offset
-    w = scales.float().repeat_interleave(group_size, 0) * (u - z.repeat_interleave(group_size, 0))
-    return w.to(dtype or scales.dtype)
+    return _dequant(unpack_int8_rows(qweight), unpack_int8_cols(qzeros), scales, group_size, zero_offset, dtype)
 
 
 # -- LoRA (punica-style batched shrink / expand) --------------------------------------------------------
