@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -23,8 +24,11 @@ from engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig, ParallelCo
 from tools.random_int4 import QWEN3_8B, QWEN36_27B, write_random_int4
 
 
+T0 = time.perf_counter()
+
+
 def emit(**kw: object) -> None:
-    print(json.dumps(kw), flush=True)
+    print(json.dumps({**kw, "elapsed_s": round(time.perf_counter() - T0, 1)}), flush=True)
 
 
 def engine(path: str, tp: int, dtype: str, max_num_seqs: int = 64, eager: bool = False) -> LLMEngine:
@@ -54,24 +58,26 @@ def equality(name: str, path: str) -> None:
          prompts_equal=sum(a == b for a, b in zip(res[1], res[2])), of=len(ps))
 
 
-def decode_speed(name: str, path: str, tp: int, batch: int) -> None:
-    with engine(path, tp, "bfloat16", max_num_seqs=max(batch, 1)) as e:
-        ps = prompts(batch, 32, 400, 2)
-        warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-        e.generate(ps[:1], warm)
-        params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-        for i, p in enumerate(ps):
-            e.add_request(str(i), p, params)
-        e.step()  # prefill
-        torch.cuda.synchronize()
-        t0, steps = time.perf_counter(), 0
-        while e.has_unfinished():
-            e.step()
-            steps += 1
-        torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-    emit(bench=f"{name} decode", tp=tp, batch=batch, steps=steps, ms_per_step=1e3 * dt / steps,
-         tokens_per_s=batch * steps / dt)
+def decode_speed(name: str, path: str, tp: int, batches: list[int]) -> None:
+    with engine(path, tp, "bfloat16", max_num_seqs=max(batches)) as e:
+        emit(info=f"{name} engine ready", tp=tp)
+        for batch in batches:
+            ps = prompts(batch, 32, 400, 2)
+            warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+            e.generate(ps[:1], warm)
+            params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+            for i, p in enumerate(ps):
+                e.add_request(str(i), p, params)
+            e.step()  # prefill
+            torch.cuda.synchronize()
+            t0, steps = time.perf_counter(), 0
+            while e.has_unfinished():
+                e.step()
+                steps += 1
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            emit(bench=f"{name} decode", tp=tp, batch=batch, steps=steps, ms_per_step=1e3 * dt / steps,
+                 tokens_per_s=batch * steps / dt)
 
 
 def _allreduce_worker(rank: int, hidden: int, out: str) -> None:
@@ -116,7 +122,9 @@ def collectives(hidden: int, layers: int, name: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", default="/tmp/xpulora-ckpt")
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=4, help="layers of the checkpoints compared TP=2 vs TP=1")
+    ap.add_argument("--speed-layers", type=int, default=0, help="layers for the decode speed (0: the full depth)")
+    ap.add_argument("--speed-shapes", nargs="*", default=["27b", "8b"])
     ap.add_argument("--skip", nargs="*", default=[])
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -130,10 +138,14 @@ def main() -> None:
         equality("Qwen3-8B-shaped int4", dense)
         equality("Qwen3.6-27B-shaped int4 hybrid", hybrid)
     if "speed" not in a.skip:
-        for name, path in (("Qwen3-8B-shaped", dense), ("Qwen3.6-27B-shaped", hybrid)):
-            for tp in (1, 2):
-                for b in (32, 1):
-                    decode_speed(f"{name} ({a.layers} layers)", path, tp, b)
+        for key in a.speed_shapes:
+            shape, name = {"27b": (QWEN36_27B, "Qwen3.6-27B-shaped"), "8b": (QWEN3_8B, "Qwen3-8B-shaped")}[key]
+            layers = a.speed_layers or shape.layers
+            path = write_random_int4(f"{a.root}/{key}-{layers}", shape, layers=layers, device=dev)
+            emit(info="checkpoint written", shape=name, layers=layers)
+            for tp in (2, 1):
+                decode_speed(f"{name} ({layers} layers)", path, tp, [1, 32])
+            shutil.rmtree(path)
 
 
 if __name__ == "__main__":
