@@ -23,7 +23,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig, ParallelConfig, SamplingParams
 from tools.random_int4 import QWEN3_8B, QWEN36_27B, write_random_int4
 
-
 T0 = time.perf_counter()
 
 

@@ -25,6 +25,10 @@ case "${1:-}" in
     timeout 150 python3 benchmarks/bench_lora.py 2>&1 | tail -40 | tee "$OUT/lora.txt"
     timeout 240 python3 benchmarks/bench_e2e.py --layers "${2:-36}" 2>&1 | grep -E '^\{|Error' | tee "$OUT/e2e.txt"
     ;;
+  tp2)  # TP=2 vs TP=1 equality (4 layers) and full-depth decode speed, 2 GPUs
+    timeout 570 python3 benchmarks/gpu_tp_check.py --skip collectives ${2:+--speed-shapes $2} 2>&1 \
+      | grep -E '^\{|Error|error' | tail -40 | tee "$OUT/tp.txt"
+    ;;
   tp_bench)  # one 2-GPU call for both, inside the 10-minute limit
     python3 -c "import torch; print([torch.cuda.mem_get_info(i) for i in range(torch.cuda.device_count())])"
     timeout 60 python3 benchmarks/check_fla.py 2>&1 | tail -6 | tee "$OUT/fla.txt"
@@ -33,5 +37,5 @@ case "${1:-}" in
     timeout 110 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 --adapters 0 32 --peer-cases 32:32 \
       2>&1 | grep -E '^\{|Error' | tee "$OUT/e2e.txt"
     ;;
-  *) echo "usage: run_h200.sh tests|tp|bench|tp_bench"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|tp|tp2|bench|tp_bench"; exit 2 ;;
 esac
