@@ -45,19 +45,23 @@ def module_shapes(s: Shape) -> dict[str, tuple[int, int]]:
             "mlp.up_proj": (s.hidden, s.intermediate), "mlp.down_proj": (s.intermediate, s.hidden)}
 
 
-def write_adapter(path: str, s: Shape, layers: int, r: int, seed: int) -> str:
-    """A PEFT-format adapter with random non-zero A and B on every projection of every layer."""
+def write_adapter(path: str, s: Shape, layers: int, r: int, seed: int, only: str = "") -> str:
+    """A PEFT-format adapter with random non-zero A and B on every projection (those starting with `only`)
+    of every layer."""
     g = torch.Generator().manual_seed(seed)
     t = {}
     for i in range(layers):
         for mod, (k, n) in module_shapes(s).items():
+            if not mod.startswith(only):
+                continue
             key = f"base_model.model.model.layers.{i}.{mod}"
             t[f"{key}.lora_A.weight"] = (torch.randn(r, k, generator=g) / k**0.5).to(torch.bfloat16)
             t[f"{key}.lora_B.weight"] = (torch.randn(n, r, generator=g) * 0.01).to(torch.bfloat16)
     os.makedirs(path, exist_ok=True)
     save_file(t, os.path.join(path, "adapter_model.safetensors"))
     with open(os.path.join(path, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(TARGETS),
+        targets = [m.split(".")[-1] for m in module_shapes(s) if m.startswith(only)]
+        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": targets,
                    "bias": "none", "task_type": "CAUSAL_LM"}, f)
     return path
 

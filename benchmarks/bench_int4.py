@@ -13,7 +13,12 @@ op for this device, where kernels.int4.native_supported says it runs). Times are
 calls after a warm-up (wall clock with a device sync at the end), and `<m>_graph_us` the same calls
 replayed from a captured device graph (no Python launch cost) where supported. Weights are random int4
 in the AutoRound/GPTQ-v1 layout (group 128, negative scales); bytes/time counts each byte once, so
-repeated calls that hit L2 (K*N/2 <= ~50 MB on an H200) can read above the HBM bandwidth.
+each call reads one of several copies of the weights in turn (at least --rotate-mb MB in all), so the
+weights come from HBM, not from the last call's L2 (an H200 has 50 MB of L2; a 4096 x 6144 int4 weight
+is 12.6 MB). `dequant_gemm` is the engine's large-M path on GPUs: one fused Triton dequantization into a
+transient bf16 weight, then the bf16 GEMM.
+
+    python benchmarks/bench_int4.py --sweep          # time launch configs of the Triton kernel for M <= 64
 """
 
 from __future__ import annotations
@@ -29,7 +34,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import default_device, device_sync, graph_time_us, time_us
-from kernels.int4 import INT4_BACKENDS, Int4Layout, int4_mm, native_supported, prepare_int4
+from kernels.int4 import (
+    INT4_BACKENDS,
+    Int4Layout,
+    TritonInt4Config,
+    _triton_mm,
+    dequant_triton,
+    int4_mm,
+    native_supported,
+    prepare_int4,
+    triton_config,
+)
 from kernels.reference import pack_int4_cols, pack_int4_rows
 
 FULL = dict(shapes=[(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)], ms=[1, 16, 64, 256, 1024])
@@ -54,35 +69,98 @@ def triton_usable(dev: torch.device) -> bool:
     return int4._interpreting() if dev.type == "cpu" else True
 
 
-def run_case(dev: torch.device, m_rows: int, layout: Int4Layout, dense: torch.Tensor, prepared: dict,
+def copies_for(nbytes: int, rotate_mb: float) -> int:
+    return max(1, min(64, int(rotate_mb * 2**20 // max(nbytes, 1)) + 1)) if rotate_mb > 0 else 1
+
+
+def run_case(dev: torch.device, m_rows: int, layout: Int4Layout, dense: list[torch.Tensor], prepared: dict,
              methods: list[str], int4_weight_bytes: int, budget_s: float, no_graph: bool) -> dict:
     k, n = layout.in_features, layout.out_features
     sync = device_sync(dev)
-    x = torch.randn(m_rows, k, device=dev, dtype=dense.dtype)
+    x = torch.randn(m_rows, k, device=dev, dtype=dense[0].dtype)
     act_bytes = (m_rows * k + m_rows * n) * x.element_size()
-    rec: dict = dict(bench="int4", device=str(dev), dtype=str(dense.dtype).removeprefix("torch."), M=m_rows, K=k,
-                     N=n, group=layout.group_size)
-    runs: dict[str, tuple[Callable[[], object] | None, int]] = {
-        "bf16": (lambda: x @ dense, k * n * dense.element_size() + act_bytes)}
+    rec: dict = dict(bench="int4", device=str(dev), dtype=str(dense[0].dtype).removeprefix("torch."), M=m_rows, K=k,
+                     N=n, group=layout.group_size, weight_copies={"bf16": len(dense)})
+
+    def over(fn: Callable[[object], object], items: list) -> Callable[[], None]:
+        def call() -> None:
+            for it in items:
+                fn(it)
+        return call
+
+    runs: dict[str, tuple[Callable[[], object] | None, int, int]] = {
+        "bf16": (over(lambda d: x @ d, dense), k * n * dense[0].element_size() + act_bytes, len(dense))}
     for m in methods:
-        w = prepared.get(m)
-        runs[m] = ((lambda w=w: int4_mm(x, w)), int4_weight_bytes + act_bytes) if w is not None else (None, 0)
-    for name, (fn, nbytes) in runs.items():
+        ws = prepared.get(m)
+        if ws is None:
+            runs[m] = (None, 0, 1)
+        elif m == "dequant_gemm":
+            runs[m] = (over(lambda w: x @ dequant_triton(w.weight, w.zeros, w.scales, layout.group_size,
+                                                         layout.zero_offset, x.dtype), ws),
+                       int4_weight_bytes + act_bytes, len(ws))
+        else:
+            runs[m] = (over(lambda w: int4_mm(x, w), ws), int4_weight_bytes + act_bytes, len(ws))
+        rec["weight_copies"][m] = len(ws) if ws else 0
+    for name, (fn, nbytes, reps) in runs.items():
         if fn is None:  # the backend does not support this layout / dtype here
             rec[f"{name}_us"] = rec[f"{name}_GBps"] = None
             continue
-        us = time_us(fn, sync, budget_s)
+        us = time_us(fn, sync, budget_s) / reps
         rec[f"{name}_us"] = round(us, 2)
         rec[f"{name}_GBps"] = float(f"{nbytes / us / 1e3:.4g}")
         if not no_graph:
-            gus = graph_time_us(fn, dev, budget_s)
-            rec[f"{name}_graph_us"] = round(gus, 2) if gus is not None else None
+            gus = graph_time_us(fn, dev, budget_s, reps=max(1, 20 // reps))
+            rec[f"{name}_graph_us"] = round(gus / reps, 2) if gus is not None else None
     for name in runs:
         if name != "bf16" and rec.get(f"{name}_us"):
             rec[f"{name}_speedup_vs_bf16"] = round(rec["bf16_us"] / rec[f"{name}_us"], 3)
             if rec.get(f"{name}_graph_us") and rec.get("bf16_graph_us"):
                 rec[f"{name}_graph_speedup_vs_bf16"] = round(rec["bf16_graph_us"] / rec[f"{name}_graph_us"], 3)
     return rec
+
+
+SWEEP = [TritonInt4Config(0, bn, 128, split, warps, stages) for bn in (32, 64, 128)
+         for split in (1, 2, 4, 8) for warps, stages in ((4, 3), (4, 5), (8, 4))]
+
+
+def sweep(dev: torch.device, shapes: list[tuple[int, int]], ms: list[int], budget_s: float, rotate_mb: float) -> None:
+    """Graph-replayed time of each launch config of the Triton kernel; one line per (M, K, N) with the best
+    five, the heuristic's choice (kernels.int4.triton_config) and torch's native op for comparison."""
+    for k, n in shapes:
+        layout = Int4Layout(group_size=GROUP, zero_offset=1, in_features=k, out_features=n)
+        nbytes = k * n // 2
+        ws = [prepare_int4(*(t.to(dev) for t in random_checkpoint(k, n, seed=i)), layout, "triton",
+                           dtype=torch.bfloat16) for i in range(copies_for(nbytes, rotate_mb))]
+        native = f"native_{dev.type}"
+        nws = [prepare_int4(w.weight, w.zeros, w.scales, layout, native, dtype=torch.bfloat16)  # type: ignore[arg-type]
+               for w in ws] if native in INT4_BACKENDS and native_supported(native, layout, torch.bfloat16) else []
+        for m in ms:
+            x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+            times: list[tuple[float, TritonInt4Config]] = []
+            for c in [triton_config(m, k, n, GROUP), *SWEEP]:
+                bm = c.block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
+                c = TritonInt4Config(bm, c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages)
+                if k % (c.block_k * c.split_k) or k // c.split_k < c.block_k:
+                    continue
+
+                def fn(c: TritonInt4Config = c, x: torch.Tensor = x, ws: list = ws) -> None:
+                    for w in ws:
+                        _triton_mm(x, w, None, c)
+                us = graph_time_us(fn, dev, budget_s, reps=2) or time_us(fn, device_sync(dev), budget_s)
+                if us is not None:
+                    times.append((us / len(ws), c))
+            heuristic = times[0]
+            best = sorted(times, key=lambda t: t[0])[:5]
+            rec = {"sweep": "int4 triton", "M": m, "K": k, "N": n, "copies": len(ws),
+                   "heuristic_us": round(heuristic[0], 2), "heuristic": heuristic[1].__dict__,
+                   "best": [{"us": round(t, 2), **c.__dict__} for t, c in best]}
+            if nws:
+                def nfn(x: torch.Tensor = x, nws: list = nws) -> None:
+                    for w in nws:
+                        int4_mm(x, w)
+                nus = graph_time_us(nfn, dev, budget_s, reps=2) or time_us(nfn, device_sync(dev), budget_s)
+                rec["native_us"] = round(nus / len(nws), 2) if nus is not None else None
+            print(json.dumps(rec), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,13 +170,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-ms", type=float, default=None,
                    help="timing budget per measurement (default 50; --quick: 0, i.e. one timed call)")
     p.add_argument("--no-graph", action="store_true", help="skip the graph-replay timings")
+    p.add_argument("--rotate-mb", type=float, default=256.0,
+                   help="cycle through copies of the weights totalling at least this much (0: one copy)")
+    p.add_argument("--sweep", action="store_true", help="time launch configs of the Triton kernel (M <= 64)")
     args = p.parse_args(argv)
+    if args.quick:
+        args.rotate_mb = 0.0
     dev = torch.device(args.device)
     cfg = QUICK if args.quick or dev.type == "cpu" else FULL
     budget_s = (args.budget_ms if args.budget_ms is not None else (0.0 if args.quick else 50.0)) / 1e3
     dtype = torch.bfloat16
     native = f"native_{dev.type}"
-    methods = ["triton"] if triton_usable(dev) else []
+    if args.sweep:
+        sweep(dev, cfg["shapes"], [1, 16, 32, 64] if not args.quick else [1], budget_s, args.rotate_mb)
+        return 0
+    methods = ["triton", "dequant_gemm"] if triton_usable(dev) else []
     if native in INT4_BACKENDS:
         methods.append(native)
     if "triton" not in methods:
@@ -106,10 +192,14 @@ def main(argv: list[str] | None = None) -> int:
 
     for k, n in cfg["shapes"]:
         layout = Int4Layout(group_size=GROUP, zero_offset=1, in_features=k, out_features=n)
-        qweight, qzeros, scales = (t.to(dev) for t in random_checkpoint(k, n, seed=k + n))
-        dense = prepare_int4(qweight, qzeros, scales, layout, "reference", dtype=dtype).weight  # [K, N] bf16
-        prepared = {m: prepare_int4(qweight, qzeros, scales, layout, m, dtype=dtype)  # type: ignore[arg-type]
-                    for m in methods if native_supported(m, layout, dtype)}  # type: ignore[arg-type]
+        ckpts = [tuple(t.to(dev) for t in random_checkpoint(k, n, seed=k + n + i))
+                 for i in range(copies_for(k * n // 2, args.rotate_mb))]
+        dense = [prepare_int4(*c, layout, "reference", dtype=dtype).weight  # [K, N] bf16
+                 for c in ckpts[:copies_for(k * n * 2, args.rotate_mb)]]
+        prepared = {m: [prepare_int4(*c, layout, "triton" if m == "dequant_gemm" else m, dtype=dtype)  # type: ignore[arg-type]
+                        for c in ckpts]
+                    for m in methods if native_supported("triton" if m == "dequant_gemm" else m, layout, dtype)}  # type: ignore[arg-type]
+        qzeros, scales = ckpts[0][1], ckpts[0][2]
         int4_weight_bytes = k * n // 2 + scales.numel() * scales.element_size() + qzeros.numel() * 4
         for m_rows in cfg["ms"]:
             rec = run_case(dev, m_rows, layout, dense, prepared, methods, int4_weight_bytes, budget_s, args.no_graph)

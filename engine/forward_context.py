@@ -33,6 +33,8 @@ class ForwardContext:
     """The step's LoRA mapping (engine.lora.punica.LoRAMapping) or None when no token uses an adapter."""
     state_slots: list[int] | None = None
     """Per sequence in the step: its slot in the linear-attention state pool (hybrid models only)."""
+    state_index: torch.Tensor | None = None
+    """The same slots as a [B] long device tensor (what decode-only steps and graphs read)."""
 
 
 _CTX: ForwardContext | None = None

@@ -2,7 +2,8 @@
 
 A decode-only step of B sequences replays the graph captured for the smallest size >= B. Inputs are
 copied into static buffers; rows past B are padding that writes its K/V into a scratch block that no
-sequence owns and attends only to it. Steps with LoRA tokens replay a graph captured with the LoRA
+sequence owns and attends only to it (in hybrid models they also update a scratch linear-attention
+state slot). Steps with LoRA tokens replay a graph captured with the LoRA
 kernels; the per-step token grouping is rewritten in place into the tensors that graph reads, and the
 adapter buffers and their ranks are updated in place by set_slot, so new adapters stay valid.
 """
@@ -24,9 +25,11 @@ log = logging.getLogger(__name__)
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, device: Device, sizes: list[int], max_blocks_per_seq: int,
-                 block_size: int, scratch_block: int, lora_slots: int) -> None:
+                 block_size: int, scratch_block: int, lora_slots: int, scratch_state: int | None) -> None:
         self.model, self.device, self.sizes = model, device, sorted(sizes)
         self.block_size, self.scratch = block_size, scratch_block
+        self.scratch_state = scratch_state
+        """Hybrid models: the linear-attention state slot that padding rows update (None: no such layers)."""
         self.lora_slots = lora_slots
         dev, n = device.torch_device, self.sizes[-1]
         self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
@@ -36,6 +39,7 @@ class DecodeGraphs:
         self.context_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.cu_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.token_slots = torch.full((n,), -1, dtype=torch.long, device=dev)
+        self.state_index = torch.full((n,), scratch_state or 0, dtype=torch.long, device=dev)
         self.graphs: dict[tuple[int, bool], tuple[object, torch.Tensor, LoRABatchInfo | None]] = {}
         pool = device.graph_pool()
         for size in reversed(self.sizes):
@@ -51,12 +55,15 @@ class DecodeGraphs:
         self.block_tables[start:end] = self.scratch
         self.context_lens[start:end] = 1
         self.token_slots[start:end] = -1
+        if self.scratch_state is not None:
+            self.state_index[start:end] = self.scratch_state
 
     def _context(self, size: int, info: LoRABatchInfo | None) -> ForwardContext:
         meta = AttentionMetadata(self.slot_mapping[:size], self.block_tables[:size], self.context_lens[:size],
                                  self.cu_q[: size + 1], cu_q_list=[], context_lens_list=[], max_q_len=1)
         lora = LoRAMapping(self.token_slots[:size], "triton", info) if info is not None else None
-        return ForwardContext(attn=meta, lora=lora)
+        states = self.state_index[:size] if self.scratch_state is not None else None
+        return ForwardContext(attn=meta, lora=lora, state_index=states)
 
     @torch.inference_mode()
     def _capture(self, size: int, with_lora: bool, pool: object) -> tuple[object, torch.Tensor, LoRABatchInfo | None]:
@@ -95,6 +102,8 @@ class DecodeGraphs:
         table = [s.block_table + [self.scratch] * (width - len(s.block_table)) for s in step.seqs]
         self.block_tables[:b].copy_(torch.tensor(table, dtype=torch.int32, device=dev))
         self.context_lens[:b].copy_(torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=dev))
+        if self.scratch_state is not None:
+            self.state_index[:b].copy_(torch.tensor([s.state_slot for s in step.seqs], device=dev))
         slots = [s.lora_slot for s in step.seqs]
         self._pad(b, size)
         with_lora = any(x >= 0 for x in slots) and (size, True) in self.graphs

@@ -57,10 +57,10 @@ class ModelRunner:
         self.lora_backend = device.lora_backend()
         self.gdn_layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
         self.num_state_slots = config.scheduler.max_num_seqs if self.gdn_layers else 0
-        self._allocate_state_pool()  # before the KV cache, which takes what memory is left
-        self.use_graphs = (device.supports_graphs and not config.enforce_eager and not self.gdn_layers
+        self.use_graphs = (device.supports_graphs and not config.enforce_eager
                            and device.attention_backend() == "triton"
                            and (not self.lora_layers or self.lora_backend == "triton"))
+        self._allocate_state_pool()  # before the KV cache, which takes what memory is left
         self.kv = self._allocate_kv_cache()
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
@@ -69,7 +69,8 @@ class ModelRunner:
             bs = self.kv.block_size
             sizes = [s for s in GRAPH_SIZES if s <= config.scheduler.max_num_seqs] or [1]
             self.graphs = DecodeGraphs(self.model, device, sizes, (max_model_len + bs - 1) // bs, bs,
-                                       self.kv.num_blocks, config.lora.max_loras if self.lora_layers else 0)
+                                       self.kv.num_blocks, config.lora.max_loras if self.lora_layers else 0,
+                                       self.num_state_slots if self.gdn_layers else None)
 
     # -- KV cache --------------------------------------------------------------------------------
     def _block_bytes(self) -> int:
@@ -98,6 +99,7 @@ class ModelRunner:
     def _allocate_state_pool(self) -> None:
         """Per GDN layer: conv state [slots, conv_dim, K-1] and fp32 recurrent state [slots, Hv, Dk, Dv]."""
         dev, n = self.device.torch_device, self.num_state_slots
+        n += 1 if self.use_graphs else 0  # a scratch slot for the padding rows of graph replays
         for m in self.gdn_layers:
             m.backend = self.device.gdn_backend()
             m.conv_state = torch.zeros(n, m.conv_dim, m.kernel - 1, dtype=self.dtype, device=dev)
@@ -165,8 +167,9 @@ class ModelRunner:
         lora = (build_mapping(lora_slots, dev, self.lora_backend, self.config.lora.max_loras)
                 if self.lora_layers else None)
         states = [s.state_slot for s in step.seqs] if self.gdn_layers else None
+        index = torch.tensor(states, dtype=torch.long, device=dev) if states is not None else None
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
-                ForwardContext(attn=meta, lora=lora, state_slots=states), sample_rows)
+                ForwardContext(attn=meta, lora=lora, state_slots=states, state_index=index), sample_rows)
 
     def _reset_states(self, step: SchedulerOutput) -> None:
         """A sequence's first chunk starts from zero state (new, or recomputed after preemption)."""

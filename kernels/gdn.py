@@ -24,6 +24,16 @@ def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) ->
     return F.silu(y).to(x.dtype), xx[-(k - 1):].t().contiguous()
 
 
+def causal_conv1d_decode(x: torch.Tensor, states: torch.Tensor, index: torch.Tensor,
+                         weight: torch.Tensor) -> torch.Tensor:
+    """One new input per sequence: y[b] = silu(sum_k [states[index[b]] | x[b]] * weight); states[index[b]]
+    shifts by one in place. x [B, C], states [S, C, K-1], index [B] long, weight [C, K]. No host sync."""
+    window = torch.cat([states[index], x.to(states.dtype)[:, :, None]], dim=-1)  # [B, C, K]
+    y = (window.float() * weight.float()).sum(-1)
+    states[index] = window[:, :, 1:]
+    return F.silu(y).to(x.dtype)
+
+
 def delta_rule_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                          state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token recurrence. q, k [n, H, Dk]; v [n, H, Dv]; g, beta [n, H]; state [H, Dk, Dv] fp32.
@@ -104,6 +114,32 @@ def delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
         rule = delta_rule_chunked if hi - lo > chunk_threshold else delta_rule_recurrent
         out[lo:hi], states[slot] = rule(qs, ks, v[lo:hi], g[lo:hi], beta[lo:hi], states[slot])
     return out
+
+
+def delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      states: torch.Tensor, index: torch.Tensor, backend: str = "reference") -> torch.Tensor:
+    """One token per sequence (row b uses state slot index[b]); same inputs and update as
+    delta_rule_varlen with every length 1, with the slots as a device tensor, so no host sync (graph-safe)."""
+    if backend == "fla":
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+        dtype = v.dtype if v.dtype != torch.float32 else torch.bfloat16
+        o, final = fused_recurrent_gated_delta_rule(
+            q=q[:, None].to(dtype), k=k[:, None].to(dtype), v=v[:, None].to(dtype), g=g[:, None].float(),
+            beta=beta[:, None].to(dtype), scale=q.size(-1) ** -0.5, initial_state=states[index],
+            output_final_state=True, use_qk_l2norm_in_kernel=True)
+        states[index] = final.float()
+        return o[:, 0].float()
+    if backend != "reference":
+        raise ValueError(f"unknown gated-delta-rule backend {backend!r} (reference, fla)")
+    ratio = v.size(1) // k.size(1)
+    qs = (_l2norm(q.float()) * q.size(-1) ** -0.5).repeat_interleave(ratio, dim=1)  # [B, Hv, Dk]
+    ks = _l2norm(k.float()).repeat_interleave(ratio, dim=1)
+    s = states[index] * g.float().exp()[:, :, None, None]  # [B, Hv, Dk, Dv]
+    delta = (v.float() - torch.einsum("bhkv,bhk->bhv", s, ks)) * beta.float()[:, :, None]
+    s = s + ks[:, :, :, None] * delta[:, :, None, :]
+    states[index] = s
+    return torch.einsum("bhkv,bhk->bhv", s, qs)
 
 
 def _delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -337,53 +337,58 @@ if triton is not None:
 
     @triton.jit
     def _w4a16_gptq_kernel(
-        x_ptr, qw_ptr, s_ptr, qz_ptr, b_ptr, y_ptr,
-        M, N, K,
-        stride_xm, stride_xk, stride_qk, stride_qn, stride_sg, stride_sn,
-        stride_zg, stride_zn, stride_ym, stride_yn,
-        GROUP_SIZE: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr,
+        x_ptr, qw_ptr, s_ptr, qz_ptr, b_ptr, out_ptr,
+        M, N, K_PER_SPLIT,
+        stride_xm, stride_qk, stride_sg, stride_zg,
+        GROUP_SIZE: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
         FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """y[m, n] = sum_g s[g, n] * sum_{k in g} x[m, k] * (u(k, n) - zq(g, n)) (+ bias[n])."""
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        """out[split, m, n] = sum_{k in split} x[m, k] * s[k//G, n] * (u(k, n) - zq(k//G, n))  (+ bias[n]).
+
+        Grid (M tiles, N tiles, splits of K). PARTIAL: fp32 partial sums [splits, M, N], summed by the host
+        in a fixed order (deterministic split-K for decode); else the result itself [M, N] in out's dtype.
+        Each packed word is loaded once and unpacked to its 8 k rows in registers.
+        """
+        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
+        offs_w = tl.arange(0, BLOCK_K // 8)
         mask_m = offs_m < M
         mask_n = offs_n < N
-
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
-        qw_ptrs = qw_ptr + (offs_k[:, None] // 8) * stride_qk + offs_n[None, :] * stride_qn
-        w_shift = ((offs_k % 8) * 4)[:, None]  # nibble of k inside its word
-        z_ptrs = qz_ptr + (offs_n // 8) * stride_zn
-        z_shift = (offs_n % 8) * 4  # nibble of n inside its zero word
-        s_ptrs = s_ptr + offs_n * stride_sn
+        k_start = pid_k * K_PER_SPLIT
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + tl.arange(0, BLOCK_K))[None, :]
+        qw_ptrs = qw_ptr + (k_start // 8 + offs_w)[:, None] * stride_qk + offs_n[None, :]
+        shifts = (tl.arange(0, 8) * 4)[None, :, None]  # nibble j of a word holds k = 8 * row + j
+        z_shift = (offs_n % 8) * 4
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # The host guarantees GROUP_SIZE % BLOCK_K == 0 and K % BLOCK_K == 0: one group per K tile,
-        # so the scale can be applied to the tile's partial product.
-        for k0 in range(0, K, BLOCK_K):
+        # The host guarantees GROUP_SIZE % BLOCK_K == 0 and K_PER_SPLIT % BLOCK_K == 0: one group per K
+        # tile, so the scale applies to the tile's partial product of small integers (exact in bf16).
+        for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
             g = k0 // GROUP_SIZE
-            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
             words = tl.load(qw_ptrs, mask=mask_n[None, :], other=0)
-            u = (words >> w_shift) & 0xF  # & 0xF also drops the sign bits of negative words
-            zw = tl.load(z_ptrs + g * stride_zg, mask=mask_n, other=0)
+            u = tl.reshape((words[:, None, :] >> shifts) & 0xF, (BLOCK_K, BLOCK_N))  # & drops sign bits
+            zw = tl.load(qz_ptr + g * stride_zg + offs_n // 8, mask=mask_n, other=0)
             zq = ((zw >> z_shift) & 0xF) + ZERO_OFFSET
-            s = tl.load(s_ptrs + g * stride_sg, mask=mask_n, other=0.0).to(tl.float32)
-            q = u - zq[None, :]  # integers in [-16, 15]: exact in fp16/bf16, so the products are exact
+            s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            q = u - zq[None, :]  # integers in [-16, 15]
             if FP32_DOT:
                 part = tl.dot(x.to(tl.float32), q.to(tl.float32), input_precision="ieee")
             else:
                 part = tl.dot(x, q.to(x.dtype))  # fp32 accumulate
             acc += part * s[None, :]
-            x_ptrs += BLOCK_K * stride_xk
+            x_ptrs += BLOCK_K
             qw_ptrs += (BLOCK_K // 8) * stride_qk
 
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        mask = mask_m[:, None] & mask_n[None, :]
+        if PARTIAL:
+            p_ptrs = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
+            tl.store(p_ptrs, acc, mask=mask)
+        else:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _interpreting() -> bool:
@@ -392,15 +397,42 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _triton_blocks(m: int, group_size: int) -> tuple[int, int, int]:
-    # Simple size heuristic (tuning is a later issue). tl.dot needs every block dim >= 16.
-    block_k = 64 if group_size % 64 == 0 else 32 if group_size % 32 == 0 else 16
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 32 if m <= 16 else 64 if m <= 64 else 128
-    return block_m, block_n, block_k
+@dataclass(frozen=True)
+class TritonInt4Config:
+    """Launch shape of the Triton W4A16 kernel for one (M, K, N)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
 
 
-def _triton_mm(x2: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None) -> torch.Tensor:
+SPLIT_K_TARGET_CTAS = 256
+"""Decode (small M) splits K until about this many programs run: one program per N tile leaves most of
+a large GPU idle when N / BLOCK_N is near the SM count, and the weight read is the whole cost."""
+
+
+def triton_config(m: int, k: int, n: int, group_size: int) -> TritonInt4Config:
+    """Measured on an H200 (benchmarks/bench_int4.py --sweep); see docs/PERFORMANCE.md."""
+    block_k = max(b for b in (16, 32, 64, 128) if group_size % b == 0)
+    if m <= 64:
+        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+        block_n = 64
+        tiles = triton.cdiv(n, block_n)
+        split = 1
+        # Split K while programs are scarce, each split keeps >= 4 K tiles, and the fp32 partials stay
+        # small next to the weight (8 * split * M / K <= 1/8).
+        while (tiles * split * 2 <= SPLIT_K_TARGET_CTAS and k % (block_k * split * 2) == 0
+               and k // (split * 2) >= 4 * block_k and 64 * split * 2 * m <= k):
+            split *= 2
+        return TritonInt4Config(block_m, block_n, block_k, split, num_warps=4, num_stages=4)
+    return TritonInt4Config(64, 128, min(block_k, 64), 1, num_warps=4, num_stages=3)
+
+
+def _triton_mm(x2: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None,
+               config: TritonInt4Config | None = None) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("int4 backend 'triton' needs the triton package")
     assert w.scales is not None and w.zeros is not None
@@ -408,21 +440,33 @@ def _triton_mm(x2: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None) -> 
     n, g = w.layout.out_features, w.layout.group_size
     if x2.dtype not in _FLOATS:
         raise TypeError(f"int4_mm: unsupported activation dtype {x2.dtype}")
-    y = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
-    block_m, block_n, block_k = _triton_blocks(m, g)
-    b = bias.contiguous() if bias is not None else y  # dummy pointer when HAS_BIAS is False
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    c = config or triton_config(m, k, n, g)
+    if g % c.block_k or k % (c.block_k * c.split_k):
+        raise ValueError(f"int4 triton config {c} does not fit K={k}, group {g}")
+    x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
+    for t in (w.weight, w.scales, w.zeros):
+        if t.stride(1) != 1:
+            raise ValueError("int4 triton kernel: qweight, scales and qzeros must be contiguous along N")
+    partial = c.split_k > 1
+    out = torch.empty((c.split_k, m, n) if partial else (m, n), dtype=torch.float32 if partial else x2.dtype,
+                      device=x2.device)
+    b = bias.contiguous() if bias is not None else out  # dummy pointer when HAS_BIAS is False
+    grid = (triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n), c.split_k)
     fp32_dot = x2.dtype == torch.float32 or (x2.dtype == torch.bfloat16 and _interpreting())
     _w4a16_gptq_kernel[grid](
-        x2, w.weight, w.scales, w.zeros, b, y,
-        m, n, k,
-        x2.stride(0), x2.stride(1), w.weight.stride(0), w.weight.stride(1),
-        w.scales.stride(0), w.scales.stride(1), w.zeros.stride(0), w.zeros.stride(1),
-        y.stride(0), y.stride(1),
-        GROUP_SIZE=g, ZERO_OFFSET=w.layout.zero_offset, HAS_BIAS=bias is not None,
-        FP32_DOT=fp32_dot, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        x2, w.weight, w.scales, w.zeros, b, out,
+        m, n, k // c.split_k,
+        x2.stride(0), w.weight.stride(0), w.scales.stride(0), w.zeros.stride(0),
+        GROUP_SIZE=g, ZERO_OFFSET=w.layout.zero_offset, HAS_BIAS=bias is not None, PARTIAL=partial,
+        FP32_DOT=fp32_dot, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
+        num_warps=c.num_warps, num_stages=c.num_stages,
     )  # fmt: skip
-    return y
+    if not partial:
+        return out
+    y = out.sum(0)  # a fixed-order reduction: the same bits on every run
+    if bias is not None:
+        y += bias.float()
+    return y.to(x2.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------

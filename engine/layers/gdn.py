@@ -20,7 +20,7 @@ from engine.layers.linear import (
     SectionedColumnParallelLinear,
 )
 from engine.layers.quant import QuantConfig
-from kernels.gdn import causal_conv1d, delta_rule_varlen
+from kernels.gdn import causal_conv1d, causal_conv1d_decode, delta_rule_decode, delta_rule_varlen
 
 CHUNK_THRESHOLD = 16
 """Prompts longer than this use the chunked form of the recurrence."""
@@ -90,22 +90,32 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ctx = get_context()
         meta, slots = ctx.attn, ctx.state_slots
-        assert meta is not None and slots is not None, "GDN layers need attention metadata and state slots"
+        assert meta is not None and ctx.state_index is not None, "GDN layers need attention metadata and state slots"
         t = x.size(0)
         qkv = self.in_proj_qkv(x)
         z = self.in_proj_z(x).view(t, self.hv, self.dv)
         b, a = self.in_proj_ba(x).float().split([self.hv, self.hv], dim=-1)
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
-        mixed = torch.empty_like(qkv)
-        cu = meta.cu_q_list
-        for i, slot in enumerate(slots):
-            if cu[i + 1] > cu[i]:
-                mixed[cu[i]:cu[i + 1]], self.conv_state[slot] = causal_conv1d(qkv[cu[i]:cu[i + 1]],
-                                                                              self.conv_state[slot], self.conv1d)
-        q, k, v = mixed.split(self.local_sections, dim=-1)
-        out = delta_rule_varlen(q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk), v.view(t, self.hv, self.dv),
-                                g, beta, self.ssm_state, slots, cu, self.backend, CHUNK_THRESHOLD)
+        # Decode (one token per sequence): vectorised over slots with no host sync, so graphs can hold it.
+        if meta.max_q_len == 1 and t == ctx.state_index.numel():
+            q, k, v = causal_conv1d_decode(qkv, self.conv_state, ctx.state_index, self.conv1d).split(
+                self.local_sections, dim=-1)
+            out = delta_rule_decode(q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk),
+                                    v.view(t, self.hv, self.dv), g, beta, self.ssm_state, ctx.state_index,
+                                    self.backend)
+        else:
+            assert slots is not None
+            mixed = torch.empty_like(qkv)
+            cu = meta.cu_q_list
+            for i, slot in enumerate(slots):
+                if cu[i + 1] > cu[i]:
+                    mixed[cu[i]:cu[i + 1]], self.conv_state[slot] = causal_conv1d(qkv[cu[i]:cu[i + 1]],
+                                                                                  self.conv_state[slot], self.conv1d)
+            q, k, v = mixed.split(self.local_sections, dim=-1)
+            out = delta_rule_varlen(q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk),
+                                    v.view(t, self.hv, self.dv), g, beta, self.ssm_state, slots, cu, self.backend,
+                                    CHUNK_THRESHOLD)
         # Gated RMSNorm over each head's output: plain weight, norm before the silu(z) gate.
         o = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
         o = (self.norm * o.to(x.dtype)).float() * F.silu(z.float())

@@ -17,8 +17,9 @@ from torch import nn
 from kernels.int4 import Int4Layout, dequant_triton, int4_mm, native_supported, prepare_int4
 
 SUPPORTED_FORMATS = ("auto_round:auto_gptq", "auto_round", "auto_round:gptqmodel")
-SMALL_M = 16
-"""Rows up to which GPUs use the memory-bound int4 kernel; above, dequantize once and run a dense GEMM."""
+SMALL_M = {"triton": 64, "native": 16}
+"""Rows up to which GPUs use the memory-bound int4 kernel (by kernel: our split-K Triton kernel, or torch's
+native op); above, dequantize once and run a dense GEMM. Measured on an H200 (docs/PERFORMANCE.md)."""
 
 
 class QuantConfigError(ValueError):
@@ -130,18 +131,19 @@ class Int4LinearMethod:
 
     def process_after_loading(self, layer: nn.Module) -> None:
         backend = self.backend
-        layer.int4_large = None
+        layer.int4_large: int | None = None
+        """GPUs: rows above which the layer dequantizes and runs a dense GEMM (None: never)."""
         if backend.startswith("auto:"):
             # GPUs: a memory-bound kernel for small M (decode), and for large M (prefill) one fused
             # dequantization into a transient dense weight followed by the dense GEMM.
-            native = backend.split(":", 1)[1]
-            backend = native if native_supported(native, layer.int4_layout, layer.compute_dtype) else "triton"  # type: ignore[arg-type]
-            layer.int4_large = "dequant"
+            small = backend.split(":", 1)[1]
+            backend = small if native_supported(small, layer.int4_layout, layer.compute_dtype) else "triton"  # type: ignore[arg-type]
+            layer.int4_large = SMALL_M["triton" if backend == "triton" else "native"]
         layer.int4 = prepare_int4(layer.qweight.data, layer.qzeros.data, layer.scales.data,
                                   layer.int4_layout, backend, dtype=layer.compute_dtype)  # type: ignore[arg-type]
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.int4_large is not None and x.numel() > SMALL_M * x.size(-1):
+        if layer.int4_large is not None and x.numel() > layer.int4_large * x.size(-1):
             w = dequant_triton(layer.qweight, layer.qzeros, layer.scales, self.group_size, self.zero_offset, x.dtype)
             return torch.addmm(bias, x, w) if bias is not None else x @ w
         return int4_mm(x, layer.int4, bias)

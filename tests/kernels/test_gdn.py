@@ -7,7 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.gdn import causal_conv1d, delta_rule_chunked, delta_rule_recurrent
+from kernels.gdn import (
+    causal_conv1d,
+    causal_conv1d_decode,
+    delta_rule_chunked,
+    delta_rule_decode,
+    delta_rule_recurrent,
+    delta_rule_varlen,
+)
 
 
 def _inputs(n: int, h: int = 3, dk: int = 16, dv: int = 8, seed: int = 0):
@@ -65,3 +72,38 @@ def test_causal_conv_matches_conv1d_and_streams() -> None:
     y2, _ = causal_conv1d(x[4:5], st, w)
     y3, _ = causal_conv1d(x[5:], _, w)
     torch.testing.assert_close(torch.cat([y1, y2, y3]), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_conv_decode_equals_per_sequence_conv() -> None:
+    """The batched one-token conv (graph path) equals the per-sequence conv on shuffled state slots."""
+    g = torch.Generator().manual_seed(2)
+    c, kk, slots = 5, 4, 7
+    states = torch.randn(slots, c, kk - 1, generator=g)
+    w = torch.randn(c, kk, generator=g)
+    index = [4, 0, 6]
+    x = torch.randn(len(index), c, generator=g)
+    expect = [causal_conv1d(x[i:i + 1], states[s], w) for i, s in enumerate(index)]
+    untouched = states[[1, 2, 3, 5]].clone()
+    y = causal_conv1d_decode(x, states, torch.tensor(index), w)
+    torch.testing.assert_close(y, torch.cat([e[0] for e in expect]), atol=1e-6, rtol=1e-6)
+    for (_, st), s in zip(expect, index):
+        torch.testing.assert_close(states[s], st)
+    torch.testing.assert_close(states[[1, 2, 3, 5]], untouched)
+
+
+@pytest.mark.parametrize("ratio", [1, 3])
+def test_delta_rule_decode_equals_varlen(ratio: int) -> None:
+    """One token per sequence, slots as a device tensor, equals the list-driven varlen recurrence."""
+    g = torch.Generator().manual_seed(4)
+    b, hk, dk, dv, slots = 4, 2, 16, 8, 6
+    hv = hk * ratio
+    q, k = torch.randn(b, hk, dk, generator=g), torch.randn(b, hk, dk, generator=g)
+    v = torch.randn(b, hv, dv, generator=g)
+    gate, beta = -F.softplus(torch.randn(b, hv, generator=g)), torch.rand(b, hv, generator=g)
+    states = torch.randn(slots, hv, dk, dv, generator=g) * 0.1
+    index = [5, 1, 0, 3]
+    ref_states = states.clone()
+    ref = delta_rule_varlen(q, k, v, gate, beta, ref_states, index, list(range(b + 1)))
+    out = delta_rule_decode(q, k, v, gate, beta, states, torch.tensor(index))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states, ref_states, atol=1e-5, rtol=1e-5)
