@@ -30,12 +30,22 @@ case "${1:-}" in
       | grep -E '^\{|Error|error' | tail -40 | tee "$OUT/tp.txt"
     ;;
   check)  # CUDA kernel tests, int4 launch sweep, engine fast paths (dense + hybrid), TP=2 vs TP=1
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_int4.py tests/kernels/test_gdn.py \
+    PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_int4.py tests/kernels/test_gdn.py \
       -k "(accelerator or split or decode or conv) and not interpreter" 2>&1 | tail -6 | tee "$OUT/kernel_tests.txt"
     timeout 150 python3 benchmarks/bench_int4.py --sweep --budget-ms 20 2>&1 | grep -E '^\{|Error' | tee "$OUT/sweep.txt"
     timeout 150 python3 benchmarks/gpu_engine_check.py 2>&1 | grep -E '^\{|Error' | tee "$OUT/engine_check.txt"
     timeout 150 python3 benchmarks/gpu_tp_check.py --skip collectives speed 2>&1 | grep -E '^\{|Error|error' \
       | tee "$OUT/tp.txt"
+    ;;
+  final)  # CUDA kernel tests, int4 table, end-to-end decode with 32 adapters and the peer, 27B-shaped decode
+    PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_int4.py \
+      tests/kernels/test_gdn.py -k "(accelerator or split or decode or conv) and not interpreter" 2>&1 | tail -6 \
+      | tee "$OUT/kernel_tests.txt"
+    timeout 100 python3 benchmarks/bench_int4.py --budget-ms 10 2>&1 | grep -E '^\{|Error' | tee "$OUT/int4.txt"
+    timeout 200 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 --adapters 0 32 --peer-cases 32:32 \
+      2>&1 | grep -E '^\{|Error' | tee "$OUT/e2e.txt"
+    timeout 170 python3 benchmarks/gpu_tp_check.py --skip collectives equal --speed-shapes 27b 2>&1 \
+      | grep -E '^\{|Error|error' | tee "$OUT/tp.txt"
     ;;
   tp_bench)  # one 2-GPU call for both, inside the 10-minute limit
     python3 -c "import torch; print([torch.cuda.mem_get_info(i) for i in range(torch.cuda.device_count())])"
@@ -45,5 +55,5 @@ case "${1:-}" in
     timeout 110 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 --adapters 0 32 --peer-cases 32:32 \
       2>&1 | grep -E '^\{|Error' | tee "$OUT/e2e.txt"
     ;;
-  *) echo "usage: run_h200.sh tests|check|tp|tp2|bench|tp_bench"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|final|tp|tp2|bench|tp_bench"; exit 2 ;;
 esac

@@ -409,25 +409,25 @@ class TritonInt4Config:
     num_stages: int
 
 
-SPLIT_K_TARGET_CTAS = 256
+SPLIT_K_TARGET_CTAS = 512
 """Decode (small M) splits K until about this many programs run: one program per N tile leaves most of
 a large GPU idle when N / BLOCK_N is near the SM count, and the weight read is the whole cost."""
 
 
 def triton_config(m: int, k: int, n: int, group_size: int) -> TritonInt4Config:
-    """Measured on an H200 (benchmarks/bench_int4.py --sweep); see docs/PERFORMANCE.md."""
+    """Best launch shapes measured on an H200 at Qwen3-8B shapes for M in {1, 16, 32, 64}
+    (benchmarks/bench_int4.py --sweep; docs/PERFORMANCE.md): BLOCK_N 64, 4 warps, 3 stages, and K split
+    until about 512 programs run (6144 columns: 4 splits; 4096: 8; 24576: none)."""
     block_k = max(b for b in (16, 32, 64, 128) if group_size % b == 0)
     if m <= 64:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
         block_n = 64
         tiles = triton.cdiv(n, block_n)
         split = 1
-        # Split K while programs are scarce, each split keeps >= 4 K tiles, and the fp32 partials stay
-        # small next to the weight (8 * split * M / K <= 1/8).
         while (tiles * split * 2 <= SPLIT_K_TARGET_CTAS and k % (block_k * split * 2) == 0
-               and k // (split * 2) >= 4 * block_k and 64 * split * 2 * m <= k):
+               and k // (split * 2) >= 4 * block_k):
             split *= 2
-        return TritonInt4Config(block_m, block_n, block_k, split, num_warps=4, num_stages=4)
+        return TritonInt4Config(block_m, block_n, block_k, split, num_warps=4, num_stages=3)
     return TritonInt4Config(64, 128, min(block_k, 64), 1, num_warps=4, num_stages=3)
 
 

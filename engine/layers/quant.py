@@ -14,12 +14,13 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
-from kernels.int4 import Int4Layout, dequant_triton, int4_mm, native_supported, prepare_int4
+from kernels.int4 import Int4Layout, PreparedInt4, dequant_triton, int4_mm, native_supported, prepare_int4
 
 SUPPORTED_FORMATS = ("auto_round:auto_gptq", "auto_round", "auto_round:gptqmodel")
-SMALL_M = {"triton": 64, "native": 16}
-"""Rows up to which GPUs use the memory-bound int4 kernel (by kernel: our split-K Triton kernel, or torch's
-native op); above, dequantize once and run a dense GEMM. Measured on an H200 (docs/PERFORMANCE.md)."""
+SMALL_M = {"native": 4, "triton": 64}
+"""Rows up to which GPUs use each memory-bound int4 kernel: torch's native op (fastest at M = 1, but its
+time grows about linearly with M), then our split-K Triton kernel; above, dequantize once and run a
+dense GEMM. Measured on an H200 (benchmarks/bench_int4.py --sweep, docs/PERFORMANCE.md)."""
 
 
 class QuantConfigError(ValueError):
@@ -130,23 +131,32 @@ class Int4LinearMethod:
         layer.compute_dtype = dtype
 
     def process_after_loading(self, layer: nn.Module) -> None:
-        backend = self.backend
-        layer.int4_large: int | None = None
-        """GPUs: rows above which the layer dequantizes and runs a dense GEMM (None: never)."""
-        if backend.startswith("auto:"):
-            # GPUs: a memory-bound kernel for small M (decode), and for large M (prefill) one fused
-            # dequantization into a transient dense weight followed by the dense GEMM.
-            small = backend.split(":", 1)[1]
-            backend = small if native_supported(small, layer.int4_layout, layer.compute_dtype) else "triton"  # type: ignore[arg-type]
-            layer.int4_large = SMALL_M["triton" if backend == "triton" else "native"]
-        layer.int4 = prepare_int4(layer.qweight.data, layer.qzeros.data, layer.scales.data,
-                                  layer.int4_layout, backend, dtype=layer.compute_dtype)  # type: ignore[arg-type]
+        args = (layer.qweight.data, layer.qzeros.data, layer.scales.data, layer.int4_layout)
+        layer.int4_paths: list[tuple[int, PreparedInt4]] = []
+        """GPUs: (max rows, kernel) tried in order; rows above the last dequantize and run a dense GEMM."""
+        if not self.backend.startswith("auto:"):
+            layer.int4 = prepare_int4(*args, self.backend, dtype=layer.compute_dtype)  # type: ignore[arg-type]
+            return
+        # GPUs: memory-bound kernels for small M (decode), and for large M (prefill) one fused
+        # dequantization into a transient dense weight followed by the dense GEMM.
+        native = self.backend.split(":", 1)[1]
+        for name in (native, "triton"):
+            if native_supported(name, layer.int4_layout, layer.compute_dtype):  # type: ignore[arg-type]
+                w = prepare_int4(*args, name, dtype=layer.compute_dtype)  # type: ignore[arg-type]
+                layer.int4_paths.append((SMALL_M["triton" if name == "triton" else "native"], w))
+        if not layer.int4_paths:
+            raise ValueError(f"{layer.prefix}: neither {native} nor triton can run this int4 layer here")
+        layer.int4 = layer.int4_paths[0][1]
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.int4_large is not None and x.numel() > layer.int4_large * x.size(-1):
-            w = dequant_triton(layer.qweight, layer.qzeros, layer.scales, self.group_size, self.zero_offset, x.dtype)
-            return torch.addmm(bias, x, w) if bias is not None else x @ w
-        return int4_mm(x, layer.int4, bias)
+        if not layer.int4_paths:
+            return int4_mm(x, layer.int4, bias)
+        rows = x.numel() // x.size(-1)
+        for max_rows, w in layer.int4_paths:
+            if rows <= max_rows:
+                return int4_mm(x, w, bias)
+        w = dequant_triton(layer.qweight, layer.qzeros, layer.scales, self.group_size, self.zero_offset, x.dtype)
+        return torch.addmm(bias, x, w) if bias is not None else x @ w
 
     def device(self, layer: nn.Module) -> torch.device:
         return layer.qweight.device

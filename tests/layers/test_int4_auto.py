@@ -17,16 +17,10 @@ layer.qzeros.data.copy_(pack_int4_cols(torch.randint(0, 15, (2, 64), generator=g
 layer.scales.data.copy_((torch.randn(2, 64, generator=g) * 0.05).half())
 layer.bias.data.copy_(torch.randn(64, generator=g))
 layer.process_after_loading()
-assert layer.int4.backend == "native_cpu" and layer.int4_large == SMALL_M["native"]
+assert [(n, w.backend) for n, w in layer.int4_paths] == [(SMALL_M["native"], "native_cpu"), (SMALL_M["triton"], "triton")]
 w = layer.dense_weight().float()
-for m in (1, SMALL_M["native"], SMALL_M["native"] + 1, 64):
-    x = torch.randn(m, 256, generator=g)
-    torch.testing.assert_close(layer(x), x @ w.t() + layer.bias, atol=1e-4, rtol=1e-4)
-# "auto:triton": the split-K Triton kernel up to SMALL_M["triton"] rows, dequantize + GEMM above.
-layer.method = Int4LinearMethod(128, 1, "auto:triton")
-layer.process_after_loading()
-assert layer.int4.backend == "triton" and layer.int4_large == SMALL_M["triton"]
-for m in (1, SMALL_M["triton"], SMALL_M["triton"] + 1):
+# Every path: native up to SMALL_M["native"] rows, Triton up to SMALL_M["triton"], dequantize + GEMM above.
+for m in (1, SMALL_M["native"], SMALL_M["native"] + 1, SMALL_M["triton"], SMALL_M["triton"] + 1):
     x = torch.randn(m, 256, generator=g)
     torch.testing.assert_close(layer(x), x @ w.t() + layer.bias, atol=1e-4, rtol=1e-4)
 print("ok")
