@@ -38,12 +38,12 @@ from kernels.int4 import (
     INT4_BACKENDS,
     Int4Layout,
     TritonInt4Config,
-    _triton_mm,
     dequant_triton,
     int4_mm,
     native_supported,
     prepare_int4,
     triton_config,
+    triton_mm,
 )
 from kernels.reference import pack_int4_cols, pack_int4_rows
 
@@ -145,7 +145,7 @@ def sweep(dev: torch.device, shapes: list[tuple[int, int]], ms: list[int], budge
 
                 def fn(c: TritonInt4Config = c, x: torch.Tensor = x, ws: list = ws) -> None:
                     for w in ws:
-                        _triton_mm(x, w, None, c)
+                        triton_mm(x, w, None, c)
                 us = graph_time_us(fn, dev, budget_s, reps=2) or time_us(fn, device_sync(dev), budget_s)
                 if us is not None:
                     times.append((us / len(ws), c))

@@ -36,9 +36,12 @@ __all__ = [
     "Int4Backend",
     "Int4Layout",
     "PreparedInt4",
+    "TritonInt4Config",
     "int4_mm",
     "native_supported",
     "prepare_int4",
+    "triton_config",
+    "triton_mm",
 ]
 
 Int4Backend = Literal["reference", "native_cpu", "native_cuda", "native_xpu", "triton"]
@@ -308,7 +311,7 @@ def int4_mm(x: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None = None) 
         return x.new_empty(*lead, n)
 
     if w.backend == "triton":
-        y = _triton_mm(x2, w, bias)
+        y = triton_mm(x2, w, bias)
         return y.reshape(*lead, n)
 
     xc = x2.to(w.dtype).contiguous()  # the native ops require a contiguous 2-D A in their dtype
@@ -431,8 +434,9 @@ def triton_config(m: int, k: int, n: int, group_size: int) -> TritonInt4Config:
     return TritonInt4Config(64, 128, min(block_k, 64), 1, num_warps=4, num_stages=3)
 
 
-def _triton_mm(x2: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None,
-               config: TritonInt4Config | None = None) -> torch.Tensor:
+def triton_mm(x2: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None,
+              config: TritonInt4Config | None = None) -> torch.Tensor:
+    """int4_mm for the triton backend with an explicit launch shape (default: triton_config's)."""
     if triton is None:
         raise RuntimeError("int4 backend 'triton' needs the triton package")
     assert w.scales is not None and w.zeros is not None

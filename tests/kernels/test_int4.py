@@ -388,7 +388,7 @@ def test_dequant_int8_matches_a_loop_over_bytes() -> None:
 _SPLIT_K_CHECK = r"""
 import sys
 import torch
-from kernels.int4 import Int4Layout, TritonInt4Config, _triton_mm, prepare_int4, triton_config
+from kernels.int4 import Int4Layout, TritonInt4Config, triton_mm, prepare_int4, triton_config
 from kernels.reference import int4_matmul, pack_int4_cols, pack_int4_rows
 dev = torch.device(sys.argv[1])
 g = torch.Generator().manual_seed(0)
@@ -407,9 +407,9 @@ for zo in (0, 1):
         configs = [TritonInt4Config(bm, bn, bk, split, 4, 2) for bm in (16, 32) for bn in (32, 64)
                    for bk in (32, 128) for split in (1, 2, 4)] + [triton_config(m, k, n, gs)]
         for c in configs:
-            y = _triton_mm(x.to(dev), w, bias.to(dev), c).cpu()
+            y = triton_mm(x.to(dev), w, bias.to(dev), c).cpu()
             assert torch.allclose(y, ref, atol=1e-4, rtol=1e-4), (zo, m, c, (y - ref).abs().max())
-            again = _triton_mm(x.to(dev), w, bias.to(dev), c).cpu()
+            again = triton_mm(x.to(dev), w, bias.to(dev), c).cpu()
             assert torch.equal(y, again), ("split-K must be deterministic", c)
             checked += 1
 print("ok", checked)
