@@ -174,10 +174,12 @@ class ModelRunner:
     def _reset_states(self, step: SchedulerOutput) -> None:
         """A sequence's first chunk starts from zero state (new, or recomputed after preemption)."""
         fresh = [s.state_slot for s in step.seqs if s.start_pos == 0 and s.state_slot >= 0]
-        for m in self.gdn_layers:
-            for slot in fresh:
-                m.conv_state[slot].zero_()
-                m.ssm_state[slot].zero_()
+        if not fresh or not self.gdn_layers:
+            return
+        index = torch.tensor(fresh, dtype=torch.long, device=self.device.torch_device)
+        for m in self.gdn_layers:  # two launches per layer, however many sequences start
+            m.conv_state.index_fill_(0, index, 0)
+            m.ssm_state.index_fill_(0, index, 0)
 
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput) -> SamplerOutput:
