@@ -10,6 +10,10 @@ WORDS = ("the quick brown fox jumps over lazy dog hello world engine serving man
          "numbers letters tensor parallel int4 café naïve 你好 世界 🚀").split()
 
 
+ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""The seven projections of a Qwen decoder layer (LoRA target_modules)."""
+
+
 def prompts(n: int, seed: int = 0, min_words: int = 1, max_words: int = 30) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))) for _ in range(n)]
@@ -25,12 +29,13 @@ def make_engine(path: str, max_model_len: int = 256, num_blocks: int | None = No
 
 def make_lora_engine(path: str, adapters: dict[str, str] | None = None, max_loras: int = 4, max_lora_rank: int = 64,
                      max_cpu_loras: int | None = None, max_model_len: int = 256, max_num_seqs: int = 64,
-                     num_blocks: int | None = None) -> LLMEngine:
-    from engine import LoRAConfig
+                     num_blocks: int | None = None, tp: int = 1, fully_sharded: bool = False) -> LLMEngine:
+    from engine import LoRAConfig, ParallelConfig
 
     return LLMEngine(EngineConfig(
         ModelConfig(path, dtype="float32", max_model_len=max_model_len),
         cache=CacheConfig(num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
-        lora=LoRAConfig(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank,
-                        max_cpu_loras=max_cpu_loras, lora_modules=tuple((adapters or {}).items()))))
+        parallel=ParallelConfig(tensor_parallel_size=tp),
+        lora=LoRAConfig(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+                        fully_sharded_loras=fully_sharded, lora_modules=tuple((adapters or {}).items()))))

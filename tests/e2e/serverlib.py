@@ -16,7 +16,6 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
-ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _SAMPLE = re.compile(r"^([^\s{]+)(\{[^}]*\})?\s+(\S+)$")
 
 

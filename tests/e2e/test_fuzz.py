@@ -89,12 +89,12 @@ def test_the_server_survived_the_fuzzing(fuzz_server: ServerProcess) -> None:
     with httpx.Client(base_url=fuzz_server.url, headers=fuzz_server.headers, timeout=30) as http:
         assert http.get("/health").status_code == 200
         for model, text in (("reverse", " fox moon ant cat"), ("sort", " ant cat fox moon")):
-            r = http.post("/v1/completions", json={"model": model, "prompt": "words: cat ant moon fox =>",
-                                                   "max_tokens": 8, "temperature": 0})
-            if r.status_code == 404:  # the fuzzer may have unloaded it: load it back from the demo root
+            body = {"model": model, "prompt": "words: cat ant moon fox =>", "max_tokens": 8, "temperature": 0}
+            r = http.post("/v1/completions", json=body)
+            if r.status_code == 404:  # the fuzzer may have unloaded it: load it back from the demo root, ask again
                 assert http.post("/v1/load_lora_adapter", json={"lora_name": model, "lora_path": model}
                                  ).status_code == 200
-                continue
+                r = http.post("/v1/completions", json=body)
             assert r.status_code == 200 and r.json()["choices"][0]["text"] == text, r.text
     log = fuzz_server.log_tail(10**8)
     assert "Traceback" not in log and "Exception in ASGI application" not in log, log[-3000:]

@@ -12,11 +12,10 @@ from engine import SamplingParams
 from engine.lora.adapter import AdapterError
 from engine.lora.manager import AdapterNotLoadedError
 from engine.protocol import ModelNotFoundError
-from tests.helpers import make_lora_engine, prompts
+from tests.helpers import ALL7, make_lora_engine, prompts
 from tools.tinymodels import make_peft_adapter
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-ALL7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.fixture(scope="module")

@@ -246,6 +246,8 @@ d3 = os.path.join(work, "w"); shutil.copytree(src, d3)
 f3 = os.path.join(d3, "adapter_model.safetensors")
 versions = [open(f3, "rb").read(), open(sys.argv[3], "rb").read()]
 sums = {A._checksum_bytes(open(os.path.join(d3, "adapter_config.json"), "rb").read(), v) for v in versions}
+base = A.load_adapter("w", d3, shapes, 64)  # before the writer starts: must load, as version 0
+assert base.checksum in sums, "the untouched adapter does not load as itself"
 stop = False
 def writer():
     i = 0
@@ -287,8 +289,9 @@ def test_adapter_changed_on_disk_during_load_is_refused_not_a_crash(demo: Demo, 
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("REFUSED") and "changed while being loaded" in lines[0], lines
     assert lines[1].startswith("REFUSED") and "changed while being loaded" in lines[1], lines
-    ok, refused = map(int, lines[2].split()[1:])
-    assert ok + refused == 60
+    # Under the rewriting writer every load either refuses or yields one of the two whole versions (the
+    # child asserts the checksum); the counts only show that the loop ran.
+    assert lines[2].startswith("STRESS"), lines
 
 
 # -- 4. hostile input ------------------------------------------------------------------------------------------------
@@ -300,7 +303,7 @@ def _hostile_cases(base: str) -> list[tuple[str, bytes | dict, int, str]]:
     chat = {"model": base, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     raw = lambda s: s.replace("BASE", base).encode()  # JSON text with escapes that json.dumps would not write
     return [
-        ("/v1/completions", cmpl(n=129), 400, "n"),
+        ("/v1/completions", cmpl(n=129), 400, "field 'n'"),
         ("/v1/completions", cmpl(prompt=[PROMPT] * 3, n=100), 400, "completions in one request"),
         ("/v1/completions", cmpl(prompt=[PROMPT] * 1000), 400, "completions in one request"),
         ("/v1/completions", cmpl(stop=[f"s{i}" for i in range(17)]), 400, "at most 16"),

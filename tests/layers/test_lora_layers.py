@@ -3,6 +3,8 @@ wrapped layer kind, fp and int4 bases, ranks 1/8/16/64 and batches mixing slots 
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -20,9 +22,8 @@ G = 128
 
 
 def _random_params(layer, gen: torch.Generator) -> None:
-    """Fill every parameter through the layer's own weight_loader with random checkpoint tensors."""
+    """Fill every parameter with random checkpoint-layout tensors, then finish loading."""
     for name, p in list(layer.named_parameters()):
-        spec = p.shard_spec
         if name == "qweight":
             k, n = p.shape[0] * 8, p.shape[1]
             full = pack_int4_rows(torch.randint(0, 16, (k, n), generator=gen))
@@ -32,7 +33,6 @@ def _random_params(layer, gen: torch.Generator) -> None:
             full = (torch.randn(p.shape, generator=gen) * 0.02).half()
         else:
             full = torch.randn(p.shape, generator=gen) * 0.05
-        del spec
         p.data.copy_(full)
     layer.process_after_loading()
 
@@ -60,7 +60,7 @@ def _make(kind: str, quant: bool, gen: torch.Generator, dtype: torch.dtype = tor
                          ids=["fp32", "bf16", "int4"])
 @pytest.mark.parametrize("kind", ["qkv", "gate_up", "column", "row"])
 def test_wrapper_equals_dense_formula(kind: str, quant: bool, dtype: torch.dtype) -> None:
-    gen = torch.Generator().manual_seed(hash((kind, quant)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}-{quant}".encode()))  # hash() varies per process
     base, wrapped, names, sizes = _make(kind, quant, gen, dtype)
     k = base.in_features
     adapters: list[dict[str, LoRAModule]] = []

@@ -14,13 +14,13 @@ from safetensors.torch import load_file, save_file
 
 from engine.lora import adapter as adapter_mod
 from engine.lora.adapter import AdapterError, AdapterNotFoundError, LoRAAdapter, load_adapter, read_checksum
+from tests.helpers import ALL7
 
 peft = pytest.importorskip("peft")
 pytestmark = [pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning"),
               pytest.mark.filterwarnings("ignore:The following alpha_pattern keys did not match")]
 transformers = pytest.importorskip("transformers")
 
-ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 PFX = "base_model.model."
 
 
@@ -43,7 +43,7 @@ SHAPES = target_shapes_of(_tiny_model())
 def build(tmp: Path, dirname: str, seed: int = 1, **lora_kwargs):
     """A real peft adapter with random non-zero A and B, saved as safetensors; returns (folder, peft model)."""
     model = _tiny_model()
-    lora_kwargs.setdefault("target_modules", ALL)
+    lora_kwargs.setdefault("target_modules", ALL7)
     pm = peft.get_peft_model(model, peft.LoraConfig(**lora_kwargs))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -119,7 +119,7 @@ def test_basic_matches_peft_and_forward(basic):
     path, pm = basic
     ad = load_adapter("basic", str(path), SHAPES, max_rank=64)
     assert ad.name == "basic" and ad.path == os.path.realpath(path) and ad.alpha == 16
-    assert len(ad.modules) == 2 * len(ALL)
+    assert len(ad.modules) == 2 * len(ALL7)
     assert_matches_peft(ad, pm)
     assert pm.peft_config["default"].lora_alpha / pm.peft_config["default"].r == 2.0  # plain alpha/r
     # the delta peft adds on one layer is x A^T (B*scale)^T
