@@ -18,7 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from engine.block_manager import BlockManager
 from engine.config import ConfigError, EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
-from engine.device import detect, rank_device
+from engine.device import Device, detect
 from engine.loader import inspect_checkpoint
 from engine.lora.adapter import AdapterError, LoRAAdapter
 from engine.lora.manager import LoRAManager
@@ -33,7 +33,7 @@ from engine.protocol import (
 )
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
-from engine.worker import EngineDeadError, make_executor
+from engine.worker import make_executor
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +93,7 @@ class LLMEngine:
         self.served_model_name = config.model.served_model_name or os.path.basename(
             os.path.normpath(config.model.path))
         kind = detect(config.parallel.device)
-        self.device = rank_device(kind, 0)
         self.executor = make_executor(config, info, kind, self.max_model_len, progress)
-        self.dead: str | None = None
         self.vocab_size = int(self.hf_config["vocab_size"])
         kv = self.executor.kv
         if kv.num_blocks * kv.block_size < self.max_model_len:
@@ -117,6 +115,11 @@ class LLMEngine:
     def runner(self) -> ModelRunner:
         """Rank 0's model runner (tests read logits through it)."""
         return self.executor.runner
+
+    @property
+    def device(self) -> Device:
+        """Rank 0's device."""
+        return self.executor.runner.device
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers (no-op at tp=1)."""
@@ -211,20 +214,15 @@ class LLMEngine:
         self.num_preemptions += step.num_preempted
         if not step.seqs:
             return []
-        if self.dead is not None:
-            raise EngineDeadError(self.dead)
         seqs = self.scheduler.scheduled_sequences()
         outputs: list[RequestOutput] = []
         loads: list[tuple[int, LoRAAdapter]] = []
         if step.lora_loads:
             step, seqs, outputs, loads = self._resolve_loads(step, seqs)
             if not step.seqs:
+                self.scheduler.keep_ended(step.finished_seq_ids)
                 return outputs
-        try:
-            sampled = self.executor.execute(step, loads)
-        except EngineDeadError as e:
-            self.dead = str(e)
-            raise
+        sampled = self.executor.execute(step, loads)  # EngineDeadError once a rank is gone, at every later step too
         k = 0
         for entry, seq in zip(step.seqs, seqs):
             seq.num_computed_tokens += len(entry.token_ids)

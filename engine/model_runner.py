@@ -4,6 +4,7 @@ device tensors for a step; everything above it deals in plain Python objects."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -182,14 +183,18 @@ class ModelRunner:
             m.ssm_state.index_fill_(0, index, 0)
 
     @torch.inference_mode()
-    def execute(self, step: SchedulerOutput) -> SamplerOutput:
-        """Run one step on this rank; only rank 0 samples (the others return an empty output)."""
+    def execute(self, step: SchedulerOutput, lora_loads: Iterable[tuple[int, LoRAAdapter]] = ()) -> SamplerOutput:
+        """Copy the step's new adapters into their slots, run the step on this rank; only rank 0 samples
+        (the others return an empty output)."""
+        for slot, adapter in lora_loads:
+            self.load_lora(slot, adapter)
         for sid in step.finished_seq_ids:
             self.generators.pop(sid, None)
         self._reset_states(step)
         if self.graphs is not None and self.graphs.can_run(step):
             h = self.graphs.run(step)
-            rows = list(range(len(step.seqs)))
+            # One row per sequence; a 1-token prefill chunk that is not a prompt's last does not sample.
+            rows = [i for i, s in enumerate(step.seqs) if s.sample]
         else:
             input_ids, positions, ctx, rows = self._prepare(step)
             with forward_context(ctx):
@@ -197,11 +202,10 @@ class ModelRunner:
         sampled = [s for s in step.seqs if s.sample]
         if not sampled:
             return SamplerOutput([], [])
+        # The lm_head gathers logits across ranks, so every rank computes them; only rank 0 samples.
+        logits = self.model.compute_logits(h if len(rows) == h.size(0) else h[torch.tensor(rows, device=h.device)])
         if tp_rank() != 0:
-            # The lm_head gathers logits across ranks, so every rank must still compute them.
-            self.model.compute_logits(h[torch.tensor(rows, device=h.device)])
             return SamplerOutput([], [])
-        logits = self.model.compute_logits(h[torch.tensor(rows, device=h.device)])
         gens = [self._generator(s.seq_id, s.params.seed) for s in sampled]
         return self.sampler(logits.float(), [s.params for s in sampled], gens)
 

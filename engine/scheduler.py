@@ -136,24 +136,22 @@ class Scheduler:
         for seq in list(self.waiting) if not preempted else []:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if seq.lora_id is not None:
-                assert self.lora is not None
-                if lora_blocked or not self.lora.can_acquire(seq.lora_id):
-                    lora_blocked = True
-                    continue
+            if seq.lora_id is not None and lora_blocked:
+                continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
                 break
-            if self.uses_state:
-                if not self._free_states:
-                    break  # a request without a free state slot waits
-                seq.state_slot = self._free_states.pop()
             if seq.lora_id is not None:
-                got = self.lora.acquire_slot(seq.lora_id)  # type: ignore[union-attr]
-                assert got is not None
+                assert self.lora is not None
+                got = self.lora.acquire_slot(seq.lora_id)
+                if got is None:  # every slot is held by running requests
+                    lora_blocked = True
+                    continue
                 seq.lora_slot = got[0]
                 if got[1]:
                     loads.append((got[0], seq.lora_id))
+            if self.uses_state:  # one state slot per running sequence: the max_num_seqs check covers it
+                seq.state_slot = self._free_states.pop()
             self.waiting.remove(seq)
             self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
             seq.status = SeqStatus.RUNNING
@@ -161,8 +159,13 @@ class Scheduler:
             out.append(self._entry(seq, n))
             self._scheduled.append(seq)
             budget -= n
-        ended, self._ended = self._ended, []
+        # Ended ids travel with the next step that runs, so every rank drops their per-sequence state.
+        ended, self._ended = (self._ended, []) if out else ([], self._ended)
         return SchedulerOutput(out, loads, ended, preempted)
+
+    def keep_ended(self, seq_ids: list[int]) -> None:
+        """A step that will not run after all hands its ended ids back for the next one."""
+        self._ended[:0] = seq_ids
 
     def scheduled_sequences(self) -> list[Sequence]:
         """The Sequence objects behind the last schedule() output, in the same order."""

@@ -60,16 +60,12 @@ class ErrorMsg:
 
 
 # -- executors ------------------------------------------------------------------------------------------------
-class LocalExecutor:
-    """tp = 1: the runner in this process."""
+class _Executor:
+    """What the engine reads from rank 0's runner, the same for both executors."""
 
-    def __init__(self, config: EngineConfig, info: CheckpointInfo, kind: DeviceKind, max_model_len: int,
-                 progress: bool) -> None:
-        device = rank_device(kind, 0)
-        device.activate()
-        self.runner = ModelRunner(config, info, device, max_model_len, progress)
-        self.dead: str | None = None
-        """Always None: with no worker processes there is nothing that can die apart from this one."""
+    runner: ModelRunner
+    dead: str | None = None
+    """Why the engine can no longer run (a worker died or a collective failed); None while healthy."""
 
     @property
     def kv(self) -> KVCacheSpec:
@@ -78,10 +74,18 @@ class LocalExecutor:
     def lora_target_shapes(self) -> dict[str, tuple[int, int]]:
         return self.runner.lora_target_shapes()
 
+
+class LocalExecutor(_Executor):
+    """tp = 1: the runner in this process (nothing else can die, so `dead` stays None)."""
+
+    def __init__(self, config: EngineConfig, info: CheckpointInfo, kind: DeviceKind, max_model_len: int,
+                 progress: bool) -> None:
+        device = rank_device(kind, 0)
+        device.activate()
+        self.runner = ModelRunner(config, info, device, max_model_len, progress)
+
     def execute(self, step: SchedulerOutput, lora_loads: list[tuple[int, LoRAAdapter]]) -> SamplerOutput:
-        for slot, adapter in lora_loads:
-            self.runner.load_lora(slot, adapter)
-        return self.runner.execute(step)
+        return self.runner.execute(step, lora_loads)
 
     def shutdown(self) -> None:
         return None
@@ -111,9 +115,7 @@ def _worker_main(config: EngineConfig, max_model_len: int, rank: int, size: int,
             msg = conn.recv()
             if isinstance(msg, ShutdownMsg):
                 break
-            for slot, adapter in msg.lora_loads:
-                runner.load_lora(slot, adapter)
-            runner.execute(msg.step)
+            runner.execute(msg.step, msg.lora_loads)
     except (EOFError, KeyboardInterrupt):
         log.info("tp rank %d: rank 0 went away, exiting", rank)
     except BaseException:
@@ -125,7 +127,7 @@ def _worker_main(config: EngineConfig, max_model_len: int, rank: int, size: int,
         destroy_tp()
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(_Executor):
     """tp > 1: rank 0 here, ranks 1..N-1 spawned."""
 
     def __init__(self, config: EngineConfig, info: CheckpointInfo, kind: DeviceKind, max_model_len: int,
@@ -165,7 +167,6 @@ class MultiprocExecutor:
         except BaseException:
             self.shutdown()
             raise
-        self.dead: str | None = None
         self._watchdog = threading.Thread(target=self._watch, name="xpulora-tp-watchdog", daemon=True)
         self._watchdog.start()
 
@@ -175,13 +176,6 @@ class MultiprocExecutor:
             dead = [p for p in self.procs if not p.is_alive()]
             self.dead = ", ".join(f"{p.name} exited with code {p.exitcode}" for p in dead) or "a worker exited"
             log.error("tensor-parallel worker died: %s", self.dead)
-
-    @property
-    def kv(self) -> KVCacheSpec:
-        return self.runner.kv
-
-    def lora_target_shapes(self) -> dict[str, tuple[int, int]]:
-        return self.runner.lora_target_shapes()
 
     def _failure(self) -> str:
         for p in self.procs:  # a peer's socket closes a moment before its process is reaped
@@ -199,17 +193,18 @@ class MultiprocExecutor:
         return "; ".join(dead + msgs) or "a tensor-parallel collective failed"
 
     def execute(self, step: SchedulerOutput, lora_loads: list[tuple[int, LoRAAdapter]]) -> SamplerOutput:
-        if self.dead is not None or any(not p.is_alive() for p in self.procs):
-            raise EngineDeadError(f"tensor-parallel worker died: {self._failure()}")
+        if self.dead is None and any(not p.is_alive() for p in self.procs):
+            self.dead = f"tensor-parallel worker died: {self._failure()}"
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
         msg = StepMsg(step, lora_loads)
         try:
             for conn in self.conns:
                 conn.send(msg)
-            for slot, adapter in lora_loads:
-                self.runner.load_lora(slot, adapter)
-            return self.runner.execute(step)
+            return self.runner.execute(step, lora_loads)
         except (RuntimeError, OSError, EOFError) as e:
-            raise EngineDeadError(f"tensor-parallel step failed ({e}); {self._failure()}") from e
+            self.dead = f"tensor-parallel step failed ({e}); {self._failure()}"
+            raise EngineDeadError(self.dead) from e
 
     def shutdown(self) -> None:
         self._closing = True

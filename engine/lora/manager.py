@@ -198,15 +198,6 @@ class LoRAManager:
                 return s
         return None
 
-    def can_acquire(self, adapter_id: int) -> bool:
-        with self._lock:
-            if self.slot_of(adapter_id) is not None:
-                return True
-            if any(h is None for h in self._slots):
-                return True
-            return any((e := self._by_id.get(h)) is None or (e.slot_refs == 0 and not e.pinned)  # type: ignore[arg-type]
-                       for h in self._slots)
-
     def release_slot(self, adapter_id: int) -> None:
         with self._lock:
             e = self._by_id[adapter_id]

@@ -67,6 +67,11 @@ def test_finish_returns_blocks_and_reports_ended_ids() -> None:
     assert blocks.num_free == 5
     s.finish(seq)
     assert blocks.num_free == 8 and seq.block_table == []
+    # A step with nothing to run reaches no rank: the ended id waits for the next step that runs.
+    assert s.schedule().finished_seq_ids == []
+    s.add(_seq(1, 3))
+    assert s.schedule().finished_seq_ids == [0]
+    s.keep_ended([0])  # that step did not run after all (its adapter could not be read)
     assert s.schedule().finished_seq_ids == [0]
 
 
