@@ -218,7 +218,10 @@ def prepare_lora_batch(token_slots: torch.Tensor | Sequence[int], ranks_per_slic
 
 _CACHE_SIZE = 1024
 _rank_cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-_table_cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_table_cache: dict[tuple, torch.Tensor] = {}
+"""Pointer tables, never evicted: captured graphs read them by address, so freeing one (an LRU over 1024
+entries did, at 27B scale: 352 wrapped layers x 3 launch shapes) would leave a graph reading freed memory.
+Their number is bounded by wrapped layers x launch shapes."""
 
 
 def _cached(cache: OrderedDict[tuple, torch.Tensor], key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -427,7 +430,10 @@ def _expand_config(n_max: int, num_tokens: int) -> dict[str, int]:
 def _ptr_table(tensors: Sequence[torch.Tensor], rows: list[list[int]], device: torch.device) -> torch.Tensor:
     """int64 [len(rows) * len(rows[0])] on device, cached by its contents (pointers, strides, offsets)."""
     key = (tuple(map(tuple, rows)), str(device))
-    return _cached(_table_cache, key, lambda: torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1))
+    hit = _table_cache.get(key)
+    if hit is None:
+        hit = _table_cache[key] = torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1)
+    return hit
 
 
 def _check_info(info: LoRABatchInfo, t: int, device: torch.device) -> None:
