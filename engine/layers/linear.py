@@ -18,7 +18,7 @@ class WeightShapeError(ValueError):
     """A checkpoint tensor does not have the shape the model expects."""
 
 
-def _divide(a: int, b: int, what: str) -> int:
+def divide(a: int, b: int, what: str) -> int:
     if a % b:
         raise ValueError(f"{what}: {a} is not divisible by the tensor-parallel size {b}")
     return a // b
@@ -96,7 +96,7 @@ class ColumnParallelLinear(LinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, method: LinearMethod | None = None,
                  dtype: torch.dtype = torch.float32, prefix: str = "") -> None:
         self.full_out = out_features
-        super().__init__(in_features, _divide(out_features, tp_size(), prefix), bias, method, dtype, prefix)
+        super().__init__(in_features, divide(out_features, tp_size(), prefix), bias, method, dtype, prefix)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
         spec: ShardSpec = param.shard_spec
@@ -115,7 +115,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False, method: LinearMethod | None = None,
                  dtype: torch.dtype = torch.float32, prefix: str = "") -> None:
         self.out_sizes = list(out_sizes)
-        self.local_sizes = [_divide(n, tp_size(), prefix) for n in out_sizes]
+        self.local_sizes = [divide(n, tp_size(), prefix) for n in out_sizes]
         super().__init__(in_features, sum(out_sizes), bias, method, dtype, prefix)
 
     def shard_range(self, shard_id: int) -> tuple[int, int]:
@@ -171,12 +171,12 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
                  method: LinearMethod | None = None, dtype: torch.dtype = torch.float32, prefix: str = "") -> None:
         tp = tp_size()
-        self.num_heads = _divide(num_heads, tp, f"{prefix} attention heads")
+        self.num_heads = divide(num_heads, tp, f"{prefix} attention heads")
         if tp >= num_kv_heads:
-            _divide(tp, num_kv_heads, f"{prefix} (tp must be a multiple of the kv heads)")
+            divide(tp, num_kv_heads, f"{prefix} (tp must be a multiple of the kv heads)")
             self.num_kv_heads, self.kv_replicas = 1, tp // num_kv_heads
         else:
-            self.num_kv_heads, self.kv_replicas = _divide(num_kv_heads, tp, f"{prefix} kv heads"), 1
+            self.num_kv_heads, self.kv_replicas = divide(num_kv_heads, tp, f"{prefix} kv heads"), 1
         self.head_dim = head_dim
         # Sizes as if every rank held num_kv_heads (the replicated heads are counted per rank).
         sizes = [self.num_heads * head_dim * tp, self.num_kv_heads * head_dim * tp, self.num_kv_heads * head_dim * tp]

@@ -133,9 +133,13 @@ class QwenDecoderLayer(nn.Module):
             h = self.input_layernorm(h)
         else:
             h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(positions, h, rotary)
+        h = self.mix(positions, h, rotary)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
+
+    def mix(self, positions: torch.Tensor, h: torch.Tensor, rotary: nn.Module) -> torch.Tensor:
+        """The token-mixing sublayer (attention here; hybrid layers override it)."""
+        return self.self_attn(positions, h, rotary)
 
 
 class QwenModel(nn.Module):
@@ -169,10 +173,12 @@ class QwenForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
     }
 
+    model_class: ClassVar[type[nn.Module]] = QwenModel
+
     def __init__(self, a: QwenArgs, quant: QuantConfig, backend: str, dtype: torch.dtype) -> None:
         super().__init__()
         self.args = a
-        self.model = QwenModel(a, quant, backend, dtype)
+        self.model = self.model_class(a, quant, backend, dtype)
         self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, dtype)
         if a.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)

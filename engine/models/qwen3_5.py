@@ -13,14 +13,15 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from engine.distributed import tp_size
 from engine.layers.attention import Attention
-from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.gdn import GatedDeltaNet
-from engine.layers.linear import QKVParallelLinear, RowParallelLinear
+from engine.layers.linear import QKVParallelLinear, RowParallelLinear, divide
 from engine.layers.norm import RMSNorm
 from engine.layers.quant import QuantConfig
 from engine.layers.rotary import RotaryEmbedding, rope_theta_of
-from engine.models.qwen import QwenMLP, UnsupportedModelError
+from engine.models.qwen import QwenDecoderLayer, QwenForCausalLM, QwenMLP, QwenModel, UnsupportedModelError
 
 HYBRID_ARCHS = ("qwen3_5", "qwen3_5_text")
 
@@ -83,6 +84,7 @@ class GatedAttention(nn.Module):
     def __init__(self, a: Qwen35Args, quant: QuantConfig, backend: str, dtype: torch.dtype, ckpt: str) -> None:
         super().__init__()
         names = [f"{ckpt}.{n}" for n in ("q_proj", "k_proj", "v_proj")]
+        divide(a.num_heads, tp_size(), f"{ckpt} attention heads")  # a [query, gate] pair must not straddle ranks
         # q_proj rows are [query_h, gate_h] per head: counting 2 * heads "heads" keeps each pair on one rank.
         self.qkv_proj = QKVParallelLinear(a.hidden_size, a.head_dim, 2 * a.num_heads, a.num_kv_heads, a.attention_bias,
                                           quant.method_for(names, backend), dtype, f"{ckpt}.qkv_proj")
@@ -105,9 +107,11 @@ class GatedAttention(nn.Module):
         return self.o_proj(o * torch.sigmoid(gate.reshape(t, -1)))
 
 
-class HybridDecoderLayer(nn.Module):
-    def __init__(self, a: Qwen35Args, i: int, quant: QuantConfig, backend: str, dtype: torch.dtype) -> None:
-        super().__init__()
+class HybridDecoderLayer(QwenDecoderLayer):
+    """QwenDecoderLayer's residual wiring around a Gated DeltaNet or a gated attention mixer."""
+
+    def __init__(self, a: Qwen35Args, i: int, quant: QuantConfig, backend: str, dtype: torch.dtype) -> None:  # type: ignore[override]
+        nn.Module.__init__(self)  # the parts differ from QwenDecoderLayer's
         ckpt = f"{a.ckpt_prefix}.layers.{i}"
         self.is_linear = a.layer_types[i] == "linear_attention"
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype, zero_centered=True)
@@ -120,53 +124,28 @@ class HybridDecoderLayer(nn.Module):
             self.self_attn = GatedAttention(a, quant, backend, dtype, f"{ckpt}.self_attn")
         self.mlp = QwenMLP(a, quant, backend, dtype, f"{ckpt}.mlp")  # type: ignore[arg-type]
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
-                rotary: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = h, self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.linear_attn(h) if self.is_linear else self.self_attn(positions, h, rotary)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+    def mix(self, positions: torch.Tensor, h: torch.Tensor, rotary: nn.Module) -> torch.Tensor:
+        return self.linear_attn(h) if self.is_linear else self.self_attn(positions, h, rotary)
 
 
-class HybridModel(nn.Module):
-    def __init__(self, a: Qwen35Args, quant: QuantConfig, backend: str, dtype: torch.dtype) -> None:
-        super().__init__()
+class HybridModel(QwenModel):
+    """QwenModel's forward over hybrid layers, zero-centred final norm and partial rotary."""
+
+    def __init__(self, a: Qwen35Args, quant: QuantConfig, backend: str, dtype: torch.dtype) -> None:  # type: ignore[override]
+        nn.Module.__init__(self)  # QwenModel's parts are built here, not by its __init__
         self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, dtype)
         self.layers = nn.ModuleList(HybridDecoderLayer(a, i, quant, backend, dtype) for i in range(len(a.layer_types)))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype, zero_centered=True)
         self.rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rotary_dim)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            h, residual = layer(positions, h, residual, self.rotary)
-        h, _ = self.norm(h, residual)
-        return h
 
-
-class Qwen35ForCausalLM(nn.Module):
+class Qwen35ForCausalLM(QwenForCausalLM):
     packed_modules: ClassVar[dict[str, tuple[str, str | int]]] = {
-        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-        "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1),
-    }
+        **QwenForCausalLM.packed_modules, "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1)}
     lora_targets: ClassVar[dict[str, tuple[str, int]]] = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "o_proj": ("o_proj", 0),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
-        "in_proj_qkv": ("in_proj_qkv", 0), "in_proj_z": ("in_proj_z", 0), "in_proj_b": ("in_proj_ba", 0),
-        "in_proj_a": ("in_proj_ba", 1), "out_proj": ("out_proj", 0),
-    }
-
-    def __init__(self, a: Qwen35Args, quant: QuantConfig, backend: str, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.args = a
-        self.model = HybridModel(a, quant, backend, dtype)
-        self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, dtype)
-        if a.tie_word_embeddings:
-            self.lm_head.tie(self.model.embed_tokens)
+        **QwenForCausalLM.lora_targets, "in_proj_qkv": ("in_proj_qkv", 0), "in_proj_z": ("in_proj_z", 0),
+        "in_proj_b": ("in_proj_ba", 0), "in_proj_a": ("in_proj_ba", 1), "out_proj": ("out_proj", 0)}
+    model_class: ClassVar[type[nn.Module]] = HybridModel
 
     @staticmethod
     def checkpoint_to_param(name: str) -> str:
@@ -178,9 +157,3 @@ class Qwen35ForCausalLM(nn.Module):
             if name.endswith(leaf):
                 return name[: -len(".weight")]
         return name
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
-
-    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(h)

@@ -159,3 +159,24 @@ def test_tp2_equals_tp1_on_int4_hybrid_with_adapter(models: dict[str, str], adap
     one = run(1)
     assert run(2) == one
     assert one[0] != make_engine(models["int4"]).generate([ps[0]], GREEDY)[0].token_ids  # the adapter matters
+
+
+def test_gated_attention_heads_must_split_evenly_over_tp() -> None:
+    """q_proj holds [query, gate] per head: 3 heads at tp=2 would split a pair across ranks."""
+    from dataclasses import replace
+
+    from engine.distributed import set_tp_for_testing
+    from engine.layers.quant import QuantConfig
+    from engine.models.qwen3_5 import GatedAttention, Qwen35Args
+
+    a = Qwen35Args(vocab_size=64, hidden_size=64, intermediate_size=128, layer_types=("full_attention",),
+                   num_heads=4, num_kv_heads=2, head_dim=16, rotary_dim=4, rope_theta=1e4, rms_norm_eps=1e-6,
+                   max_position_embeddings=64, tie_word_embeddings=False, attention_bias=False, lin_k_heads=2,
+                   lin_v_heads=2, lin_k_dim=16, lin_v_dim=16, conv_kernel=4, ckpt_prefix="model")
+    set_tp_for_testing(0, 2)
+    try:
+        GatedAttention(a, QuantConfig("none"), "reference", torch.float32, "l.self_attn")  # 4 heads: fine
+        with pytest.raises(ValueError, match=r"l\.self_attn attention heads: 3 is not divisible"):
+            GatedAttention(replace(a, num_heads=3), QuantConfig("none"), "reference", torch.float32, "l.self_attn")
+    finally:
+        set_tp_for_testing(0, 1)
