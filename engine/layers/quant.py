@@ -132,10 +132,11 @@ class Int4LinearMethod:
 
     def process_after_loading(self, layer: nn.Module) -> None:
         args = (layer.qweight.data, layer.qzeros.data, layer.scales.data, layer.int4_layout)
-        layer.int4_paths: list[tuple[int, PreparedInt4]] = []
-        """GPUs: (max rows, kernel) tried in order; rows above the last dequantize and run a dense GEMM."""
+        layer.int4_paths: list[tuple[int | None, PreparedInt4]] = []
+        """(max rows or None for any, kernel) tried in order; rows above the last bound dequantize and
+        run a dense GEMM (GPUs: one fused Triton pass)."""
         if not self.backend.startswith("auto:"):
-            layer.int4 = prepare_int4(*args, self.backend, dtype=layer.compute_dtype)  # type: ignore[arg-type]
+            layer.int4_paths.append((None, prepare_int4(*args, self.backend, dtype=layer.compute_dtype)))  # type: ignore[arg-type]
             return
         # GPUs: memory-bound kernels for small M (decode), and for large M (prefill) one fused
         # dequantization into a transient dense weight followed by the dense GEMM.
@@ -146,14 +147,13 @@ class Int4LinearMethod:
                 layer.int4_paths.append((SMALL_M["triton" if name == "triton" else "native"], w))
         if not layer.int4_paths:
             raise ValueError(f"{layer.prefix}: neither {native} nor triton can run this int4 layer here")
-        layer.int4 = layer.int4_paths[0][1]
+        if layer.int4_paths[-1][1].backend != "triton":  # no Triton: no fused dequantization either
+            layer.int4_paths[-1] = (None, layer.int4_paths[-1][1])
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if not layer.int4_paths:
-            return int4_mm(x, layer.int4, bias)
         rows = x.numel() // x.size(-1)
         for max_rows, w in layer.int4_paths:
-            if rows <= max_rows:
+            if max_rows is None or rows <= max_rows:
                 return int4_mm(x, w, bias)
         w = dequant_triton(layer.qweight, layer.qzeros, layer.scales, self.group_size, self.zero_offset, x.dtype)
         return torch.addmm(bias, x, w) if bias is not None else x @ w

@@ -29,3 +29,22 @@ print("ok")
 
 def test_small_and_large_m_paths_equal_the_dense_formula() -> None:
     run_under_interpreter(CODE)
+
+
+def test_without_triton_the_native_op_takes_every_size() -> None:
+    """No Triton (an XPU box without triton-xpu): no fused dequantization either, so the native op must
+    serve large M too instead of failing on the dequantization path."""
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['triton'] = None\n" + CODE.split("layer.process_after_loading()")[0] + r"""
+layer.process_after_loading()
+assert [(n, w.backend) for n, w in layer.int4_paths] == [(None, "native_cpu")]
+w = layer.dense_weight().float()
+for m in (1, 64, 300):
+    x = torch.randn(m, 256, generator=g)
+    torch.testing.assert_close(layer(x), x @ w.t() + layer.bias, atol=1e-4, rtol=1e-4)
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
