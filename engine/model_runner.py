@@ -101,8 +101,9 @@ class ModelRunner:
         """Per GDN layer: conv state [slots, conv_dim, K-1] and fp32 recurrent state [slots, Hv, Dk, Dv]."""
         dev, n = self.device.torch_device, self.num_state_slots
         n += 1 if self.use_graphs else 0  # a scratch slot for the padding rows of graph replays
+        backend = self.device.gdn_backend() if self.gdn_layers else "reference"  # once: it may log a warning
         for m in self.gdn_layers:
-            m.backend = self.device.gdn_backend()
+            m.backend = backend
             m.conv_state = torch.zeros(n, m.conv_dim, m.kernel - 1, dtype=self.dtype, device=dev)
             m.ssm_state = torch.zeros(n, m.hv, m.dk, m.dv, dtype=torch.float32, device=dev)
         if self.gdn_layers:
@@ -114,8 +115,9 @@ class ModelRunner:
         # Every rank must agree on the block count (the scheduler's block ids index all of them).
         n, bs = all_reduce_min(self._num_blocks(), self.device.torch_device), self.config.cache.block_size
         extra = 1 if self.use_graphs else 0  # a scratch block for the padding rows of graph replays
+        backend = self.device.attention_backend()
         for a in self.attn_layers:
-            a.backend = self.device.attention_backend()
+            a.backend = backend
             shape = (n + extra, bs, a.num_kv_heads, a.head_dim)
             a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device.torch_device)
             a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device.torch_device)

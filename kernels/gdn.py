@@ -92,13 +92,19 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 
 def delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       states: torch.Tensor, slots: list[int], cu: list[int], backend: str = "reference",
-                      chunk_threshold: int = 16) -> torch.Tensor:
+                      chunk_threshold: int = 16, index: torch.Tensor | None = None,
+                      cu_dev: torch.Tensor | None = None) -> torch.Tensor:
     """Sequences laid end to end (sequence i owns rows cu[i]:cu[i+1] and state slot slots[i]); q, k raw
     [T, Hk, Dk] (l2-normalised here, q also scaled by 1/sqrt(Dk)), v [T, Hv, Dv], g and beta [T, Hv]; value
     head h reads key head h // (Hv / Hk). Updates `states` [slots, Hv, Dk, Dv] in place; returns o [T, Hv, Dv].
-    backend: "reference" (torch, any device) or "fla" (flash-linear-attention's Triton kernels)."""
+    backend: "reference" (torch, any device) or "fla" (flash-linear-attention's Triton kernels). index and
+    cu_dev: the same slots and cu on the device where the caller has them (fla reads those, not the lists)."""
     if backend == "fla":
-        return _delta_rule_fla(q, k, v, g, beta, states, slots, cu)
+        idx = index if index is not None else torch.tensor(slots, dtype=torch.long, device=q.device)
+        if all(cu[i + 1] - cu[i] == 1 for i in range(len(slots))):
+            return delta_rule_decode(q, k, v, g, beta, states, idx, backend)
+        cu_t = cu_dev.long() if cu_dev is not None else torch.tensor(cu, dtype=torch.long, device=q.device)
+        return _delta_rule_fla_chunk(q, k, v, g, beta, states, idx, cu_t)
     if backend != "reference":
         raise ValueError(f"unknown gated-delta-rule backend {backend!r} (reference, fla)")
     ratio = v.size(1) // k.size(1)
@@ -142,19 +148,15 @@ def delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     return torch.einsum("bhkv,bhk->bhv", s, qs)
 
 
-def _delta_rule_fla(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    states: torch.Tensor, slots: list[int], cu: list[int]) -> torch.Tensor:
+def _delta_rule_fla_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                          states: torch.Tensor, index: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     # Imported here: fla needs triton and a GPU at import time, and must stay off the CPU path.
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    idx = torch.tensor(slots, dtype=torch.long, device=q.device)
-    cu_t = torch.tensor(cu, dtype=torch.long, device=q.device)
-    decode = all(cu[i + 1] - cu[i] == 1 for i in range(len(slots)))
-    fn = fused_recurrent_gated_delta_rule if decode else chunk_gated_delta_rule
     dtype = v.dtype if v.dtype != torch.float32 else torch.bfloat16
-    # Keywords only: the two fla entry points order their optional arguments differently (gk/gv).
-    o, final = fn(q=q[None].to(dtype), k=k[None].to(dtype), v=v[None].to(dtype), g=g[None].float(),
-                  beta=beta[None].to(dtype), scale=q.size(-1) ** -0.5, initial_state=states[idx].contiguous(),
-                  output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_t)
-    states[idx] = final.float()
+    o, final = chunk_gated_delta_rule(
+        q=q[None].to(dtype), k=k[None].to(dtype), v=v[None].to(dtype), g=g[None].float(), beta=beta[None].to(dtype),
+        scale=q.size(-1) ** -0.5, initial_state=states[index].contiguous(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    states[index] = final.float()
     return o[0].float()

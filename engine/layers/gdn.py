@@ -34,7 +34,6 @@ class GatedDeltaNet(nn.Module):
         if k_heads % tp or v_heads % tp:
             raise ValueError(f"{prefix}: {k_heads} key / {v_heads} value heads cannot be split over tp={tp}")
         self.hk, self.hv, self.dk, self.dv = k_heads // tp, v_heads // tp, k_dim, v_dim
-        self.ratio = v_heads // k_heads
         self.kernel = conv_kernel
         self.eps = eps
         key_dim, value_dim = k_heads * k_dim, v_heads * v_dim
@@ -115,7 +114,7 @@ class GatedDeltaNet(nn.Module):
             q, k, v = mixed.split(self.local_sections, dim=-1)
             out = delta_rule_varlen(q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk),
                                     v.view(t, self.hv, self.dv), g, beta, self.ssm_state, slots, cu, self.backend,
-                                    CHUNK_THRESHOLD)
+                                    CHUNK_THRESHOLD, ctx.state_index, meta.cu_q)
         # Gated RMSNorm over each head's output: plain weight, norm before the silu(z) gate.
         o = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
         o = (self.norm * o.to(x.dtype)).float() * F.silu(z.float())
