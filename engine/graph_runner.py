@@ -52,7 +52,7 @@ class DecodeGraphs:
         self.input_ids[start:end] = 0
         self.positions[start:end] = 0
         self.slot_mapping[start:end] = self.scratch * self.block_size
-        self.block_tables[start:end] = self.scratch
+        self.block_tables[start:end, 0] = self.scratch  # context length 1: only the first block is read
         self.context_lens[start:end] = 1
         self.token_slots[start:end] = -1
         if self.scratch_state is not None:
@@ -98,9 +98,11 @@ class DecodeGraphs:
         self.positions[:b].copy_(torch.tensor(pos, device=dev))
         self.slot_mapping[:b].copy_(torch.tensor([s.block_table[p // bs] * bs + p % bs
                                                   for s, p in zip(step.seqs, pos)], device=dev))
-        width = self.block_tables.size(1)
+        # Only the columns some sequence uses: attention reads a row's blocks below its context length, so
+        # the rest of a row may hold anything (a full-width table is 2048 columns at 32k tokens).
+        width = max(len(s.block_table) for s in step.seqs)
         table = [s.block_table + [self.scratch] * (width - len(s.block_table)) for s in step.seqs]
-        self.block_tables[:b].copy_(torch.tensor(table, dtype=torch.int32, device=dev))
+        self.block_tables[:b, :width].copy_(torch.tensor(table, dtype=torch.int32, device=dev))
         self.context_lens[:b].copy_(torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=dev))
         if self.scratch_state is not None:
             self.state_index[:b].copy_(torch.tensor([s.state_slot for s in step.seqs], device=dev))
