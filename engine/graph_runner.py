@@ -38,7 +38,6 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.context_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.cu_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.token_slots = torch.full((n,), -1, dtype=torch.long, device=dev)
         self.state_index = torch.full((n,), scratch_state or 0, dtype=torch.long, device=dev)
         self.graphs: dict[tuple[int, bool], tuple[object, torch.Tensor, LoRABatchInfo | None]] = {}
         pool = device.graph_pool()
@@ -54,14 +53,13 @@ class DecodeGraphs:
         self.slot_mapping[start:end] = self.scratch * self.block_size
         self.block_tables[start:end, 0] = self.scratch  # context length 1: only the first block is read
         self.context_lens[start:end] = 1
-        self.token_slots[start:end] = -1
         if self.scratch_state is not None:
             self.state_index[start:end] = self.scratch_state
 
     def _context(self, size: int, info: LoRABatchInfo | None) -> ForwardContext:
         meta = AttentionMetadata(self.slot_mapping[:size], self.block_tables[:size], self.context_lens[:size],
                                  self.cu_q[: size + 1], cu_q_list=[], context_lens_list=[], max_q_len=1)
-        lora = LoRAMapping(self.token_slots[:size], "triton", info) if info is not None else None
+        lora = LoRAMapping(info) if info is not None else None
         states = self.state_index[:size] if self.scratch_state is not None else None
         return ForwardContext(attn=meta, lora=lora, state_index=states)
 
@@ -70,8 +68,8 @@ class DecodeGraphs:
         self._pad(0, size)
         info = None
         if with_lora:
-            self.token_slots[:size] = 0  # shapes only; every replay rewrites the grouping in place
-            info = prepare_lora_batch(self.token_slots[:size].tolist(), None, self.lora_slots,
+            # Shapes only: every replay rewrites the grouping in place.
+            info = prepare_lora_batch([0] * size, None, self.lora_slots,
                                       device=self.device.torch_device)
         ctx = self._context(size, info)
         with forward_context(ctx):
@@ -112,7 +110,6 @@ class DecodeGraphs:
         graph, out, info = self.graphs[(size, with_lora)]
         if with_lora:
             padded = slots + [-1] * (size - b)
-            self.token_slots[:size].copy_(torch.tensor(padded, device=dev))
             prepare_lora_batch(padded, None, self.lora_slots, device=dev, out=info)
         graph.replay()  # type: ignore[attr-defined]
         return out[:b]

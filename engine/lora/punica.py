@@ -17,15 +17,13 @@ from kernels.lora_triton import LoRABatchInfo, prepare_lora_batch
 
 @dataclass(frozen=True)
 class LoRAMapping:
-    token_slots: torch.Tensor
-    """[T] long: adapter slot of every token in the step (-1: base model)."""
-    backend: str = "reference"
-    info: LoRABatchInfo | None = None
-    """Tokens grouped by slot on the device (Triton backend)."""
+    slots: torch.Tensor | LoRABatchInfo
+    """Reference backend: [T] long adapter slot of every token (-1: base model). Triton backend: the
+    tokens grouped by slot on the device (which also holds each token's slot)."""
 
     @property
-    def slots(self) -> torch.Tensor | LoRABatchInfo:
-        return self.info if self.info is not None else self.token_slots
+    def backend(self) -> str:
+        return "triton" if isinstance(self.slots, LoRABatchInfo) else "reference"
 
 
 def build_mapping(slots: list[int], device: torch.device, backend: str = "reference",
@@ -33,9 +31,9 @@ def build_mapping(slots: list[int], device: torch.device, backend: str = "refere
     """Mapping for a step whose tokens use these slots; None when no token uses an adapter."""
     if all(s < 0 for s in slots):
         return None
-    t = torch.tensor(slots, dtype=torch.long, device=device)
-    info = prepare_lora_batch(slots, None, num_slots, device=device) if backend == "triton" else None
-    return LoRAMapping(t, backend, info)
+    if backend == "triton":
+        return LoRAMapping(prepare_lora_batch(slots, None, num_slots, device=device))
+    return LoRAMapping(torch.tensor(slots, dtype=torch.long, device=device))
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
