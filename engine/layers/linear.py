@@ -204,7 +204,7 @@ class RowParallelLinear(LinearBase):
         if in_features % tp or (in_features // tp) % g:
             valid = [t for t in range(1, 65) if in_features % t == 0 and (in_features // t) % g == 0]
             raise ValueError(f"{prefix}: {in_features} input features split over tensor-parallel size {tp} give "
-                             f"shards that are not a multiple of the int4 group size {g}; valid sizes for this "
+                             f"shards that are not a multiple of the quantization group size {g}; valid sizes for this "
                              f"layer: {valid}")
         super().__init__(in_features // tp, out_features, bias, method, dtype, prefix)
 

@@ -59,9 +59,7 @@ def set_spec(param: nn.Parameter, spec: ShardSpec) -> nn.Parameter:
 
 class LinearMethod(Protocol):
     input_multiple: int
-    """A row-parallel shard's input features must be a multiple of this (the int4 group size)."""
-    output_multiple: int
-    """A column-parallel shard's output features must be a multiple of this (8 int4 values per word)."""
+    """A row-parallel shard's input features must be a multiple of this (the quantization group size)."""
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None: ...
     def process_after_loading(self, layer: nn.Module) -> None: ...
@@ -89,7 +87,6 @@ class UnquantizedLinearMethod:
     """16/32-bit weight stored as [out, in] (the Hugging Face layout)."""
 
     input_multiple = 1
-    output_multiple = 1
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         w = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
@@ -120,10 +117,6 @@ class Int4LinearMethod:
     @property
     def input_multiple(self) -> int:
         return self.group_size
-
-    @property
-    def output_multiple(self) -> int:
-        return 8
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         create_gptq_weights(layer, in_features, out_features, self.group_size, bits=4)
@@ -173,15 +166,14 @@ class Int4LinearMethod:
 class Int8LinearMethod:
     """GPTQ-layout 8-bit weight (qweight [K/4, N], qzeros [K/G, N/4], scales [K/G, N]). Served by
     dequantizing once at load into the activation dtype: 8-bit is uncommon for AutoRound exports, and
-    the dense copy costs no more memory than a 16-bit checkpoint would."""
+    the packed tensors are freed once dequantized, so a layer costs what a 16-bit checkpoint's would."""
 
     group_size: int
     zero_offset: int
-    input_multiple: int = 1
-    output_multiple: int = 4
 
-    def __post_init__(self) -> None:
-        self.input_multiple = self.group_size
+    @property
+    def input_multiple(self) -> int:
+        return self.group_size
 
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None:
         create_gptq_weights(layer, in_features, out_features, self.group_size, bits=8)
@@ -192,6 +184,8 @@ class Int8LinearMethod:
 
         layer.dense = dequant_int8(layer.qweight.data, layer.qzeros.data, layer.scales.data, self.group_size,
                                    self.zero_offset, dtype=layer.compute_dtype).t().contiguous()
+        for p in (layer.qweight, layer.qzeros, layer.scales):
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return nn.functional.linear(x, layer.dense, bias)
@@ -238,7 +232,8 @@ class QuantConfig:
                                    "weight-only (W4A16, W8A16) are served")
         act_bits = int(qc.get("act_bits", 16) or 16)
         if act_bits < 16:
-            raise QuantConfigError(f"activation quantization (act_bits={act_bits}) is not supported; W4A16 only")
+            raise QuantConfigError(f"activation quantization (act_bits={act_bits}) is not supported; weight-only "
+                                   "(W4A16, W8A16) only")
         group = int(qc.get("group_size", 128))
         if group <= 0:
             raise QuantConfigError(f"group_size {group} is not supported (per-channel -1 is not served); use 32..256")
