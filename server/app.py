@@ -22,8 +22,6 @@ import os
 import signal
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -224,17 +222,6 @@ def _openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
 
 
 # -- xpulora serve -----------------------------------------------------------------------------------
-def _demo_config(config: EngineConfig, adapters: Path) -> EngineConfig:
-    """The bundled demo: LoRA on, a lora root on the demo adapters, every adapter there pre-loaded, CPU."""
-    have = {n for n, _ in config.lora.lora_modules}
-    found = sorted(d.name for d in adapters.iterdir() if (d / "adapter_config.json").is_file()) \
-        if adapters.is_dir() else []
-    lora = replace(config.lora, enable_lora=True, lora_roots=(*config.lora.lora_roots, str(adapters)),
-                   lora_modules=(*config.lora.lora_modules, *((n, str(adapters / n)) for n in found if n not in have)))
-    parallel = replace(config.parallel, device="cpu") if config.parallel.device == "auto" else config.parallel
-    return replace(config, lora=lora, parallel=parallel)
-
-
 def _ready_lines(host: str, port: int, llm: LLMEngine, demo: bool, api_key: bool) -> str:
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     url = f"http://{shown}:{port}"
@@ -254,15 +241,15 @@ def _ignore_signal(sig: int, _frame: object) -> None:
 
 
 def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
-    from server.cli import DEMO_ADAPTERS, DEMO_MODEL
+    from server.cli import DEMO_MODEL, demo_config, is_demo
 
-    demo = Path(args.model).resolve() == DEMO_MODEL.resolve()
+    demo = is_demo(args.model)
     if demo:
         if not (DEMO_MODEL / "config.json").is_file():
             print(f"xpulora: the demo model is not built ({DEMO_MODEL} is missing); build it with "
                   "`PYTHONPATH=. .venv/bin/python demo/make_demo.py --out demo` or pass a MODEL folder")
             return 2
-        engine_config = _demo_config(engine_config, DEMO_ADAPTERS)
+        engine_config = demo_config(engine_config)
     try:
         llm = LLMEngine(engine_config, progress=True)
     except (CheckpointError, OSError, ValueError) as e:  # ConfigError, AdapterError are ValueErrors

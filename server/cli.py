@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -177,13 +178,20 @@ def build_engine_config(a: argparse.Namespace) -> EngineConfig:
         seed=a.seed, enforce_eager=a.enforce_eager)
 
 
-def use_demo(a: argparse.Namespace) -> None:
-    """No model given: the bundled demo model, with its adapters registered unless others were named."""
-    a.model = str(DEMO_MODEL)
-    if not a.lora_modules and DEMO_ADAPTERS.is_dir():
-        a.enable_lora = True
-        a.lora_modules = [(d.name, str(d)) for d in sorted(DEMO_ADAPTERS.iterdir()) if d.is_dir()]
-        a.max_lora_rank = max(a.max_lora_rank, 64)
+def is_demo(model: str) -> bool:
+    return Path(model).resolve() == DEMO_MODEL.resolve()
+
+
+def demo_config(config: EngineConfig, adapters: Path = DEMO_ADAPTERS) -> EngineConfig:
+    """The bundled demo (serve and generate alike): LoRA on, a lora root on the demo adapters, every adapter
+    there loaded at start besides those named, the CPU unless a device was asked for."""
+    have = {n for n, _ in config.lora.lora_modules}
+    found = sorted(d.name for d in adapters.iterdir() if (d / "adapter_config.json").is_file()) \
+        if adapters.is_dir() else []
+    lora = replace(config.lora, enable_lora=True, lora_roots=(*config.lora.lora_roots, str(adapters)),
+                   lora_modules=(*config.lora.lora_modules, *((n, str(adapters / n)) for n in found if n not in have)))
+    parallel = replace(config.parallel, device="cpu") if config.parallel.device == "auto" else config.parallel
+    return replace(config, lora=lora, parallel=parallel)
 
 
 # -- generate ----------------------------------------------------------------------------------------
@@ -211,7 +219,8 @@ def _line_request(line: dict[str, Any], base_names: set[str]) -> tuple[str | lis
 def cmd_generate(a: argparse.Namespace) -> int:
     from engine import LLMEngine
 
-    with LLMEngine(build_engine_config(a), progress=False) as engine:
+    config = build_engine_config(a)
+    with LLMEngine(demo_config(config) if is_demo(a.model) else config, progress=False) as engine:
         return _generate(engine, a)
 
 
@@ -317,10 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     a = build_parser(argv).parse_args(argv)
     try:
-        if a.command == "serve" and a.model is None:
-            a.model = str(DEMO_MODEL)  # the server sets up the demo's adapters and lora root itself
-        if a.command == "generate" and a.model is None:
-            use_demo(a)
+        if a.command in ("serve", "generate") and a.model is None:
+            a.model = str(DEMO_MODEL)  # demo_config adds the demo's adapters and lora root
         if a.command == "generate":
             return cmd_generate(a)
         if a.command == "serve":

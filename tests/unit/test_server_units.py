@@ -68,13 +68,13 @@ def test_lora_root_confinement(tmp_path: Path) -> None:
 
 
 def test_demo_config_enables_lora_on_the_demo_adapters(tmp_path: Path) -> None:
-    from server.app import _demo_config
+    from server.cli import demo_config
 
     for name in ("upper", "reverse"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "adapter_config.json").write_text("{}")
     (tmp_path / "notes").mkdir()
-    cfg = _demo_config(EngineConfig(ModelConfig("demo/model"), lora=LoRAConfig(lora_modules=(("upper", "/x"),))),
+    cfg = demo_config(EngineConfig(ModelConfig("demo/model"), lora=LoRAConfig(lora_modules=(("upper", "/x"),))),
                        tmp_path)
     assert cfg.lora.enable_lora and cfg.lora.lora_roots == (str(tmp_path),)
     assert cfg.lora.lora_modules == (("upper", "/x"), ("reverse", str(tmp_path / "reverse")))
