@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import default_device, device_sync, graph_time_us, time_us
+from kernels import triton_env
 from kernels.int4 import (
     INT4_BACKENDS,
     Int4Layout,
@@ -59,14 +60,6 @@ def random_checkpoint(k: int, n: int, seed: int) -> tuple[torch.Tensor, torch.Te
     sign = torch.where(torch.rand(k // GROUP, n, generator=g) < 0.5, -1.0, 1.0)
     scales = ((torch.rand(k // GROUP, n, generator=g) * 0.01 + 0.005) * sign).to(torch.float16)
     return qweight, qzeros, scales
-
-
-def triton_usable(dev: torch.device) -> bool:
-    from kernels import int4
-
-    if int4.triton is None:
-        return False
-    return int4._interpreting() if dev.type == "cpu" else True
 
 
 def copies_for(nbytes: int, rotate_mb: float) -> int:
@@ -184,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         sweep(dev, cfg["shapes"], [1, 16, 32, 64] if not args.quick else [1], budget_s, args.rotate_mb)
         return 0
-    methods = ["triton", "dequant_gemm"] if triton_usable(dev) else []
+    methods = ["triton", "dequant_gemm"] if triton_env.usable() else []
     if native in INT4_BACKENDS:
         methods.append(native)
     if "triton" not in methods:

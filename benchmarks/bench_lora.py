@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import default_device, device_sync, graph_time_us, time_us
 from kernels import lora as lora_ops
-from kernels import lora_triton
+from kernels import lora_triton, triton_env
 
 # Qwen3-8B: hidden 4096, 32 q heads / 8 kv heads of 128, intermediate 12288.
 FULL = dict(
@@ -46,14 +46,6 @@ FULL = dict(
 QUICK = dict(
     layers={"qkv": (64, [64, 16, 16]), "gate_up": (64, [96, 96]), "down": (96, [64])},
     tokens=[8], adapters=[1, 4], ranks=[16], slots=4, r_max=64)
-
-
-def triton_usable(dev: torch.device) -> bool:
-    if lora_triton.triton is None:
-        return False
-    if dev.type == "cpu":
-        return lora_triton._interpreting()
-    return True
 
 
 def run_case(dev: torch.device, dtype: torch.dtype, layer: str, k: int, sizes: list[int], tokens: int,
@@ -135,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     cfg = QUICK if args.quick or dev.type == "cpu" else FULL
     budget_s = (args.budget_ms if args.budget_ms is not None else (0.0 if args.quick else 50.0)) / 1e3
-    use_triton = triton_usable(dev)
+    use_triton = triton_env.usable()
     if not use_triton:
         print(f"# triton not usable on {dev} (CPU: set TRITON_INTERPRET=1): no triton columns", file=sys.stderr)
     layers = args.layers.split(",") if args.layers else list(cfg["layers"])

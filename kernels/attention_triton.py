@@ -16,31 +16,13 @@ Softmax in fp32 (online, base 2); P is rounded to V's dtype for the P @ V produc
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:  # guarded: importing this module must work where triton is absent
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
+from kernels.triton_env import FLOATS, interpreting, tl, triton
 
-__all__ = ["decode_num_splits", "paged_attention_decode", "paged_attention_prefill", "triton_available"]
+__all__ = ["decode_num_splits", "paged_attention_decode", "paged_attention_prefill"]
 
 _LOG2E = 1.4426950408889634
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def triton_available() -> bool:
-    return triton is not None
-
-
-def _interpreting() -> bool:
-    # Triton's CPU interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584): there we
-    # dot in fp32, exact for 16-bit inputs.
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 if triton is not None:
@@ -232,7 +214,7 @@ def _check(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     for name, t in (("block_tables", block_tables), ("cu_q", cu_q), ("context_lens", context_lens)):
         if t.dtype not in (torch.int32, torch.int64) or t.device != q.device:
             raise ValueError(f"paged attention: {name} must be int32/int64 on {q.device}, got {t.dtype} {t.device}")
-    if q.dtype not in _FLOATS or k_cache.dtype not in _FLOATS or v_cache.dtype != k_cache.dtype:
+    if q.dtype not in FLOATS or k_cache.dtype not in FLOATS or v_cache.dtype != k_cache.dtype:
         raise TypeError(f"paged attention: dtypes q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}")
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or block_tables.stride(-1) != 1:
         raise ValueError("paged attention: q, caches and block_tables must be contiguous in their last dim")
@@ -248,7 +230,7 @@ def _out(q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 
 
 def _fp32_dot(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    return _interpreting() or q.dtype == torch.float32 or k_cache.dtype == torch.float32 or q.dtype != k_cache.dtype
+    return interpreting() or q.dtype == torch.float32 or k_cache.dtype == torch.float32 or q.dtype != k_cache.dtype
 
 
 def decode_num_splits(batch: int, kv_heads: int, max_keys: int, block_n: int = 64, target_programs: int = 512,
@@ -275,7 +257,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = _out(q, out)
     if b == 0 or q.size(0) == 0:
         return out
-    block_n = block_n or (64 if block_tables.size(1) * block_size >= 64 and not _interpreting() else 16)
+    block_n = block_n or (64 if block_tables.size(1) * block_size >= 64 and not interpreting() else 16)
     if num_splits is None:
         num_splits = decode_num_splits(b, hkv, block_tables.size(1) * block_size, block_n)
     g_pad = max(16, triton.next_power_of_2(group))
@@ -318,7 +300,7 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = _out(q, out)
     if b == 0 or q.size(0) == 0 or max_q_len <= 0:
         return out
-    small = max_q_len <= 16 or _interpreting()
+    small = max_q_len <= 16 or interpreting()
     block_m = block_m or (16 if small else 64)
     block_n = block_n or (16 if small else 64)
     d_pad = max(16, triton.next_power_of_2(d))

@@ -16,20 +16,13 @@ only accepts tensors on the device its name says.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
 
 from kernels.reference import dequant_int4, unpack_int4_cols, unpack_int4_rows
-
-try:  # guarded: `import kernels.int4` must work where triton is absent (XPU boxes without triton-xpu, CI)
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
+from kernels.triton_env import FLOATS, interpreting, tl, triton, usable
 
 __all__ = [
     "INT4_BACKENDS",
@@ -47,7 +40,6 @@ __all__ = [
 Int4Backend = Literal["reference", "native_cpu", "native_cuda", "native_xpu", "triton"]
 INT4_BACKENDS: tuple[Int4Backend, ...] = get_args(Int4Backend)
 
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _TINYGEMM_GROUPS = (32, 64, 128, 256)  # what the CPU and CUDA int4pack ops accept (TORCH_CHECK in aten)
 
 
@@ -132,19 +124,6 @@ def _device_available(device_type: str) -> bool:
         return False
 
 
-@functools.cache
-def _triton_usable() -> bool:
-    if triton is None:
-        return False
-    if _interpreting():
-        return True  # the interpreter runs kernels on CPU tensors
-    try:
-        triton.runtime.driver.active.get_current_target()
-    except Exception:  # no GPU driver: triton raises various errors here
-        return False
-    return True
-
-
 def native_supported(backend: Int4Backend, layout: Int4Layout, dtype: torch.dtype) -> bool:
     """True where `backend` can run `layout` with activations of `dtype` in this process.
 
@@ -155,12 +134,12 @@ def native_supported(backend: Int4Backend, layout: Int4Layout, dtype: torch.dtyp
     reference:   always, for floating dtypes.
     """
     g, k, n = layout.group_size, layout.in_features, layout.out_features
-    if dtype not in _FLOATS:
+    if dtype not in FLOATS:
         return False
     if backend == "reference":
         return True
     if backend == "triton":
-        return g % 16 == 0 and _triton_usable()
+        return g % 16 == 0 and usable()
     if backend not in INT4_BACKENDS:
         raise ValueError(f"unknown int4 backend {backend!r}; expected one of {INT4_BACKENDS}")
     if not _device_available(_device_type(backend)):
@@ -394,12 +373,6 @@ if triton is not None:
             tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _interpreting() -> bool:
-    # Triton's CPU interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584); there
-    # we dot in fp32 instead, which is exact for bf16 x and the small-integer q, so tests stay meaningful.
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 @dataclass(frozen=True)
 class TritonInt4Config:
     """Launch shape of the Triton W4A16 kernel for one (M, K, N)."""
@@ -442,7 +415,7 @@ def triton_mm(x2: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None,
     assert w.scales is not None and w.zeros is not None
     m, k = x2.shape
     n, g = w.layout.out_features, w.layout.group_size
-    if x2.dtype not in _FLOATS:
+    if x2.dtype not in FLOATS:
         raise TypeError(f"int4_mm: unsupported activation dtype {x2.dtype}")
     c = config or triton_config(m, k, n, g)
     if g % c.block_k or k % (c.block_k * c.split_k):
@@ -456,7 +429,7 @@ def triton_mm(x2: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None,
                       device=x2.device)
     b = bias.contiguous() if bias is not None else out  # dummy pointer when HAS_BIAS is False
     grid = (triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n), c.split_k)
-    fp32_dot = x2.dtype == torch.float32 or (x2.dtype == torch.bfloat16 and _interpreting())
+    fp32_dot = x2.dtype == torch.float32 or (x2.dtype == torch.bfloat16 and interpreting())
     _w4a16_gptq_kernel[grid](
         x2, w.weight, w.scales, w.zeros, b, out,
         m, n, k // c.split_k,

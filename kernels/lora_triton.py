@@ -28,19 +28,13 @@ a graph.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-try:  # guarded: importing this module must work where triton is absent
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the environment
-    triton = None  # type: ignore[assignment]
-    tl = None  # type: ignore[assignment]
+from kernels.triton_env import FLOATS, interpreting, tl, triton
 
 __all__ = [
     "LoRABatchInfo",
@@ -49,21 +43,9 @@ __all__ = [
     "lora_shrink",
     "prepare_lora_batch",
     "ranks_tensor",
-    "triton_available",
 ]
 
 _BLOCK_R = 16  # rank chunk: tl.dot needs every dim >= 16; ranks below 16 run one masked chunk
-_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def triton_available() -> bool:
-    return triton is not None
-
-
-def _interpreting() -> bool:
-    # Triton's CPU interpreter multiplies bf16 bit patterns in tl.dot (triton-lang/triton#11584): there we
-    # dot in fp32, exact for 16-bit inputs, so the interpreter tests stay meaningful.
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _require_triton() -> None:
@@ -475,7 +457,7 @@ def _check_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: LoRABat
             raise ValueError("lora_shrink: A must be contiguous in K and on x's device")
     if x.size(1) != a0.size(2):
         raise ValueError(f"lora_shrink: A has {a0.size(2)} inputs, x has {x.size(1)}")
-    if x.dtype not in _FLOATS or a0.dtype not in _FLOATS:
+    if x.dtype not in FLOATS or a0.dtype not in FLOATS:
         raise TypeError(f"lora_shrink: unsupported dtypes x {x.dtype}, A {a0.dtype}")
     if info.num_slots != a0.size(0):
         raise ValueError(f"lora_shrink: info has {info.num_slots} slots, A has {a0.size(0)}")
@@ -499,7 +481,7 @@ def _launch_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: LoRABa
         buf.stride(0), buf.stride(1), buf.stride(2), r.stride(0),
         NUM_RB=num_rb, BLOCK_M=info.block_m, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
         EVEN_K=k % cfg["block_k"] == 0, ALIGNED=all(a.data_ptr() % 16 == 0 for a in lora_a),
-        FP32_DOT=_interpreting() or x.dtype == torch.float32 or x.dtype != a0.dtype,
+        FP32_DOT=interpreting() or x.dtype == torch.float32 or x.dtype != a0.dtype,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
@@ -558,7 +540,7 @@ def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Te
         y.stride(0), y.stride(1), buf.stride(0), buf.stride(1), buf.stride(2), b0.stride(1), r.stride(0),
         NUM_SLICES=len(lora_b), SPLIT_K=buf.size(0), ADD_INPUTS=bool(add_inputs), BLOCK_M=info.block_m,
         BLOCK_N=block_n, N_ITERS=n_iters, BLOCK_R=16, B_RANK_MAJOR=rank_major, ALIGNED=aligned,
-        FP32_DOT=_interpreting() or b0.dtype == torch.float32,
+        FP32_DOT=interpreting() or b0.dtype == torch.float32,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
@@ -585,7 +567,7 @@ def _check_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Ten
             raise ValueError("lora_expand: B must be on y's device")
         if off < 0 or off + b.size(1) > y.size(1):
             raise ValueError(f"lora_expand: slice [{off}, {off + b.size(1)}) outside y of width {y.size(1)}")
-    if y.dtype not in _FLOATS or b0.dtype not in _FLOATS:
+    if y.dtype not in FLOATS or b0.dtype not in FLOATS:
         raise TypeError(f"lora_expand: unsupported dtypes y {y.dtype}, B {b0.dtype}")
     if info.num_slots != num_slots:
         raise ValueError(f"lora_expand: info has {info.num_slots} slots, B has {num_slots}")

@@ -307,7 +307,7 @@ def test_imports_and_reference_backends_without_triton() -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
         "import torch, kernels.lora as L, kernels.attention as A, kernels.lora_triton as LT\n"
-        "assert LT.triton is None and not LT.triton_available()\n"
+        "import kernels.triton_env as TE\nassert LT.triton is None and TE.triton is None and not TE.usable()\n"
         "y = L.add_lora(torch.zeros(2, 4), torch.ones(2, 3), [torch.ones(1, 2, 3)], [torch.ones(1, 4, 2)], [[2]], [0],\n"
         "               torch.tensor([0, -1]))\n"
         "assert y[0].tolist() == [6.0] * 4 and y[1].tolist() == [0.0] * 4\n"
