@@ -385,7 +385,7 @@ CONFIG_OVERRIDES: dict[str, int] = {}
 expand_block_n, expand_n_iters, expand_warps, expand_stages (tuning scripts only; empty in normal use)."""
 
 
-def _shrink_config(k: int, r_max: int) -> dict[str, int]:
+def _shrink_config(k: int) -> dict[str, int]:
     # Split K so that each program runs ~4-6 K steps (an H200 sweep: 4096 -> 8 splits, 12288 -> 16), deterministic
     # because the expand sums the splits' partials in a fixed order.
     block_k = CONFIG_OVERRIDES.get("shrink_block_k", 128 if k >= 128 else 16)
@@ -394,7 +394,7 @@ def _shrink_config(k: int, r_max: int) -> dict[str, int]:
     split = CONFIG_OVERRIDES.get("shrink_split_k", max(1, min(16, iters // 4)))
     split = max(1, min(split, iters))
     return dict(block_k=block_k, split_k=split, k_per_split=triton.cdiv(iters, split) * block_k,
-                block_r=CONFIG_OVERRIDES.get("shrink_block_r", 16),
+                block_r=CONFIG_OVERRIDES.get("shrink_block_r", _BLOCK_R),
                 num_warps=CONFIG_OVERRIDES.get("shrink_warps", 4), num_stages=CONFIG_OVERRIDES.get("shrink_stages", 3))
 
 
@@ -508,7 +508,7 @@ def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: LoRABatch
         out.zero_()
     if _nothing_to_do(info) or r_max == 0:
         return out
-    cfg = _shrink_config(k, r_max)
+    cfg = _shrink_config(k)
     if cfg["split_k"] == 1:
         _launch_shrink(x, lora_a, info, r, out.unsqueeze(0), cfg)
     else:
@@ -539,7 +539,7 @@ def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Te
         b0.size(-1), b0.size(0),
         y.stride(0), y.stride(1), buf.stride(0), buf.stride(1), buf.stride(2), b0.stride(1), r.stride(0),
         NUM_SLICES=len(lora_b), SPLIT_K=buf.size(0), ADD_INPUTS=bool(add_inputs), BLOCK_M=info.block_m,
-        BLOCK_N=block_n, N_ITERS=n_iters, BLOCK_R=16, B_RANK_MAJOR=rank_major, ALIGNED=aligned,
+        BLOCK_N=block_n, N_ITERS=n_iters, BLOCK_R=_BLOCK_R, B_RANK_MAJOR=rank_major, ALIGNED=aligned,
         FP32_DOT=interpreting() or b0.dtype == torch.float32,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
@@ -619,7 +619,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], l
     if lora_b[0].size(-1) != r_max:
         raise ValueError(f"add_lora: A rank dim {r_max} != B rank dim {lora_b[0].size(-1)}")
     buf_shape = (n_slices, x.size(0), r_max)
-    cfg = _shrink_config(k, r_max)
+    cfg = _shrink_config(k)
     # Per-split partials, summed in order by the expand; it reads only computed entries (active rows,
     # columns below the rank), so no zero fill.
     buf = torch.empty(cfg["split_k"], *buf_shape, dtype=torch.float32, device=x.device)

@@ -167,12 +167,11 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, token_slots
     if offset < 0 or offset + n > y.size(1):
         raise ValueError(f"lora_expand: slice [{offset}, {offset + n}) outside y of width {y.size(1)}")
     for slot in torch.unique(token_slots).tolist():
-        r = ranks[slot] if slot >= 0 else 0
         if slot < 0:
             continue
+        r = ranks[slot]
         rows = (token_slots == slot).nonzero(as_tuple=True)[0]
-        out = buf[rows, :r] @ b[slot, :, :r].float().t() if r > 0 else torch.zeros(
-            rows.numel(), n, dtype=torch.float32, device=y.device)
+        out = buf[rows, :r] @ b[slot, :, :r].float().t()  # rank 0: [m, 0] @ [0, n] is zeros
         if add_inputs:
             y[rows, offset:offset + n] += out.to(y.dtype)
         else:

@@ -171,7 +171,7 @@ def test_shrink_split_k_sums_in_order(monkeypatch: pytest.MonkeyPatch, block_k: 
     assert DEV is not None
     monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "shrink_block_k", block_k)
     monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "shrink_split_k", split_k)
-    assert lora_triton._shrink_config(96, 64)["split_k"] == split_k
+    assert lora_triton._shrink_config(96)["split_k"] == split_k
     p = _problem(21, [40, 8], torch.float32, num_tokens=30)
     d = _to(p, DEV)
     info = lora_triton.prepare_lora_batch(p["slots"].tolist(), p["ranks"], p["num_slots"], device=DEV)
