@@ -86,6 +86,10 @@ class AdapterNotFoundError(AdapterError):
     """Path missing / no adapter files there (HTTP 404)."""
 
 
+class _FileChanged(AdapterError):
+    """The weights file changed between its header and its data being read."""
+
+
 @dataclass(frozen=True)
 class LoRAModule:
     a: torch.Tensor  # [rank, in_features] float32, CPU, contiguous
@@ -142,18 +146,8 @@ def _stat_sig(*files: str) -> tuple:
     return tuple(out)
 
 
-def _checksum(cfg: str, weights: str) -> str:
-    h = hashlib.sha256()
-    for f in (cfg, weights):
-        h.update(os.path.getsize(f).to_bytes(8, "little"))  # length-prefixed: no ambiguity at the seam
-        with open(f, "rb") as fh:
-            while chunk := fh.read(1 << 20):
-                h.update(chunk)
-    return h.hexdigest()
-
-
 def _checksum_bytes(*parts: bytes | bytearray) -> str:
-    """_checksum over contents already in memory (same digest as over the files holding them)."""
+    """sha256 over (length, bytes) of each part: adapter_config.json then adapter_model.safetensors."""
     h = hashlib.sha256()
     for b in parts:
         h.update(len(b).to_bytes(8, "little"))
@@ -256,7 +250,7 @@ class _SafetensorsFile:
             self._fh.seek(0)
             got = self._fh.readinto(data)
             if got != self._size or self._fh.read(1) or bytes(data[: len(self._header_raw)]) != self._header_raw:
-                raise AdapterError("the file changed while being loaded; retry")
+                raise _FileChanged("the file changed while being loaded; retry")
             self._data = self._snapshot["bytes"] = data
         meta = self._header[key]
         dtype = _TORCH_DTYPES[meta["dtype"]]
@@ -271,15 +265,6 @@ def safe_open(path: str, framework: str = "pt", snapshot: dict[str, bytearray] |
     if framework != "pt":
         raise ValueError(f"framework {framework!r} is not supported")
     return _SafetensorsFile(path, snapshot)
-
-
-def read_checksum(path: str) -> str:
-    """sha256 over (size, bytes) of adapter_config.json then adapter_model.safetensors in `path`."""
-    _, cfg, weights = _resolve(os.path.basename(os.path.normpath(os.fspath(path))) if path else "?", path)
-    try:
-        return _checksum(cfg, weights)
-    except OSError as e:
-        raise AdapterNotFoundError(f"adapter at {path}: cannot read adapter files: {e}") from e
 
 
 # ----------------------------------------------------------------------------------------------
@@ -519,9 +504,9 @@ def load_adapter(name: str, path: str, target_shapes: Mapping[str, tuple[int, in
     try:
         with safe_open(weights, framework="pt", snapshot=snapshot) as f:
             modules = _read_tensors(name, cfg, f, target_shapes, max_rank)
-    except AdapterError as e:
-        if "changed while being loaded" in str(e):
-            raise AdapterError(f"adapter {name!r}: files in {path} changed while being loaded; retry") from e
+    except _FileChanged as e:
+        raise AdapterError(f"adapter {name!r}: files in {path} changed while being loaded; retry") from e
+    except AdapterError:
         raise
     except Exception as e:  # corrupt or truncated header/data
         raise AdapterError(f"adapter {name!r}: cannot read {WEIGHTS_FILE}: {e}") from e
@@ -605,5 +590,5 @@ def _read_tensors(name: str, cfg: _Config, f, target_shapes: Mapping[str, tuple[
     return modules
 
 
-__all__ = ["AdapterError", "AdapterNotFoundError", "LoRAAdapter", "LoRAModule", "load_adapter", "read_checksum",
+__all__ = ["AdapterError", "AdapterNotFoundError", "LoRAAdapter", "LoRAModule", "load_adapter",
            "validate_name"]

@@ -36,7 +36,6 @@ class _Entry:
     name: str
     path: str
     checksum: str
-    rank: int
     pinned: bool = False
     users: int = 0
     """Sequences (waiting or running) that use this adapter."""
@@ -69,7 +68,7 @@ class LoRAManager:
         with self._lock:
             if name in self._by_name:
                 raise AdapterError(f"adapter {name!r} is already loaded; unload it first")
-            e = _Entry(next(self._ids), name, adapter.path, adapter.checksum, adapter.rank, pinned=pin)
+            e = _Entry(next(self._ids), name, adapter.path, adapter.checksum, pinned=pin)
             self._by_name[name] = e
             self._by_id[e.id] = e
             self._cache(e.id, adapter)
