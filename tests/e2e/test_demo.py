@@ -29,14 +29,14 @@ def generated(tmp_path_factory) -> list[tuple[dict, dict]]:
 
 
 def test_demo_outputs_equal_the_oracles(generated: list[tuple[dict, dict]]) -> None:
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, GenerationConfig
 
     tok = AutoTokenizer.from_pretrained(DEMO / "model")
     base = load_hf(str(DEMO / "model"))  # transformers + auto-round's own int4 layers
     dense = load_hf_dequantized(str(DEMO / "model"))
     oracles = {name: PeftModel.from_pretrained(load_hf_dequantized(str(DEMO / "model")), str(DEMO / "adapters" / name))
                for name in {line.get("model") for line, _ in generated} - {None}}
-    eos = [393, 395]
+    eos = GenerationConfig.from_pretrained(DEMO / "model").eos_token_id
     for line, out in generated:
         ids = tok.encode(line["prompt"])
         model = oracles[line["model"]] if "model" in line else base

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from kernels.attention import ATTENTION_BACKENDS, paged_attention, paged_attention_ref
-from tests.kernels.triton_env import DEV, HAS_TRITON, INTERPRETING, needs_kernels
+from tests.kernels.triton_env import DEV, HAS_TRITON, INTERPRETING, assert_close_rel, needs_kernels
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,10 +36,7 @@ BLOCK_SIZE = 16
 
 
 def _assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
-    rtol, atol_rel = TOLERANCES[dtype]
-    ref32 = ref.detach().cpu().float()
-    atol = atol_rel * max(ref32.abs().max().item(), 1e-6)
-    torch.testing.assert_close(out.detach().cpu().float(), ref32, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+    assert_close_rel(out, ref, TOLERANCES[dtype], what)
 
 
 def _batch(seed: int, q_lens: list[int], contexts: list[int], hq: int, hkv: int, d: int,

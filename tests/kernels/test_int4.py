@@ -28,6 +28,7 @@ from kernels.reference import (
     unpack_int4_rows,
 )
 from tests.interp import run_under_interpreter
+from tests.kernels.triton_env import assert_close_rel
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,10 +49,7 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
 
 
 def _assert_matches(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
-    rtol, atol_rel = TOLERANCES[dtype]
-    ref32 = ref.float()
-    atol = atol_rel * max(ref32.abs().max().item(), 1e-6)
-    torch.testing.assert_close(y.detach().cpu().float(), ref32, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+    assert_close_rel(y, ref, TOLERANCES[dtype], what)
 
 
 def _random_int4(k: int, n: int, g: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -340,10 +338,6 @@ def test_accelerator_backend_matches_reference(backend: str, case: dict[str, Any
         pytest.skip(f"{backend} does not support {_case_id(case)}")
 
 
-if __name__ == "__main__":
-    sys.exit(_main(sys.argv[1:]))
-
-
 def test_dequant_triton_matches_reference_under_interpreter() -> None:
     """The fused dequantization (large-M path) equals kernels.reference.dequant_int4, negative scales, v1 and v2."""
     code = r"""
@@ -428,3 +422,7 @@ def test_triton_split_k_configs_match_reference_on_accelerator() -> None:
     proc = subprocess.run([sys.executable, "-c", _SPLIT_K_CHECK, str(_ACC)], cwd=REPO, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

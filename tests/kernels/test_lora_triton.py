@@ -29,7 +29,7 @@ import torch
 
 from kernels import lora as lora_ops
 from kernels import reference
-from tests.kernels.triton_env import DEV, HAS_TRITON, INTERPRETING, needs_kernels
+from tests.kernels.triton_env import DEV, HAS_TRITON, INTERPRETING, assert_close_rel, needs_kernels
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,10 +42,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
-    rtol, atol_rel = TOLERANCES[dtype]
-    ref32 = ref.detach().cpu().float()
-    atol = atol_rel * max(ref32.abs().max().item(), 1e-6)
-    torch.testing.assert_close(out.detach().cpu().float(), ref32, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+    assert_close_rel(out, ref, TOLERANCES[dtype], what)
 
 
 def _problem(seed: int, sizes: list[int], dtype: torch.dtype, num_tokens: int = 36, k: int = 96,

@@ -34,7 +34,7 @@ KINDS: dict[str, tuple[list[tuple[str, object, int, int]], Callable]] = {
 }
 
 
-def _ckpt(parts, quant: bool, bias: bool, g: torch.Generator) -> dict[str, dict[str, torch.Tensor]]:
+def _ckpt(parts, quant: bool, g: torch.Generator) -> dict[str, dict[str, torch.Tensor]]:
     out = {}
     for name, _, k, n in parts:
         if quant:
@@ -45,7 +45,6 @@ def _ckpt(parts, quant: bool, bias: bool, g: torch.Generator) -> dict[str, dict[
             t = {"weight": torch.randn(n, k, generator=g) * 0.05}
         t["bias"] = torch.randn(n, generator=g) * 0.05
         out[name] = t
-    del bias
     return out
 
 
@@ -71,7 +70,7 @@ def _build(kind: str, quant: bool, ckpt, adapters, mode: str | None):
 def _case(kind: str, quant: bool, mode: str | None, rank: int, size: int) -> float:
     g = torch.Generator().manual_seed(zlib.crc32(f"{kind}{quant}".encode()))  # same on every rank
     parts = KINDS[kind][0]
-    ckpt = _ckpt(parts, quant, True, g)
+    ckpt = _ckpt(parts, quant, g)
     adapters = [{name: LoRAModule(torch.randn(r, k, generator=g) * 0.1, torch.randn(n, r, generator=g) * 0.1, r)
                  for name, _, k, n in parts} for r in (8, 16, 64, 1)]
     x = torch.randn(24, parts[0][2], generator=g)
