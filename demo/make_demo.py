@@ -47,7 +47,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.tinymodels import quantize, tiny_config
+from tools.tinymodels import load_transformers_fp32, quantize, tiny_config
 from tools.tokenizer import build_byte_bpe_tokenizer
 
 # 16 words with distinct first letters a..p, so that sorted output is easy to check by eye.
@@ -222,16 +222,6 @@ def greedy_accuracy(model, task: Task, word_lists, transform, stop_ids, max_new:
     return correct / len(word_lists), misses
 
 
-def load_int4(path: str):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    # auto-round casts the model to fp16 on load: back to float32, and rebuild the rotary buffers.
-    torch.nn.Module.float(model)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
-    return model
-
-
 def attach_lora_hooks(model, adapter_dir: str) -> list:
     """Apply a PEFT LoRA adapter to a model whose Linears peft cannot wrap (auto-round int4):
     a forward hook on each target module adds scaling * (x @ A.T) @ B.T to its output."""
@@ -380,7 +370,7 @@ def main(argv=None) -> dict:
         del pm
 
     # ---- verification on the int4 model
-    q = load_int4(model_dir)
+    q = load_transformers_fp32(model_dir)
     qtype = type(q.model.layers[0].self_attn.q_proj).__name__
     acc_l, miss = greedy_accuracy(q, task, task.test_lower, echo, stop_ids)
     acc_m, miss_m = greedy_accuracy(q, task, task.test_mixed, echo, stop_ids)

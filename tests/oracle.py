@@ -5,15 +5,10 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
+from tools.tinymodels import load_transformers_fp32
 
-def load_hf(path: str) -> torch.nn.Module:
-    """The checkpoint in transformers, float32. auto-round casts int4 models to fp16 on load, which
-    also rounds the rotary inv_freq buffer; cast back and rebuild the rotary table for a tight oracle."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model = torch.nn.Module.float(model).eval()
-    inner = model.model
-    inner.rotary_emb = type(inner.rotary_emb)(config=model.config)
-    return model
+load_hf = load_transformers_fp32
+"""The checkpoint in transformers (+ auto-round's int4 layers), float32."""
 
 
 @torch.inference_mode()

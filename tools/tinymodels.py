@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -91,15 +92,13 @@ def quantize(src: str, out_dir: str, fmt: PackingFormat = "auto_round", sym: boo
     if layer_config:
         kwargs["layer_config"] = layer_config
     ar = AutoRound(model, tok, bits=bits, group_size=group_size, sym=sym, iters=iters, device_map="cpu", **kwargs)
+    from server.quantize import flatten_output
+
     tmp = out_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     ar.quantize_and_save(tmp, format=fmt)
-    # In-memory models are written into tmp/<name>-w4g128/; flatten that.
-    inner = [d for d in os.listdir(tmp) if os.path.isdir(os.path.join(tmp, d))]
-    src_dir = os.path.join(tmp, inner[0]) if len(inner) == 1 and not os.path.isfile(
-        os.path.join(tmp, "config.json")) else tmp
     shutil.rmtree(out_dir, ignore_errors=True)
-    shutil.move(src_dir, out_dir)
+    shutil.move(flatten_output(Path(tmp)), out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
@@ -171,3 +170,15 @@ def make_qwen35_model(out_dir: str, vision: bool = True, seed: int = 0, layers: 
         tensors["mtp.norm.weight"] = torch.ones(256).to(dtype)
         save_file(tensors, path, metadata={"format": "pt"})
     return out_dir
+
+
+def load_transformers_fp32(path: str) -> torch.nn.Module:
+    """A checkpoint in transformers (auto-round's own int4 layers for int4 folders), float32. auto-round casts
+    int4 models to fp16 on load, which also rounds the rotary inv_freq buffer: cast back and rebuild the
+    rotary table."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = torch.nn.Module.float(model).eval()
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)
+    return model

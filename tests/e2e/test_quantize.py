@@ -24,10 +24,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.fixture(scope="module")
-def bf16_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from tools.tinymodels import make_model
-
-    return make_model(str(tmp_path_factory.mktemp("quantize") / "tiny-qwen3-bf16"), "qwen3", tie=False)
+def bf16_model(model_factory) -> str:
+    return model_factory("qwen3", None, False)
 
 
 def test_quantize_writes_a_flat_folder_that_generate_serves_like_transformers(bf16_model: str,

@@ -4,27 +4,21 @@ without LoRA, both LoRA modes, mixed slots and ranks), and the seed's unconditio
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 import torch.multiprocessing as mp
 
 from engine.lora.layers import shrink_needs_gather
+from tests.e2e.serverlib import free_port
 from tests.layers import tp_worker
 
 CASES = [(k, q, m) for k in tp_worker.KINDS for q in (False, True) for m in (None, "default", "full")]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(tmp: Path, cases, buggy: bool) -> list[dict]:
     out = tmp / ("buggy" if buggy else "ok")
-    mp.start_processes(tp_worker.run, args=(2, f"tcp://127.0.0.1:{_port()}", str(out), cases, buggy), nprocs=2,
+    mp.start_processes(tp_worker.run, args=(2, f"tcp://127.0.0.1:{free_port()}", str(out), cases, buggy), nprocs=2,
                        join=True, start_method="spawn")
     return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
 
