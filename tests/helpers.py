@@ -39,3 +39,11 @@ def make_lora_engine(path: str, adapters: dict[str, str] | None = None, max_lora
         parallel=ParallelConfig(tensor_parallel_size=tp),
         lora=LoRAConfig(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
                         fully_sharded_loras=fully_sharded, lora_modules=tuple((adapters or {}).items()))))
+
+
+def demo_shapes() -> dict[str, tuple[int, int]]:
+    """The demo model's LoRA-capable modules -> (in, out)."""
+    mods = {"self_attn.q_proj": (256, 256), "self_attn.k_proj": (256, 128), "self_attn.v_proj": (256, 128),
+            "self_attn.o_proj": (256, 256), "mlp.gate_proj": (256, 768), "mlp.up_proj": (256, 768),
+            "mlp.down_proj": (768, 256)}
+    return {f"model.layers.{i}.{m}": s for i in range(4) for m, s in mods.items()}

@@ -29,6 +29,7 @@ from benchmarks.churn import run_churn
 from benchmarks.load import DEMO, Spec, build_plan, run_load, run_one, run_sequential, start_demo_server, summarize
 from engine import ModelNotFoundError
 from tests.e2e.serverlib import REPO, ServerProcess
+from tests.helpers import demo_shapes
 
 GRACE_S = 1  # short: 50 requests of 480 tokens cannot all finish in it, so the abort path runs
 MAX_BODY = 4 << 20  # the main server's limit (the default 1 MiB is checked in test_fuzz.py)
@@ -213,34 +214,27 @@ def test_adapter_file_faults_are_refused_before_reading(demo: Demo) -> None:
 _CHANGE_DURING_LOAD = r"""
 import os, sys, shutil, threading
 from engine.lora import adapter as A
-from tests.e2e.test_reliability import demo_shapes
+from tests.helpers import demo_shapes
 src, work = sys.argv[1], sys.argv[2]
 shapes = demo_shapes()
-# 1. truncated by another process after the header was read (mmap: SIGBUS kills the server)
-d = os.path.join(work, "t"); shutil.copytree(src, d)
 real = A.safe_open
-def truncating(path, framework="pt", snapshot=None):
-    f = real(path, framework, snapshot)
-    os.truncate(path, 100)
-    return f
-A.safe_open = truncating
-try:
-    A.load_adapter("t", d, shapes, 64); print("LOADED")
-except A.AdapterError as e:
-    print("REFUSED", e)
-A.safe_open = real
+def attempt(tag, hook):
+    d = os.path.join(work, tag); shutil.copytree(src, d)
+    def patched(path, framework="pt", snapshot=None):
+        f = real(path, framework, snapshot)
+        hook(path)
+        return f
+    A.safe_open = patched
+    try:
+        A.load_adapter(tag, d, shapes, 64); print("LOADED")
+    except A.AdapterError as e:
+        print("REFUSED", e)
+    finally:
+        A.safe_open = real
+# 1. truncated by another process after the header was read (mmap: SIGBUS kills the server)
+attempt("t", lambda path: os.truncate(path, 100))
 # 2. replaced (rename) during the load: the old inode is read whole, the change is noticed
-d2 = os.path.join(work, "r"); shutil.copytree(src, d2)
-def replacing(path, framework="pt", snapshot=None):
-    f = real(path, framework, snapshot)
-    shutil.copy(path, path + ".new"); os.replace(path + ".new", path)
-    return f
-A.safe_open = replacing
-try:
-    A.load_adapter("r", d2, shapes, 64); print("LOADED")
-except A.AdapterError as e:
-    print("REFUSED", e)
-A.safe_open = real
+attempt("r", lambda path: (shutil.copy(path, path + ".new"), os.replace(path + ".new", path)))
 # 3. a writer rewrites the file in place (truncate + write, two versions) while loads run
 d3 = os.path.join(work, "w"); shutil.copytree(src, d3)
 f3 = os.path.join(d3, "adapter_model.safetensors")
@@ -269,14 +263,6 @@ finally:
     stop = True; t.join()
 print("STRESS", ok, refused)
 """
-
-
-def demo_shapes() -> dict[str, tuple[int, int]]:
-    """The demo model's LoRA-capable modules -> (in, out)."""
-    mods = {"self_attn.q_proj": (256, 256), "self_attn.k_proj": (256, 128), "self_attn.v_proj": (256, 128),
-            "self_attn.o_proj": (256, 256), "mlp.gate_proj": (256, 768), "mlp.up_proj": (256, 768),
-            "mlp.down_proj": (768, 256)}
-    return {f"model.layers.{i}.{m}": s for i in range(4) for m, s in mods.items()}
 
 
 def test_adapter_changed_on_disk_during_load_is_refused_not_a_crash(demo: Demo, tmp_path: Path) -> None:
