@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.timing import device_sync
 from engine import (
     CacheConfig,
     EngineConfig,
@@ -73,17 +74,12 @@ def copy_bandwidth(device: torch.device) -> float:
     b = torch.empty_like(a)
     for _ in range(3):
         b.copy_(a)
-    sync(device)
+    device_sync(device)()
     t0 = time.perf_counter()
     for _ in range(10):
         b.copy_(a)
-    sync(device)
+    device_sync(device)()
     return 2 * n * 10 / (time.perf_counter() - t0)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def ours(path: str, adapters: list[str], batch: int, n_adapters: int, new_tokens: int, device: str) -> dict:
@@ -97,19 +93,26 @@ def ours(path: str, adapters: list[str], batch: int, n_adapters: int, new_tokens
         names = [f"a{i % n_adapters}" if n_adapters else None for i in range(batch)]
         g = torch.Generator().manual_seed(0)
         ps = [torch.randint(0, 400, (32,), generator=g).tolist() for _ in range(batch)]
-        e.generate(ps[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), names[:1])  # warm-up
-        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        for i, (p, n) in enumerate(zip(ps, names)):
-            e.add_request(str(i), p, params, n)
-        e.step()  # prefill of every request
-        sync(e.device.torch_device)
-        t0, steps = time.perf_counter(), 0
-        while e.has_unfinished():
-            e.step()
-            steps += 1
-        sync(e.device.torch_device)
-        dt = time.perf_counter() - t0
-    return {"ms_per_step": 1e3 * dt / steps, "tokens_per_s": batch * steps / dt}
+        return time_decode(e, ps, new_tokens, names)
+
+
+def time_decode(e: LLMEngine, prompts: list[list[int]], new_tokens: int,
+                names: list[str | None] | None = None) -> dict[str, float]:
+    """Warm up, prefill every prompt in one step, then time the decode steps until all finish."""
+    names = names or [None] * len(prompts)
+    e.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), names[:1])
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    for i, (p, n) in enumerate(zip(prompts, names)):
+        e.add_request(str(i), p, params, n)
+    e.step()  # prefill of every request
+    e.device.synchronize()
+    t0, steps = time.perf_counter(), 0
+    while e.has_unfinished():
+        e.step()
+        steps += 1
+    e.device.synchronize()
+    dt = time.perf_counter() - t0
+    return {"steps": steps, "ms_per_step": 1e3 * dt / steps, "tokens_per_s": len(prompts) * steps / dt}
 
 
 def peer(s: Shape, layers: int, adapters: list[str], batch: int, n_adapters: int, new_tokens: int,
@@ -132,10 +135,10 @@ def peer(s: Shape, layers: int, adapters: list[str], batch: int, n_adapters: int
     kw = {"adapter_names": [f"a{i % n_adapters}" for i in range(batch)]} if n_adapters else {}
     with torch.no_grad():
         model.generate(ids[:1], max_new_tokens=2, do_sample=False, **({"adapter_names": ["a0"]} if n_adapters else {}))
-        sync(device)
+        device_sync(device)()
         t0 = time.perf_counter()
         model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, **kw)
-        sync(device)
+        device_sync(device)()
     dt = time.perf_counter() - t0
     del model
     if device.type == "cuda":

@@ -27,6 +27,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -131,9 +132,8 @@ def sweep(dev: torch.device, shapes: list[tuple[int, int]], ms: list[int], budge
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             times: list[tuple[float, TritonInt4Config]] = []
             for c in [triton_config(m, k, n, GROUP), *SWEEP]:
-                bm = c.block_m or (16 if m <= 16 else 32 if m <= 32 else 64)
-                c = TritonInt4Config(bm, c.block_n, c.block_k, c.split_k, c.num_warps, c.num_stages)
-                if k % (c.block_k * c.split_k) or k // c.split_k < c.block_k:
+                c = replace(c, block_m=c.block_m or triton_config(m, k, n, GROUP).block_m)
+                if k % (c.block_k * c.split_k):
                     continue
 
                 def fn(c: TritonInt4Config = c, x: torch.Tensor = x, ws: list = ws) -> None:

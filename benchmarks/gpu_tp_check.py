@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.bench_e2e import time_decode
 from engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig, ParallelConfig, SamplingParams
 from tools.random_int4 import QWEN3_8B, QWEN36_27B, write_random_int4
 
@@ -64,22 +65,7 @@ def decode_speed(name: str, path: str, tp: int, batches: list[int]) -> None:
     with engine(path, tp, "bfloat16", max_num_seqs=max(batches)) as e:
         emit(info=f"{name} engine ready", tp=tp)
         for batch in batches:
-            ps = prompts(batch, 32, 400, 2)
-            warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-            e.generate(ps[:1], warm)
-            params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-            for i, p in enumerate(ps):
-                e.add_request(str(i), p, params)
-            e.step()  # prefill
-            torch.cuda.synchronize()
-            t0, steps = time.perf_counter(), 0
-            while e.has_unfinished():
-                e.step()
-                steps += 1
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            emit(bench=f"{name} decode", tp=tp, batch=batch, steps=steps, ms_per_step=1e3 * dt / steps,
-                 tokens_per_s=batch * steps / dt)
+            emit(bench=f"{name} decode", tp=tp, batch=batch, **time_decode(e, prompts(batch, 32, 400, 2), 64))
 
 
 def _allreduce_worker(rank: int, hidden: int, out: str) -> None:

@@ -390,6 +390,7 @@ SPLIT_K_TARGET_CTAS = 512
 a large GPU idle when N / BLOCK_N is near the SM count, and the weight read is the whole cost."""
 
 
+@functools.lru_cache(maxsize=4096)  # called per layer per step
 def triton_config(m: int, k: int, n: int, group_size: int) -> TritonInt4Config:
     """Best launch shapes measured on an H200 at Qwen3-8B shapes for M in {1, 16, 32, 64}
     (benchmarks/bench_int4.py --sweep; docs/PERFORMANCE.md): BLOCK_N 64, 4 warps, 3 stages, and K split
@@ -421,9 +422,6 @@ def triton_mm(x2: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None,
     if g % c.block_k or k % (c.block_k * c.split_k):
         raise ValueError(f"int4 triton config {c} does not fit K={k}, group {g}")
     x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
-    for t in (w.weight, w.scales, w.zeros):
-        if t.stride(1) != 1:
-            raise ValueError("int4 triton kernel: qweight, scales and qzeros must be contiguous along N")
     partial = c.split_k > 1
     out = torch.empty((c.split_k, m, n) if partial else (m, n), dtype=torch.float32 if partial else x2.dtype,
                       device=x2.device)
