@@ -215,8 +215,12 @@ class RowParallelLinear(LinearBase):
             loaded = _take_shard(loaded, d, param.size(d), self.tp_rank, self.tp_size, self.prefix)
         _copy_checked(param.data, loaded, self.prefix)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The bias is added once (rank 0) so that the all-reduce sums it exactly once.
-        bias = self.bias if self.tp_rank == 0 else None
-        y = self.apply_base(x, bias)
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of y; the bias is added on rank 0 only, so the all-reduce sums it exactly once."""
+        return self.apply_base(x, self.bias if self.tp_rank == 0 else None)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
         return all_reduce(y) if self.reduce_results else y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(self.partial(x))  # the collective: all_reduce over the TP ranks

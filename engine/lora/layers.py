@@ -16,6 +16,7 @@ The gather happens only in the fully sharded mode and only when tp > 1 (seed bug
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 
 import torch
@@ -142,7 +143,9 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
             return list(self.base.local_sizes)
         return [self.base.out_features]
 
+    @functools.cached_property
     def offsets(self) -> list[int]:
+        """Where each slice starts in this rank's output (fixed by the base layer: computed once)."""
         sizes = self.b_sizes()
         return [sum(sizes[:i]) for i in range(len(sizes))]
 
@@ -180,9 +183,9 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
         if mapping is None:
             return y
         if not shrink_needs_gather(self.fully_sharded, self.tp_size):
-            return add_lora(y, x, self.lora_a, self.lora_b, self.slot_ranks(mapping), self.offsets(), mapping)
+            return add_lora(y, x, self.lora_a, self.lora_b, self.slot_ranks(mapping), self.offsets, mapping)
         ranks, a_ranks = self.slot_ranks(mapping), self.slot_ranks(mapping, a_side=True)
-        for i, off in enumerate(self.offsets()):
+        for i, off in enumerate(self.offsets):
             buf = all_gather(shrink(x, self.lora_a[i], a_ranks[i], mapping), dim=-1)  # [T, r_max]
             expand(y, buf, self.lora_b[i], ranks[i], off, mapping)
         return y
@@ -217,8 +220,7 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
         return b[self.tp_rank * n:(self.tp_rank + 1) * n] if self.fully_sharded else b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.base.bias if self.tp_rank == 0 else None
-        y = self.base.apply_base(x, bias)
+        y = self.base.partial(x)
         mapping = get_context().lora
         if mapping is not None:
             ranks = self.slot_ranks(mapping)
@@ -228,7 +230,7 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
                 expand(y, buf, self.lora_b[0], ranks[0], self.tp_rank * self.b_sizes()[0], mapping)
             else:
                 add_lora(y, x, self.lora_a, self.lora_b, ranks, [0], mapping)
-        return all_reduce(y) if self.base.reduce_results else y
+        return self.base.reduce(y)
 
 
 WRAPPERS: tuple[type[BaseLayerWithLoRA], ...] = (ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA)
