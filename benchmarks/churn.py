@@ -191,12 +191,14 @@ class Churn:
 
 
 async def _idle(c: httpx.AsyncClient, timeout_s: float = 30.0) -> None:
+    """Until nothing runs or waits: the end sample must not count a request still in flight."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = (await c.get("/metrics")).text
         if "xpulora:num_requests_running 0.0" in text and "xpulora:num_requests_waiting 0.0" in text:
             return
         await asyncio.sleep(0.1)
+    raise TimeoutError(f"the server did not go idle within {timeout_s} s")
 
 
 def run_churn(url: str, headers: dict[str, str], paths: dict[str, str], pid: int, cycles: int,

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
 import shutil
 import statistics
@@ -304,8 +303,7 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return self.ok == self.requests and not (self.errors or self.lost or self.truncated or self.mismatched
-                                                 or self.reference_errors)
+        return self.ok == self.requests  # each result counts once: ok, or one of the failure kinds
 
 
 def summarize(results: list[Result], wall_s: float, refs: dict[tuple, Result] | None) -> Report:
@@ -346,7 +344,7 @@ def summarize(results: list[Result], wall_s: float, refs: dict[tuple, Result] | 
 
 
 # -- the demo server -----------------------------------------------------------------------------------------
-def start_demo_server(work: Path, n_adapters: int, max_loras: int, extra: list[str] | None = None,
+def start_demo_server(work: Path, n_adapters: int, max_loras: int,
                       env: dict[str, str] | None = None) -> tuple[Any, dict[str, str]]:
     """`python -m server` on the demo model with n copies of the demo adapters (ready when it returns)."""
     sys.path.insert(0, str(REPO))
@@ -355,14 +353,8 @@ def start_demo_server(work: Path, n_adapters: int, max_loras: int, extra: list[s
     root = work / "adapters"
     paths = make_adapters(root, n_adapters)
     flags = ["--max-loras", str(max_loras), "--lora-root", str(root),
-             "--lora-modules", *(f"{n}={p}" for n, p in paths.items()), *(extra or [])]
-    saved = dict(os.environ)
-    os.environ.update(env or {})  # ServerProcess passes os.environ on to the server
-    try:
-        srv = ServerProcess(str(DEMO / "model"), flags, work / "server.log")
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
+             "--lora-modules", *(f"{n}={p}" for n, p in paths.items())]
+    srv = ServerProcess(str(DEMO / "model"), flags, work / "server.log", env)
     srv.wait_ready()
     return srv, paths
 

@@ -26,14 +26,15 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str, flags: list[str], log_path: Path) -> None:
+    def __init__(self, model: str, flags: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [sys.executable, "-m", "server", model, "--port", str(self.port), "--api-key", API_KEY, *flags]
         self._log = open(log_path, "w")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"})
+                                     env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",
+                                          **(env or {})})
         self.headers = {"Authorization": f"Bearer {API_KEY}"}
 
     def log_tail(self, n: int = 3000) -> str:
