@@ -8,6 +8,8 @@ State S [H, Dk, Dv] is float32.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +24,37 @@ def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) ->
     windows = xx.unfold(0, k, 1)  # [n, C, K]
     y = (windows.float() * weight.float().unsqueeze(0)).sum(-1)
     return F.silu(y).to(x.dtype), xx[-(k - 1):].t().contiguous()
+
+
+@functools.lru_cache(maxsize=8)  # every GDN layer of a step asks for the same plan
+def _varlen_conv_plan(cu: tuple[int, ...], k: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Index tensors for causal_conv1d_varlen: where each row of the flat [K-1 previous | new] buffer comes
+    from, which windows end at a new row, and which rows become each sequence's next state."""
+    b = len(cu) - 1
+    order: list[int] = []
+    rows: list[int] = []
+    tail: list[int] = []
+    for i in range(b):
+        n, start = cu[i + 1] - cu[i], cu[i] + i * (k - 1)  # this sequence's block in the flat buffer
+        order += [*range(i * (k - 1), (i + 1) * (k - 1)), *range(b * (k - 1) + cu[i], b * (k - 1) + cu[i + 1])]
+        rows += range(start, start + n)  # the window starting here ends at new row j
+        tail += range(start + n, start + n + k - 1)
+    return tuple(torch.tensor(v, dtype=torch.long, device=device) for v in (order, rows, tail))
+
+
+def causal_conv1d_varlen(x: torch.Tensor, states: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
+                         cu: list[int]) -> torch.Tensor:
+    """causal_conv1d for sequences laid end to end (sequence i owns rows cu[i]:cu[i+1] and state slot
+    index[i]) in one pass, no per-sequence loop; states updated in place. x [T, C], states [S, C, K-1]."""
+    k, b = weight.size(1), len(cu) - 1
+    order, rows, tail = _varlen_conv_plan(tuple(cu), k, x.device)
+    prev = states[index].transpose(1, 2).to(x.dtype).reshape(b * (k - 1), -1)  # [B(K-1), C]
+    flat = torch.cat([prev, x])[order]  # per sequence: its K-1 previous inputs, then its new rows
+    # Every window of the flat buffer (those straddling two sequences are computed and dropped), then the
+    # ones ending at a new row: fewer copies than gathering windows first.
+    y = (flat.unfold(0, k, 1).float() * weight.float()).sum(-1)[rows]
+    states[index] = flat[tail].reshape(b, k - 1, -1).transpose(1, 2).to(states.dtype)
+    return F.silu(y).to(x.dtype)
 
 
 def causal_conv1d_decode(x: torch.Tensor, states: torch.Tensor, index: torch.Tensor,

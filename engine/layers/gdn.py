@@ -20,7 +20,7 @@ from engine.layers.linear import (
     SectionedColumnParallelLinear,
 )
 from engine.layers.quant import QuantConfig
-from kernels.gdn import causal_conv1d, causal_conv1d_decode, delta_rule_decode, delta_rule_varlen
+from kernels.gdn import causal_conv1d_decode, causal_conv1d_varlen, delta_rule_decode, delta_rule_varlen
 
 CHUNK_THRESHOLD = 16
 """Prompts longer than this use the chunked form of the recurrence."""
@@ -105,13 +105,9 @@ class GatedDeltaNet(nn.Module):
                                     self.backend)
         else:
             assert slots is not None
-            mixed = torch.empty_like(qkv)
             cu = meta.cu_q_list
-            for i, slot in enumerate(slots):
-                if cu[i + 1] > cu[i]:
-                    mixed[cu[i]:cu[i + 1]], self.conv_state[slot] = causal_conv1d(qkv[cu[i]:cu[i + 1]],
-                                                                                  self.conv_state[slot], self.conv1d)
-            q, k, v = mixed.split(self.local_sections, dim=-1)
+            q, k, v = causal_conv1d_varlen(qkv, self.conv_state, ctx.state_index, self.conv1d, cu).split(
+                self.local_sections, dim=-1)
             out = delta_rule_varlen(q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk),
                                     v.view(t, self.hv, self.dv), g, beta, self.ssm_state, slots, cu, self.backend,
                                     CHUNK_THRESHOLD, ctx.state_index, meta.cu_q)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from kernels.gdn import (
     causal_conv1d,
     causal_conv1d_decode,
+    causal_conv1d_varlen,
     delta_rule_chunked,
     delta_rule_decode,
     delta_rule_recurrent,
@@ -107,3 +108,25 @@ def test_delta_rule_decode_equals_varlen(ratio: int) -> None:
     out = delta_rule_decode(q, k, v, gate, beta, states, torch.tensor(index))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(states, ref_states, atol=1e-5, rtol=1e-5)
+
+
+def test_conv_varlen_equals_per_sequence_conv() -> None:
+    """The one-pass conv of a mixed step (prefill chunks, decode rows, an empty entry) equals the
+    per-sequence conv, and writes each sequence's next state into its own slot only."""
+    g = torch.Generator().manual_seed(6)
+    c, kk, slots = 5, 4, 8
+    states = torch.randn(slots, c, kk - 1, generator=g)
+    w = torch.randn(c, kk, generator=g)
+    index, lens = [6, 2, 0, 5, 3], [7, 1, 0, 2, 12]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    x = torch.randn(cu[-1], c, generator=g)
+    expect = [causal_conv1d(x[cu[i]:cu[i + 1]], states[s], w) if lens[i] else (x[:0], states[s].clone())
+              for i, s in enumerate(index)]  # an empty entry keeps its state
+    untouched = states[[1, 4, 7]].clone()
+    y = causal_conv1d_varlen(x, states, torch.tensor(index), w, cu)
+    torch.testing.assert_close(y, torch.cat([e[0] for e in expect]), atol=1e-6, rtol=1e-6)
+    for (_, st), s in zip(expect, index):
+        torch.testing.assert_close(states[s], st)
+    torch.testing.assert_close(states[[1, 4, 7]], untouched)
