@@ -134,8 +134,6 @@ def _config_value(action: argparse.Action, value: Any) -> Any:
             value = [f"{k}={v}" for k, v in value.items()]
         items = value if isinstance(value, list) else [value]
         return [_config_scalar(action, v) for v in items]
-    if isinstance(value, (list, dict)):
-        raise TypeError(f"expected a single value, got {value!r}")
     return _config_scalar(action, value)
 
 
