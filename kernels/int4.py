@@ -8,7 +8,7 @@ Backends (each checked against kernels.reference.int4_matmul by tests/kernels/te
   native_cpu   torch._weight_int4pack_mm_for_cpu         (tinygemm-style: (q - 8) * scale + zero)
   native_cuda  torch._weight_int4pack_mm                 (tinygemm on tensor cores, bf16 only)
   native_xpu   torch._weight_int4pack_mm_with_scales_and_zeros  (oneDNN: (q - zp) * scale, int8 zp)
-  triton       our Triton kernel, reading qweight / packed qzeros / scales as stored in the checkpoint
+  triton       our Triton kernels (kernels.int4_triton), reading qweight / packed qzeros / scales as stored
 This module never picks a device: the caller (engine/device.py) chooses the backend; a native backend
 only accepts tensors on the device its name says.
 """
@@ -21,8 +21,9 @@ from typing import Literal, get_args
 
 import torch
 
+from kernels.int4_triton import TritonInt4Config, dequant_triton, triton_config, triton_mm
 from kernels.reference import dequant_int4, unpack_int4_cols, unpack_int4_rows
-from kernels.triton_env import FLOATS, interpreting, tl, triton, usable
+from kernels.triton_env import FLOATS, usable
 
 __all__ = [
     "INT4_BACKENDS",
@@ -30,6 +31,7 @@ __all__ = [
     "Int4Layout",
     "PreparedInt4",
     "TritonInt4Config",
+    "dequant_triton",
     "int4_mm",
     "native_supported",
     "prepare_int4",
@@ -310,175 +312,3 @@ def int4_mm(x: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None = None) 
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.to(x.dtype).reshape(*lead, n)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Triton W4A16 kernel (GPTQ layout read directly)
-
-if triton is not None:
-
-    @triton.jit
-    def _w4a16_gptq_kernel(
-        x_ptr, qw_ptr, s_ptr, qz_ptr, b_ptr, out_ptr,
-        M, N, K_PER_SPLIT,
-        stride_xm, stride_qk, stride_sg, stride_zg,
-        GROUP_SIZE: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-        FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        """out[split, m, n] = sum_{k in split} x[m, k] * s[k//G, n] * (u(k, n) - zq(k//G, n))  (+ bias[n]).
-
-        Grid (M tiles, N tiles, splits of K). PARTIAL: fp32 partial sums [splits, M, N], summed by the host
-        in a fixed order (deterministic split-K for decode); else the result itself [M, N] in out's dtype.
-        Each packed word is loaded once and unpacked to its 8 k rows in registers.
-        """
-        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_w = tl.arange(0, BLOCK_K // 8)
-        mask_m = offs_m < M
-        mask_n = offs_n < N
-        k_start = pid_k * K_PER_SPLIT
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + tl.arange(0, BLOCK_K))[None, :]
-        qw_ptrs = qw_ptr + (k_start // 8 + offs_w)[:, None] * stride_qk + offs_n[None, :]
-        shifts = (tl.arange(0, 8) * 4)[None, :, None]  # nibble j of a word holds k = 8 * row + j
-        z_shift = (offs_n % 8) * 4
-
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        # The host guarantees GROUP_SIZE % BLOCK_K == 0 and K_PER_SPLIT % BLOCK_K == 0: one group per K
-        # tile, so the scale applies to the tile's partial product of small integers (exact in bf16).
-        for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
-            g = k0 // GROUP_SIZE
-            words = tl.load(qw_ptrs, mask=mask_n[None, :], other=0)
-            u = tl.reshape((words[:, None, :] >> shifts) & 0xF, (BLOCK_K, BLOCK_N))  # & drops sign bits
-            zw = tl.load(qz_ptr + g * stride_zg + offs_n // 8, mask=mask_n, other=0)
-            zq = ((zw >> z_shift) & 0xF) + ZERO_OFFSET
-            s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-            q = u - zq[None, :]  # integers in [-16, 15]
-            if FP32_DOT:
-                part = tl.dot(x.to(tl.float32), q.to(tl.float32), input_precision="ieee")
-            else:
-                part = tl.dot(x, q.to(x.dtype))  # fp32 accumulate
-            acc += part * s[None, :]
-            x_ptrs += BLOCK_K
-            qw_ptrs += (BLOCK_K // 8) * stride_qk
-
-        mask = mask_m[:, None] & mask_n[None, :]
-        if PARTIAL:
-            p_ptrs = out_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :]
-            tl.store(p_ptrs, acc, mask=mask)
-        else:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@dataclass(frozen=True)
-class TritonInt4Config:
-    """Launch shape of the Triton W4A16 kernel for one (M, K, N)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int
-    num_warps: int
-    num_stages: int
-
-
-SPLIT_K_TARGET_CTAS = 512
-"""Decode (small M) splits K until about this many programs run: one program per N tile leaves most of
-a large GPU idle when N / BLOCK_N is near the SM count, and the weight read is the whole cost."""
-
-
-@functools.lru_cache(maxsize=4096)  # called per layer per step
-def triton_config(m: int, k: int, n: int, group_size: int) -> TritonInt4Config:
-    """Best launch shapes measured on an H200 at Qwen3-8B shapes for M in {1, 16, 32, 64}
-    (benchmarks/bench_int4.py --sweep; docs/PERFORMANCE.md): BLOCK_N 64, 4 warps, 3 stages, and K split
-    until about 512 programs run (6144 columns: 4 splits; 4096: 8; 24576: none)."""
-    block_k = max(b for b in (16, 32, 64, 128) if group_size % b == 0)
-    if m <= 64:
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        block_n = 64
-        tiles = triton.cdiv(n, block_n)
-        split = 1
-        while (tiles * split * 2 <= SPLIT_K_TARGET_CTAS and k % (block_k * split * 2) == 0
-               and k // (split * 2) >= 4 * block_k):
-            split *= 2
-        return TritonInt4Config(block_m, block_n, block_k, split, num_warps=4, num_stages=3)
-    return TritonInt4Config(64, 128, min(block_k, 64), 1, num_warps=4, num_stages=3)
-
-
-def triton_mm(x2: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None,
-              config: TritonInt4Config | None = None) -> torch.Tensor:
-    """int4_mm for the triton backend with an explicit launch shape (default: triton_config's)."""
-    if triton is None:
-        raise RuntimeError("int4 backend 'triton' needs the triton package")
-    assert w.scales is not None and w.zeros is not None
-    m, k = x2.shape
-    n, g = w.layout.out_features, w.layout.group_size
-    if x2.dtype not in FLOATS:
-        raise TypeError(f"int4_mm: unsupported activation dtype {x2.dtype}")
-    c = config or triton_config(m, k, n, g)
-    if g % c.block_k or k % (c.block_k * c.split_k):
-        raise ValueError(f"int4 triton config {c} does not fit K={k}, group {g}")
-    x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
-    partial = c.split_k > 1
-    out = torch.empty((c.split_k, m, n) if partial else (m, n), dtype=torch.float32 if partial else x2.dtype,
-                      device=x2.device)
-    b = bias.contiguous() if bias is not None else out  # dummy pointer when HAS_BIAS is False
-    grid = (triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n), c.split_k)
-    fp32_dot = x2.dtype == torch.float32 or (x2.dtype == torch.bfloat16 and interpreting())
-    _w4a16_gptq_kernel[grid](
-        x2, w.weight, w.scales, w.zeros, b, out,
-        m, n, k // c.split_k,
-        x2.stride(0), w.weight.stride(0), w.scales.stride(0), w.zeros.stride(0),
-        GROUP_SIZE=g, ZERO_OFFSET=w.layout.zero_offset, HAS_BIAS=bias is not None, PARTIAL=partial,
-        FP32_DOT=fp32_dot, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k,
-        num_warps=c.num_warps, num_stages=c.num_stages,
-    )  # fmt: skip
-    if not partial:
-        return out
-    y = out.sum(0)  # a fixed-order reduction: the same bits on every run
-    if bias is not None:
-        y += bias.float()
-    return y.to(x2.dtype)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Fused dequantization (for large M: dequantize once into a transient dense weight, then a dense GEMM)
-
-if triton is not None:
-
-    @triton.jit
-    def _dequant_gptq_kernel(qw_ptr, qz_ptr, sc_ptr, out_ptr, KW, N, GROUP_SIZE: tl.constexpr,
-                             ZERO_OFFSET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-        """W[8r + j, n] = scales[(8r+j)//G, n] * (u_j(qweight[r, n]) - (z((8r+j)//G, n) + ZERO_OFFSET))."""
-        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = (rows[:, None] < KW) & (cols[None, :] < N)
-        words = tl.load(qw_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0)
-        grp = (rows * 8) // GROUP_SIZE  # the 8 k of a word share a group (G is a multiple of 8)
-        zw = tl.load(qz_ptr + grp[:, None] * (N // 8) + cols[None, :] // 8, mask=mask, other=0)
-        z = ((zw >> ((cols[None, :] % 8) * 4)) & 0xF) + ZERO_OFFSET
-        s = tl.load(sc_ptr + grp[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        for j in tl.static_range(8):
-            u = (words >> (4 * j)) & 0xF
-            w = (u - z).to(tl.float32) * s
-            tl.store(out_ptr + (rows[:, None] * 8 + j) * N + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def dequant_triton(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
-                   zero_offset: int, dtype: torch.dtype) -> torch.Tensor:
-    """kernels.reference.dequant_int4 in one Triton pass: W [K, N] in dtype."""
-    if triton is None:
-        raise RuntimeError("dequant_triton needs the triton package")
-    kw, n = qweight.shape
-    if group_size % 8 or qzeros.shape != (kw * 8 // group_size, n // 8) or scales.shape != (kw * 8 // group_size, n):
-        raise ValueError(f"dequant_triton: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, scales "
-                         f"{tuple(scales.shape)} do not fit group size {group_size}")
-    out = torch.empty(kw * 8, n, dtype=dtype, device=qweight.device)
-    block_r, block_n = 16, 128
-    _dequant_gptq_kernel[(triton.cdiv(kw, block_r), triton.cdiv(n, block_n))](
-        qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), out, kw, n, GROUP_SIZE=group_size,
-        ZERO_OFFSET=zero_offset, BLOCK_R=block_r, BLOCK_N=block_n)
-    return out

@@ -400,6 +400,8 @@ for zo in (0, 1):
         ref = int4_matmul(x, qw, qz, sc, gs, zo) + bias
         configs = [TritonInt4Config(bm, bn, bk, split, 4, 2) for bm in (16, 32) for bn in (32, 64)
                    for bk in (32, 128) for split in (1, 2, 4)] + [triton_config(m, k, n, gs)]
+        configs += [TritonInt4Config(bm, bn, bk, split, 4, 2, "fma")
+                    for bm, bn, bk, split in ((1, 32, 32, 1), (1, 64, 128, 4), (8, 32, 128, 4), (4, 64, 32, 2))]
         for c in configs:
             y = triton_mm(x.to(dev), w, bias.to(dev), c).cpu()
             assert torch.allclose(y, ref, atol=1e-4, rtol=1e-4), (zo, m, c, (y - ref).abs().max())
@@ -411,7 +413,8 @@ print("ok", checked)
 
 
 def test_triton_split_k_configs_match_reference_under_interpreter() -> None:
-    """Every launch shape of the W4A16 kernel (split-K partials included) equals the reference, with bias,
+    """Every launch shape of both W4A16 kernels (tensor-core and FMA; split-K partials summed in the kernel
+    included) equals the reference, with bias,
     for v1 and v2 zeros and M from 1 to 40; split-K sums are the same bits on a second run."""
     run_under_interpreter(_SPLIT_K_CHECK.replace("sys.argv[1]", "\"cpu\""), timeout=600)
 
