@@ -115,8 +115,9 @@ def run_case(dev: torch.device, m_rows: int, layout: Int4Layout, dense: list[tor
 
 SWEEP = {"dot": [TritonInt4Config(0, bn, 128, split, warps, stages) for bn in (32, 64, 128)
                  for split in (1, 2, 4, 8) for warps, stages in ((4, 3), (4, 5), (8, 4))],
-         "fma": [TritonInt4Config(0, bn, bk, split, 4, 3, "fma") for bn in (64, 128, 256) for bk in (64, 128)
-                 for split in (2, 4, 8, 16)]}
+         "fma": [TritonInt4Config(0, bn, bk, split, warps, 3, "fma") for bn, warps in ((64, 2), (128, 4), (256, 4),
+                                                                                     (256, 8))
+                 for bk in (64, 128) for split in (4, 8, 16)]}
 
 
 def sweep(dev: torch.device, shapes: list[tuple[int, int]], ms: list[int], budget_s: float, rotate_mb: float,

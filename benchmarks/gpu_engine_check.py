@@ -21,7 +21,7 @@ from engine import CacheConfig, EngineConfig, LLMEngine, LoRAConfig, ModelConfig
 from tools.random_int4 import Shape, write_random_int4
 
 REFERENCE = {"XPULORA_ATTENTION_BACKEND": "reference", "XPULORA_LORA_BACKEND": "reference",
-             "XPULORA_INT4_BACKEND": "reference"}
+             "XPULORA_INT4_BACKEND": "reference", "XPULORA_FUSED_BACKEND": "reference"}
 
 
 def run(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]], eager: bool, reference: bool,

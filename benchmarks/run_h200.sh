@@ -55,14 +55,15 @@ case "${1:-}" in
     timeout 110 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 --adapters 0 32 --peer-cases 32:32 \
       2>&1 | grep -E '^\{|Error' | tee "$OUT/e2e.txt"
     ;;
-  probe)  # CUDA kernel tests, FMA-kernel launch sweep, where a decode step's time goes (one GPU)
+  probe)  # CUDA tests of the new kernels, FMA-kernel launch sweep, where a decode step's time goes (one GPU)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/env.txt"
-    PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 170 python3 -m pytest -q -p no:cacheprovider tests/kernels \
-      tests/layers/test_lora_layers.py -k "not interpreter and not transformers_torch_path" 2>&1 | tail -8 \
+    PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 150 python3 -m pytest -q -p no:cacheprovider -rf --tb=short \
+      tests/kernels/test_fused.py tests/kernels/test_int4.py -k "not interpreter" 2>&1 | tail -25 \
       | tee "$OUT/kernel_tests.txt"
-    timeout 200 python3 benchmarks/bench_int4.py --sweep --budget-ms 10 2>&1 | grep -E '^\{|Error' | tee "$OUT/sweep.txt"
     timeout 170 python3 benchmarks/profile_step.py --layers 36 --batches 1 32 2>&1 | grep -E '^\{|Error' \
       | tee "$OUT/profile.txt"
+    timeout 200 python3 benchmarks/bench_int4.py --sweep --sweep-ms 1 4 8 --budget-ms 5 2>&1 | grep -E '^\{|Error' \
+      | tee "$OUT/sweep.txt"
     ;;
   *) echo "usage: run_h200.sh tests|check|final|tp|tp2|bench|tp_bench|probe"; exit 2 ;;
 esac

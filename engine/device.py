@@ -15,6 +15,8 @@ from typing import Literal, get_args
 
 import torch
 
+from kernels import triton_env
+
 DeviceKind = Literal["xpu", "cuda", "cpu"]
 DeviceName = Literal["auto", "xpu", "cuda", "cpu"]
 """What --device accepts: auto picks xpu, then cuda, then cpu."""
@@ -130,6 +132,13 @@ class Device:
     def attention_backend(self) -> str:
         """Paged attention kernels (kernels.attention): Triton on GPUs, the torch reference on the CPU."""
         return os.environ.get("XPULORA_ATTENTION_BACKEND") or ("reference" if self.kind == "cpu" else "triton")
+
+    def fused_backend(self) -> str:
+        """Small per-layer ops (kernels.fused: norms, rotary, silu-and-mul): Triton on GPUs where it runs."""
+        forced = os.environ.get("XPULORA_FUSED_BACKEND")
+        if forced:
+            return forced
+        return "triton" if self.kind != "cpu" and triton_env.usable() else "reference"
 
     def gdn_backend(self) -> str:
         """Gated-delta-rule kernels: fla-core's Triton kernels on GPUs when installed, else the torch reference."""

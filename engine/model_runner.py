@@ -14,8 +14,11 @@ from engine.device import Device
 from engine.distributed import all_reduce_min, tp_rank
 from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from engine.graph_runner import DecodeGraphs
+from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.gdn import GatedDeltaNet
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
 from engine.loader import CheckpointInfo, build_model, load_weights
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.layers import BaseLayerWithLoRA, wrap_model
@@ -50,6 +53,10 @@ class ModelRunner:
         self.model = build_model(info, self.dtype, device.torch_device, device.int4_backend())
         load_weights(self.model, info, progress=progress)
         self.model.eval()
+        fused = device.fused_backend()
+        for m in self.model.modules():
+            if isinstance(m, (RMSNorm, RotaryEmbedding, SiluAndMul)):
+                m.backend = fused
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.lora_layers: list[BaseLayerWithLoRA] = []
         if config.lora.enable_lora:

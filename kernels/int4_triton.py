@@ -112,22 +112,20 @@ if triton is not None:
     ):  # fmt: skip
         """y[m, n] = sum_k x[m, k] * s[k//G, n] * (u(k, n) - zq(k//G, n))  with CUDA-core FMAs.
 
-        Grid (M tiles, N tiles, splits of K). Words of a K tile are [BLOCK_K/8 rows, BLOCK_N]; nibble j of
-        row r is k = 8r + j. Partial sums stay per word row until the end (one cross-thread sum per launch).
+        Grid (M tiles, N tiles, splits of K). A K tile's words are [R = BLOCK_K/8 rows, BLOCK_N]; nibble j of
+        row r is k = 8r + j, so x[m, 8r + j] multiplies a whole row of nibbles. Sums stay per word row until
+        the end (one cross-thread reduction per program).
         """
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         R: tl.constexpr = BLOCK_K // 8
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_r = tl.arange(0, R)
-        offs_j = tl.arange(0, 8)
         mask_n = offs_n < N
         k_start = pid_k * K_PER_SPLIT
         qw_ptrs = qw_ptr + (k_start // 8 + offs_r)[:, None] * stride_qk + offs_n[None, :]
-        x_ptrs = (x_ptr + offs_m[:, None, None] * stride_xm
-                  + (k_start + offs_r[:, None] * 8 + offs_j[None, :])[None, :, :])
-        x_mask = (offs_m < M)[:, None, None]
-        shifts = (offs_j * 4)[None, :, None]
+        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_r * 8)[None, :]  # [BLOCK_M, R], j = 0
+        x_mask = (offs_m < M)[:, None]
         z_shift = (offs_n % 8) * 4
 
         acc = tl.zeros((BLOCK_M, R, BLOCK_N), dtype=tl.float32)
@@ -137,11 +135,14 @@ if triton is not None:
             zw = tl.load(qz_ptr + g * stride_zg + offs_n // 8, mask=mask_n, other=0)
             zq = (((zw >> z_shift) & 0xF) + ZERO_OFFSET).to(tl.float32)
             s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            # (u | 0x4B000000) read as fp32 is 2^23 + u exactly: integer to float without a conversion.
-            f = (((words[:, None, :] >> shifts) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-            q = f - (8388608.0 + zq)[None, None, :]  # u - zq, exact
-            x = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)  # [BLOCK_M, R, 8]
-            acc += tl.sum(x[:, :, :, None] * q[None, :, :, :], axis=2) * s[None, None, :]
+            bias = (8388608.0 + zq)[None, :]
+            part = tl.zeros((BLOCK_M, R, BLOCK_N), dtype=tl.float32)
+            for j in tl.static_range(8):
+                # (u | 0x4B000000) read as fp32 is 2^23 + u exactly: integer to float without a conversion.
+                q = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - bias  # u - zq
+                x = tl.load(x_ptrs + j, mask=x_mask, other=0.0).to(tl.float32)
+                part += x[:, :, None] * q[None, :, :]
+            acc += part * s[None, None, :]
             x_ptrs += BLOCK_K
             qw_ptrs += R * stride_qk
         _store_or_reduce(tl.sum(acc, axis=1), out_ptr, ws_ptr, cnt_ptr, b_ptr, offs_m, offs_n, M, N,
@@ -185,7 +186,7 @@ def triton_config(m: int, k: int, n: int, group_size: int) -> TritonInt4Config:
     if m <= FMA_MAX_M:
         block_m = 1 << (m - 1).bit_length()
         bk = min(block_k, 64)
-        return TritonInt4Config(block_m, 64, bk, _split(triton.cdiv(n, 64), k, bk), 4, 3, "fma")
+        return TritonInt4Config(block_m, 128, bk, _split(triton.cdiv(n, 128), k, bk), 4, 3, "fma")
     if m <= 64:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
         return TritonInt4Config(block_m, 64, block_k, _split(triton.cdiv(n, 64), k, block_k), 4, 3, "dot")

@@ -15,6 +15,9 @@ __all__ = [
     "int4_matmul",
     "pack_int4_cols",
     "pack_int4_rows",
+    "rms_norm",
+    "rope_neox",
+    "silu_and_mul",
     "unpack_int4_cols",
     "unpack_int4_rows",
 ]
@@ -177,3 +180,31 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, token_slots
         else:
             y[rows, offset:offset + n] = out.to(y.dtype)
     return y
+
+
+# -- norms, rotary embedding, gated activation ----------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False,
+             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual (in x's dtype; h = x without one); y = h * rsqrt(mean(h^2) + eps) * w over the last
+    dim in float32, with w = 1 + weight if zero_centered else weight. Returns (y in x's dtype, h)."""
+    h = x if residual is None else x + residual
+    hf = h.float()
+    hf = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    w = weight.float() + 1.0 if zero_centered else weight.float()
+    return (hf * w).to(x.dtype), h
+
+
+def rope_neox(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """x [T, H, D] rotated on its first rotary_dim dims in halves (neox): with [c, s] = cos_sin[positions[t]]
+    (each rotary_dim / 2 wide), out = [x1 c - x2 s, x2 c + x1 s, x[rotary_dim:]], in float32, x's dtype out."""
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
+    xr, xpass = x[..., :rotary_dim].float(), x[..., rotary_dim:]
+    x1, x2 = xr.chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return torch.cat([out, xpass], dim=-1) if xpass.numel() else out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """y = silu(x[..., :d]) * x[..., d:] (each product rounded to x's dtype as torch does)."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from engine.forward_context import get_context
-from kernels.attention import paged_attention, write_kv
+from kernels.attention import paged_attention
+from kernels.fused import write_kv
 
 
 class Attention(nn.Module):
@@ -27,7 +28,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping, self.backend)
         o = paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_q, meta.context_lens,
                             meta.cu_q_list, meta.context_lens_list, meta.max_q_len, self.scale, self.backend)
         return o.reshape(t, self.num_heads * self.head_dim)

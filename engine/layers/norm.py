@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.fused import rms_norm
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * w, computed in float32; `zero_centered` uses (1 + w) (Qwen3.5 style)."""
@@ -16,24 +18,16 @@ class RMSNorm(nn.Module):
         self.zero_centered = zero_centered
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.backend = "reference"
+        """kernels.fused backend, chosen per device by the model runner."""
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
         if param.shape != loaded.shape:
             raise ValueError(f"norm weight: checkpoint shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
         param.data.copy_(loaded)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.weight.float()
-        if self.zero_centered:
-            w = w + 1.0
-        return (xf * w).to(dtype)
-
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            return self._norm(x)
-        x = x + residual
-        return self._norm(x), x
+        """normed x, or (normed x + residual, x + residual) when a residual is given."""
+        y, h = rms_norm(x, self.weight, self.eps, self.zero_centered, residual, self.backend)
+        return y if residual is None else (y, h)

@@ -7,6 +7,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.layers.norm import RMSNorm
+from kernels.fused import norm_rope
+
 
 class RopeConfigError(ValueError):
     pass
@@ -35,14 +38,17 @@ class RotaryEmbedding(nn.Module):
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.backend = "reference"
+        """kernels.fused backend, chosen per device by the model runner."""
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rd = self.rotary_dim
-        xr, xpass = x[..., :rd].float(), x[..., rd:]
-        x1, x2 = xr.chunk(2, dim=-1)
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-        return torch.cat([out, xpass], dim=-1) if xpass.numel() else out
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None = None,
+                k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated q and k (contiguous), each first RMS-normed per head by q_norm / k_norm where given
+        (Qwen3's query/key norms: one launch per tensor for both steps on the Triton backend)."""
+        return self._apply(positions, q, q_norm), self._apply(positions, k, k_norm)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+    def _apply(self, positions: torch.Tensor, x: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        if norm is None:
+            return norm_rope(x, positions, self.cos_sin, self.rotary_dim, None, 0.0, False, self.backend)
+        return norm_rope(x, positions, self.cos_sin, self.rotary_dim, norm.weight, norm.eps, norm.zero_centered,
+                         self.backend)

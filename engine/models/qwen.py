@@ -95,10 +95,8 @@ class QwenAttention(nn.Module):
         t = x.size(0)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v.contiguous())
+        q, k = rotary(positions, q, k, *((self.q_norm, self.k_norm) if self.qk_norm else ()))
+        o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v)
         return self.o_proj(o)
 
 

@@ -100,10 +100,8 @@ class GatedAttention(nn.Module):
         t, hd = x.size(0), self.head_dim
         qg, k, v = self.qkv_proj(x).split([2 * self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd], -1)
         q, gate = qg.view(t, self.num_heads, 2 * hd).split([hd, hd], dim=-1)
-        q = self.q_norm(q.contiguous())
-        k = self.k_norm(k.reshape(t, self.num_kv_heads, hd))
-        q, k = rotary(positions, q, k)
-        o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v.contiguous())
+        q, k = rotary(positions, q, k.reshape(t, self.num_kv_heads, hd), self.q_norm, self.k_norm)
+        o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v)
         return self.o_proj(o * torch.sigmoid(gate.reshape(t, -1)))
 
 

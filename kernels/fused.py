@@ -1,0 +1,73 @@
+"""The small per-layer ops (RMSNorm with the residual add, per-head norm + rotary, silu-and-mul, the KV
+cache write) behind one interface: `backend` is "reference" (kernels.reference, any device) or "triton"
+(kernels.fused_triton, one launch per op). The caller (engine/device.py) picks the backend."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import reference as ref
+from kernels.attention import write_kv as write_kv_ref
+
+FUSED_BACKENDS = ("reference", "triton")
+
+
+def _check(backend: str) -> None:
+    if backend not in FUSED_BACKENDS:
+        raise ValueError(f"unknown fused-op backend {backend!r}; available: {', '.join(FUSED_BACKENDS)}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
+             residual: torch.Tensor | None, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h) of kernels.reference.rms_norm: h = x (+ residual), y = normed h."""
+    _check(backend)
+    if weight.shape != (x.size(-1),) or (residual is not None and residual.shape != x.shape):
+        raise ValueError(f"rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, residual "
+                         f"{None if residual is None else tuple(residual.shape)}")
+    if backend == "triton":
+        from kernels.fused_triton import rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, zero_centered, residual)
+    return ref.rms_norm(x, weight, eps, zero_centered, residual)
+
+
+def norm_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int,
+              weight: torch.Tensor | None, eps: float, zero_centered: bool, backend: str) -> torch.Tensor:
+    """rope_neox(rms_norm(x) if weight is given else x) per head: x [T, H, D] -> [T, H, D]."""
+    _check(backend)
+    d = x.size(-1)
+    if x.dim() != 3 or rotary_dim % 2 or not 0 < rotary_dim <= d or cos_sin.size(-1) != rotary_dim:
+        raise ValueError(f"norm_rope: x {tuple(x.shape)}, rotary_dim {rotary_dim}, cos_sin {tuple(cos_sin.shape)}")
+    if weight is not None and weight.shape != (d,):
+        raise ValueError(f"norm_rope: weight {tuple(weight.shape)} for head_dim {d}")
+    if backend == "triton":
+        from kernels.fused_triton import norm_rope_triton
+
+        return norm_rope_triton(x, positions, cos_sin, rotary_dim, weight, eps, zero_centered)
+    if weight is not None:
+        x = ref.rms_norm(x, weight, eps, zero_centered)[0]
+    return ref.rope_neox(x, cos_sin, positions, rotary_dim)
+
+
+def silu_and_mul(x: torch.Tensor, backend: str) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:]."""
+    _check(backend)
+    if x.size(-1) % 2:
+        raise ValueError(f"silu_and_mul: odd last dim {x.size(-1)}")
+    if backend == "triton":
+        from kernels.fused_triton import silu_and_mul_triton
+
+        return silu_and_mul_triton(x)
+    return ref.silu_and_mul(x)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor, backend: str) -> None:
+    """kernels.attention.write_kv: k_cache.flat[slot_mapping[t]] = k[t]; v likewise."""
+    _check(backend)
+    if backend == "triton":
+        from kernels.fused_triton import write_kv_triton
+
+        write_kv_triton(k_cache, v_cache, k, v, slot_mapping)
+    else:
+        write_kv_ref(k_cache, v_cache, k, v, slot_mapping)

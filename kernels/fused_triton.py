@@ -1,0 +1,166 @@
+"""Triton kernels for the small per-layer ops, one launch each where torch takes five to fifteen (a decode
+step is mostly launches at batch 1). Semantics and rounding points are those of kernels.reference;
+tests/kernels/test_fused.py checks each against it."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.triton_env import tl, triton
+
+__all__ = ["norm_rope_triton", "rms_norm_triton", "silu_and_mul_triton", "write_kv_triton"]
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, D, stride_x, stride_r, eps,
+                         HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_D: tl.constexpr):
+        """h = x[row] (+ r[row], rounded to x's dtype); y[row] = h * rsqrt(mean(h^2) + eps) * w."""
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_D)
+        mask = offs < D
+        h = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        if HAS_RES:
+            r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
+            h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+            tl.store(h_ptr + row * D + offs, h, mask=mask)
+        hf = h.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / D + eps)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if ZERO_CENTERED:
+            w += 1.0
+        tl.store(y_ptr + row * D + offs, (hf * inv * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _norm_rope_kernel(src_ptr, pos_ptr, cs_ptr, w_ptr, out_ptr, H, D, RD, stride_t, stride_h, eps,
+                          HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_PASS: tl.constexpr,
+                          BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
+        """out[t, h] = rope(rms_norm(src[t, h]) if HAS_NORM else src[t, h]) at positions[t], on dims < RD.
+
+        Grid (T, H). The head is read as three pieces: x1 = dims [0, RD/2), x2 = [RD/2, RD), pass = [RD, D).
+        """
+        t, h = tl.program_id(0), tl.program_id(1)
+        half = RD // 2
+        offs = tl.arange(0, BLOCK_H)
+        m = offs < half
+        src = src_ptr + t * stride_t + h * stride_h
+        dt = out_ptr.dtype.element_ty
+        x1 = tl.load(src + offs, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(src + half + offs, mask=m, other=0.0).to(tl.float32)
+        offs_p = tl.arange(0, BLOCK_P)
+        mp = offs_p < D - RD
+        if HAS_PASS:
+            xp = tl.load(src + RD + offs_p, mask=mp, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            ss = tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)
+            if HAS_PASS:
+                ss += tl.sum(xp * xp, axis=0)
+            inv = 1.0 / tl.sqrt(ss / D + eps)
+            w1 = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
+            w2 = tl.load(w_ptr + half + offs, mask=m, other=0.0).to(tl.float32)
+            if ZERO_CENTERED:
+                w1 += 1.0
+                w2 += 1.0
+            # The norm's output is rounded to the model dtype before the rotation, as in two separate ops.
+            x1 = (x1 * inv * w1).to(dt).to(tl.float32)
+            x2 = (x2 * inv * w2).to(dt).to(tl.float32)
+            if HAS_PASS:
+                wp = tl.load(w_ptr + RD + offs_p, mask=mp, other=0.0).to(tl.float32)
+                if ZERO_CENTERED:
+                    wp += 1.0
+                xp = xp * inv * wp
+        pos = tl.load(pos_ptr + t)
+        c = tl.load(cs_ptr + pos * RD + offs, mask=m, other=0.0)
+        s = tl.load(cs_ptr + pos * RD + half + offs, mask=m, other=0.0)
+        dst = out_ptr + (t * H + h) * D
+        tl.store(dst + offs, (x1 * c - x2 * s).to(dt), mask=m)
+        tl.store(dst + half + offs, (x2 * c + x1 * s).to(dt), mask=m)
+        if HAS_PASS:
+            tl.store(dst + RD + offs_p, xp.to(dt), mask=mp)
+
+    @triton.jit
+    def _silu_and_mul_kernel(x_ptr, y_ptr, D, stride_x, BLOCK: tl.constexpr):
+        """y[t, d] = silu(x[t, d]) * x[t, D + d], the silu rounded to x's dtype first (as torch does)."""
+        t = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < D
+        g = tl.load(x_ptr + t * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + t * stride_x + D + offs, mask=m, other=0.0)
+        silu = (g / (1.0 + tl.exp(-g))).to(u.dtype).to(tl.float32)
+        tl.store(y_ptr + t * D + offs, (silu * u.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, W, stride_k, stride_v, BLOCK: tl.constexpr):
+        """k_cache.flat[slot[t]] = k[t]; v likewise (W = kv_heads * head_dim elements per token)."""
+        t = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        m = offs < W
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        k = tl.load(k_ptr + t * stride_k + offs, mask=m)
+        v = tl.load(v_ptr + t * stride_v + offs, mask=m)
+        tl.store(kc_ptr + slot * W + offs, k.to(kc_ptr.dtype.element_ty), mask=m)
+        tl.store(vc_ptr + slot * W + offs, v.to(vc_ptr.dtype.element_ty), mask=m)
+
+
+def _rows(x: torch.Tensor, what: str) -> torch.Tensor:
+    """x as [rows, D] with unit stride along D (a view where possible)."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    x2 = x.reshape(-1, x.size(-1))
+    if x2.stride(-1) != 1:
+        raise ValueError(f"{what}: the last dim must be contiguous")
+    return x2
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
+                    residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    d = x.size(-1)
+    x2 = _rows(x, "rms_norm")
+    r2 = _rows(residual, "rms_norm residual") if residual is not None else x2
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    h = torch.empty_like(y) if residual is not None else x
+    if x2.size(0):
+        block = triton.next_power_of_2(d)
+        _rms_norm_kernel[(x2.size(0),)](x2, r2, weight, y, h, d, x2.stride(0), r2.stride(0), eps,
+                                        HAS_RES=residual is not None, ZERO_CENTERED=zero_centered, BLOCK_D=block,
+                                        num_warps=min(8, max(1, block // 512)))
+    return y.view(x.shape), h.view(x.shape)
+
+
+def norm_rope_triton(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int,
+                     weight: torch.Tensor | None, eps: float, zero_centered: bool) -> torch.Tensor:
+    """x [T, H, D] with unit stride along D (any stride over T and H) -> contiguous [T, H, D]."""
+    t, h, d = x.shape
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    if t and h:
+        half = rotary_dim // 2
+        _norm_rope_kernel[(t, h)](x, positions, cos_sin, weight if weight is not None else x, out, h, d, rotary_dim,
+                                  x.stride(0), x.stride(1), eps, HAS_NORM=weight is not None,
+                                  ZERO_CENTERED=zero_centered, HAS_PASS=rotary_dim < d,
+                                  BLOCK_H=triton.next_power_of_2(half),
+                                  BLOCK_P=triton.next_power_of_2(max(1, d - rotary_dim)), num_warps=1)
+    return out
+
+
+def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
+    d = x.size(-1) // 2
+    x2 = _rows(x, "silu_and_mul")
+    y = torch.empty((x2.size(0), d), dtype=x.dtype, device=x.device)
+    if x2.size(0):
+        block = min(1024, triton.next_power_of_2(d))
+        _silu_and_mul_kernel[(x2.size(0), triton.cdiv(d, block))](x2, y, d, x2.stride(0), BLOCK=block, num_warps=4)
+    return y.view(*x.shape[:-1], d)
+
+
+def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    t = k.size(0)
+    w = k_cache.size(-2) * k_cache.size(-1)
+    k2, v2 = k.reshape(t, -1), v.reshape(t, -1)  # views: heads and dims are contiguous within a token
+    if k2.size(1) != w or v2.size(1) != w or k2.stride(1) != 1 or v2.stride(1) != 1:
+        raise ValueError(f"write_kv: k {tuple(k.shape)} / v {tuple(v.shape)} do not match the cache's {w} per token")
+    if t:
+        _write_kv_kernel[(t,)](k2, v2, k_cache, v_cache, slot_mapping, w, k2.stride(0), v2.stride(0),
+                               BLOCK=triton.next_power_of_2(w), num_warps=4)

@@ -1,0 +1,156 @@
+"""The small per-layer ops (kernels.fused): the torch references against independent formulas (torch's own
+rms_norm, transformers' rotary), and the Triton backend against the references.
+
+Compiled Triton needs an accelerator; on a CPU-only machine the kernel cases run in a child pytest with
+TRITON_INTERPRET=1 (test_kernels_under_interpreter). Tolerances: float32 differs from the reference only
+in the order of sums (checked at 1e-5); bf16 outputs may sit one rounding apart (two bf16 ulps, 1.6e-2).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels import fused
+from kernels import reference as ref
+from kernels.attention import write_kv as write_kv_ref
+from tests.kernels.triton_env import DEV, HAS_TRITON, INTERPRETING, assert_close_rel, needs_kernels
+
+REPO = Path(__file__).resolve().parents[2]
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1.6e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _rand(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+# -- the references against independent formulas (CPU) --------------------------------------------------
+
+
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_rms_norm_reference_matches_torch(zero_centered: bool) -> None:
+    x, r, w = _rand(5, 96), _rand(5, 96, seed=1), _rand(96, seed=2)
+    y, h = ref.rms_norm(x, w, 1e-6, zero_centered, r)
+    want_w = w + 1 if zero_centered else w
+    torch.testing.assert_close(h, x + r)
+    torch.testing.assert_close(y, torch.nn.functional.rms_norm(x + r, (96,), want_w, eps=1e-6))
+
+
+@pytest.mark.parametrize("rotary_dim", [64, 16])
+def test_rope_reference_matches_transformers(rotary_dim: int) -> None:
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    t, h, d, theta = 6, 3, 64, 10000.0
+    q, k = _rand(t, h, d), _rand(t, 2, d, seed=1)
+    pos = torch.tensor([0, 5, 1, 300, 7, 2])
+    inv = 1.0 / theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    freqs = torch.outer(torch.arange(512).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)
+    emb = torch.cat([freqs[pos], freqs[pos]], -1)  # transformers' [T, rd] cos/sin layout (halves repeated)
+    rot = [x[..., :rotary_dim].transpose(0, 1)[None] for x in (q, k)]  # [1, H, T, rd]
+    q_hf, k_hf = apply_rotary_pos_emb(rot[0], rot[1], emb.cos()[None], emb.sin()[None])
+    for got, x, want in ((ref.rope_neox(q, cos_sin, pos, rotary_dim), q, q_hf),
+                         (ref.rope_neox(k, cos_sin, pos, rotary_dim), k, k_hf)):
+        torch.testing.assert_close(got[..., :rotary_dim], want[0].transpose(0, 1))
+        torch.testing.assert_close(got[..., rotary_dim:], x[..., rotary_dim:])
+
+
+def test_silu_and_mul_reference_is_the_formula() -> None:
+    x = _rand(4, 10)
+    torch.testing.assert_close(ref.silu_and_mul(x), x[:, :5] * torch.sigmoid(x[:, :5]) * x[:, 5:])
+
+
+def test_unknown_backend_and_bad_shapes_raise() -> None:
+    x = _rand(2, 8)
+    with pytest.raises(ValueError, match="unknown fused-op backend"):
+        fused.silu_and_mul(x, "cuda")
+    with pytest.raises(ValueError, match="rms_norm"):
+        fused.rms_norm(x, _rand(7), 1e-6, False, None, "reference")
+    with pytest.raises(ValueError, match="norm_rope"):
+        fused.norm_rope(_rand(2, 1, 8), torch.zeros(2, dtype=torch.long), _rand(16, 6), 4, None, 0.0, False,
+                        "reference")
+
+
+# -- Triton against the references -----------------------------------------------------------------------
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [96, 1024])
+@pytest.mark.parametrize("zero_centered", [False, True])
+def test_rms_norm_triton(dtype: torch.dtype, d: int, zero_centered: bool) -> None:
+    assert DEV is not None
+    x = _rand(7, 2 * d, dtype=dtype)[:, :d]  # strided rows, as a split of a wider output
+    r, w = _rand(7, d, dtype=dtype, seed=1), _rand(d, dtype=dtype, seed=2)
+    for res in (None, r):
+        want_y, want_h = ref.rms_norm(x, w, 1e-6, zero_centered, res)
+        y, h = fused.rms_norm(x.to(DEV), w.to(DEV), 1e-6, zero_centered, None if res is None else res.to(DEV),
+                              "triton")
+        assert_close_rel(y, want_y, TOL[dtype], "y")
+        if INTERPRETING and dtype == torch.bfloat16:  # the interpreter truncates fp32 -> bf16 instead of rounding
+            assert_close_rel(h, want_h, TOL[dtype], "h")
+        else:
+            assert torch.equal(h.cpu(), want_h), "the residual sum is one rounding, as torch's"
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("d", "rotary_dim"), [(128, 128), (256, 64), (64, 32)])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_norm_rope_triton(dtype: torch.dtype, d: int, rotary_dim: int, with_norm: bool) -> None:
+    assert DEV is not None
+    t, h = 5, 3
+    # Heads strided as in a gated query ([query, gate] per head) and rows as in a fused qkv output.
+    x = _rand(t, h, 2 * d + 8, dtype=dtype)[:, :, :d]
+    w = _rand(d, dtype=dtype, seed=3) if with_norm else None
+    pos = torch.tensor([0, 9, 3, 511, 40])
+    inv = 1.0 / 1e6 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    cos_sin = torch.cat([torch.outer(torch.arange(512).float(), inv).cos(),
+                         torch.outer(torch.arange(512).float(), inv).sin()], -1)
+    for zero_centered in (False, True):
+        want = fused.norm_rope(x, pos, cos_sin, rotary_dim, w, 1e-6, zero_centered, "reference")
+        got = fused.norm_rope(x.to(DEV), pos.to(DEV), cos_sin.to(DEV), rotary_dim, None if w is None else w.to(DEV),
+                              1e-6, zero_centered, "triton")
+        assert got.is_contiguous() and got.shape == want.shape
+        assert_close_rel(got, want, TOL[dtype], f"zero_centered={zero_centered}")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_triton(dtype: torch.dtype) -> None:
+    assert DEV is not None
+    x = _rand(6, 2 * 1500, dtype=dtype) * 4  # d = 1500: two column blocks, the second partial
+    assert_close_rel(fused.silu_and_mul(x.to(DEV), "triton"), ref.silu_and_mul(x), TOL[dtype])
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_write_kv_triton(dtype: torch.dtype) -> None:
+    assert DEV is not None
+    blocks, bs, hk, d, t = 6, 4, 2, 64, 5
+    kv = _rand(t, 3 * hk * d, dtype=dtype)  # k and v as strided slices of one qkv row
+    k, v = kv[:, hk * d:2 * hk * d].view(t, hk, d), kv[:, 2 * hk * d:].view(t, hk, d)
+    slots = torch.tensor([17, 2, 23, 0, 9])
+    want_k, want_v = _rand(blocks, bs, hk, d, dtype=dtype, seed=4), _rand(blocks, bs, hk, d, dtype=dtype, seed=5)
+    got_k, got_v = want_k.to(DEV), want_v.to(DEV)
+    write_kv_ref(want_k, want_v, k, v, slots)
+    fused.write_kv(got_k, got_v, k.to(DEV), v.to(DEV), slots.to(DEV), "triton")
+    assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
+
+
+@pytest.mark.skipif(not HAS_TRITON or INTERPRETING or DEV is not None, reason="CPU-only machines with triton")
+def test_kernels_under_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "triton"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    # Every selected case ran its kernel: none may skip.
+    assert " passed" in proc.stdout and " failed" not in proc.stdout and " skipped" not in proc.stdout, \
+        proc.stdout[-3000:]
