@@ -18,7 +18,7 @@ weights come from HBM, not from the last call's L2 (an H200 has 50 MB of L2; a 4
 is 12.6 MB). `dequant_gemm` is the engine's large-M path on GPUs: one fused Triton dequantization into a
 transient bf16 weight, then the bf16 GEMM.
 
-    python benchmarks/bench_int4.py --sweep          # time launch configs of the Triton kernels (--sweep-kinds)
+    python benchmarks/bench_int4.py --sweep          # time launch configs of the Triton kernel (--sweep-ms)
 """
 
 from __future__ import annotations
@@ -113,17 +113,13 @@ def run_case(dev: torch.device, m_rows: int, layout: Int4Layout, dense: list[tor
     return rec
 
 
-SWEEP = {"dot": [TritonInt4Config(0, bn, 128, split, warps, stages) for bn in (32, 64, 128)
-                 for split in (1, 2, 4, 8) for warps, stages in ((4, 3), (4, 5), (8, 4))],
-         "fma": [TritonInt4Config(0, bn, bk, split, warps, 3, "fma") for bn, warps in ((64, 2), (128, 4), (256, 4),
-                                                                                     (256, 8))
-                 for bk in (64, 128) for split in (4, 8, 16)]}
+SWEEP = [TritonInt4Config(0, bn, bk, split, 4, 3, unpack) for unpack in (True, False)
+         for bn, bk in ((64, 128), (128, 64)) for split in (1, 2, 4, 8)]
 
 
-def sweep(dev: torch.device, shapes: list[tuple[int, int]], ms: list[int], budget_s: float, rotate_mb: float,
-          kinds: list[str]) -> None:
-    """Graph-replayed time of each launch config of the Triton kernels (`kinds`); one line per (M, K, N) with
-    the best five, the heuristic's choice (kernels.int4.triton_config) and torch's native op for comparison."""
+def sweep(dev: torch.device, shapes: list[tuple[int, int]], ms: list[int], budget_s: float, rotate_mb: float) -> None:
+    """Graph-replayed time of each launch config of the Triton kernel; one line per (M, K, N) with the best five,
+    the heuristic's choice (kernels.int4.triton_config) and torch's native op for comparison."""
     for k, n in shapes:
         layout = Int4Layout(group_size=GROUP, zero_offset=1, in_features=k, out_features=n)
         nbytes = k * n // 2
@@ -135,9 +131,8 @@ def sweep(dev: torch.device, shapes: list[tuple[int, int]], ms: list[int], budge
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
             times: list[tuple[float, TritonInt4Config]] = []
-            for c in [triton_config(m, k, n, GROUP), *(c for kind in kinds for c in SWEEP[kind])]:
-                block_m = {"fma": 1 << (m - 1).bit_length(), "dot": max(16, 1 << (m - 1).bit_length())}[c.kind]
-                c = replace(c, block_m=c.block_m or block_m)
+            for c in [triton_config(m, k, n, GROUP), *SWEEP]:
+                c = replace(c, block_m=c.block_m or triton_config(m, k, n, GROUP).block_m)
                 if k % (c.block_k * c.split_k):
                     continue
 
@@ -170,9 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-graph", action="store_true", help="skip the graph-replay timings")
     p.add_argument("--rotate-mb", type=float, default=256.0,
                    help="cycle through copies of the weights totalling at least this much (0: one copy)")
-    p.add_argument("--sweep", action="store_true", help="time launch configs of the Triton kernels")
-    p.add_argument("--sweep-kinds", nargs="*", default=["fma"], choices=list(SWEEP), help="kernels to sweep")
-    p.add_argument("--sweep-ms", type=int, nargs="*", default=[1, 4, 8, 16], help="rows to sweep")
+    p.add_argument("--sweep", action="store_true", help="time launch configs of the Triton kernel")
+    p.add_argument("--sweep-ms", type=int, nargs="*", default=[16, 32, 64], help="rows to sweep")
     args = p.parse_args(argv)
     if args.quick:
         args.rotate_mb = 0.0
@@ -182,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16
     native = f"native_{dev.type}"
     if args.sweep:
-        sweep(dev, cfg["shapes"], args.sweep_ms if not args.quick else [1], budget_s, args.rotate_mb, args.sweep_kinds)
+        sweep(dev, cfg["shapes"], args.sweep_ms if not args.quick else [1], budget_s, args.rotate_mb)
         return 0
     methods = ["triton", "dequant_gemm"] if triton_env.usable() else []
     if native in INT4_BACKENDS:

@@ -3,20 +3,17 @@
 
     y = triton_mm(x, w, bias)   # w: a PreparedInt4 of backend "triton"; y = x @ W + bias
 
-Two kernels, chosen per (M, K, N) by `triton_config`:
-  fma  decode (a few rows): CUDA-core FMAs, no tensor cores. Nibbles become floats with two integer ops
-       and one subtraction ((u | 0x4B000000) read as fp32 is 2^23 + u), so the weight read stays the cost.
-  dot  more rows: tensor-core tiles (tl.dot) of the unpacked weights.
-Both split K across programs for small M (a decode GEMM has too few N tiles to fill the GPU). Split-K
-partials are summed inside the kernel by the last program of each tile to finish, in split order, so the
-result is the same bits on every run and no second launch is needed.
+Tensor-core tiles (tl.dot) of the unpacked weights, launch shape per (M, K, N) from `triton_config`. K is
+split across programs for small M (a decode GEMM has too few N tiles to fill the GPU). Split-K partials
+are summed inside the kernel by the last program of each tile to finish, in split order, so the result
+is the same bits on every run and no second launch is needed.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -65,11 +62,14 @@ if triton is not None:
         stride_xm, stride_qk, stride_sg, stride_zg,
         GROUP_SIZE: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
         FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        UNPACK_ROWS: tl.constexpr,
     ):  # fmt: skip
         """y[m, n] = sum_k x[m, k] * s[k//G, n] * (u(k, n) - zq(k//G, n))  on tensor cores.
 
-        Grid (M tiles, N tiles, splits of K). Each packed word is loaded once and unpacked to its 8 k rows
-        in registers; one group per K tile, so the scale multiplies the tile's product of small integers.
+        Grid (M tiles, N tiles, splits of K). UNPACK_ROWS: each packed word is loaded once and unpacked to
+        its 8 k rows in registers (a reshape); else every element loads its own word (8 loads of a word,
+        served by L1) and shifts it, which keeps the tile elementwise from load to dot operand. One group
+        per K tile, so the scale multiplies the tile's product of small integers.
         """
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -78,15 +78,23 @@ if triton is not None:
         mask_n = offs_n < N
         k_start = pid_k * K_PER_SPLIT
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + tl.arange(0, BLOCK_K))[None, :]
-        qw_ptrs = qw_ptr + (k_start // 8 + tl.arange(0, BLOCK_K // 8))[:, None] * stride_qk + offs_n[None, :]
-        shifts = (tl.arange(0, 8) * 4)[None, :, None]  # nibble j of a word holds k = 8 * row + j
+        if UNPACK_ROWS:
+            qw_ptrs = qw_ptr + (k_start // 8 + tl.arange(0, BLOCK_K // 8))[:, None] * stride_qk + offs_n[None, :]
+            shifts = (tl.arange(0, 8) * 4)[None, :, None]  # nibble j of a word holds k = 8 * row + j
+        else:
+            offs_k = tl.arange(0, BLOCK_K)
+            qw_ptrs = qw_ptr + ((k_start + offs_k) // 8)[:, None] * stride_qk + offs_n[None, :]
+            shifts = ((offs_k % 8) * 4)[:, None]
         z_shift = (offs_n % 8) * 4
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
             g = k0 // GROUP_SIZE
             words = tl.load(qw_ptrs, mask=mask_n[None, :], other=0)
-            u = tl.reshape((words[:, None, :] >> shifts) & 0xF, (BLOCK_K, BLOCK_N))  # & drops sign bits
+            if UNPACK_ROWS:
+                u = tl.reshape((words[:, None, :] >> shifts) & 0xF, (BLOCK_K, BLOCK_N))  # & drops sign bits
+            else:
+                u = (words >> shifts) & 0xF
             zw = tl.load(qz_ptr + g * stride_zg + offs_n // 8, mask=mask_n, other=0)
             zq = ((zw >> z_shift) & 0xF) + ZERO_OFFSET
             s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -102,52 +110,6 @@ if triton is not None:
         _store_or_reduce(acc, out_ptr, ws_ptr, cnt_ptr, b_ptr, offs_m, offs_n, M, N,
                          pid_m * tl.num_programs(1) + pid_n, pid_k, HAS_BIAS, SPLIT_K)
 
-    @triton.jit
-    def _w4a16_fma_kernel(
-        x_ptr, qw_ptr, s_ptr, qz_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
-        M, N, K_PER_SPLIT,
-        stride_xm, stride_qk, stride_sg, stride_zg,
-        GROUP_SIZE: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        """y[m, n] = sum_k x[m, k] * s[k//G, n] * (u(k, n) - zq(k//G, n))  with CUDA-core FMAs.
-
-        Grid (M tiles, N tiles, splits of K). A K tile's words are [R = BLOCK_K/8 rows, BLOCK_N]; nibble j of
-        row r is k = 8r + j, so x[m, 8r + j] multiplies a whole row of nibbles. Sums stay per word row until
-        the end (one cross-thread reduction per program).
-        """
-        pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        R: tl.constexpr = BLOCK_K // 8
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_r = tl.arange(0, R)
-        mask_n = offs_n < N
-        k_start = pid_k * K_PER_SPLIT
-        qw_ptrs = qw_ptr + (k_start // 8 + offs_r)[:, None] * stride_qk + offs_n[None, :]
-        x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_r * 8)[None, :]  # [BLOCK_M, R], j = 0
-        x_mask = (offs_m < M)[:, None]
-        z_shift = (offs_n % 8) * 4
-
-        acc = tl.zeros((BLOCK_M, R, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
-            g = k0 // GROUP_SIZE
-            words = tl.load(qw_ptrs, mask=mask_n[None, :], other=0)
-            zw = tl.load(qz_ptr + g * stride_zg + offs_n // 8, mask=mask_n, other=0)
-            zq = (((zw >> z_shift) & 0xF) + ZERO_OFFSET).to(tl.float32)
-            s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            bias = (8388608.0 + zq)[None, :]
-            part = tl.zeros((BLOCK_M, R, BLOCK_N), dtype=tl.float32)
-            for j in tl.static_range(8):
-                # (u | 0x4B000000) read as fp32 is 2^23 + u exactly: integer to float without a conversion.
-                q = (((words >> (4 * j)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - bias  # u - zq
-                x = tl.load(x_ptrs + j, mask=x_mask, other=0.0).to(tl.float32)
-                part += x[:, :, None] * q[None, :, :]
-            acc += part * s[None, None, :]
-            x_ptrs += BLOCK_K
-            qw_ptrs += R * stride_qk
-        _store_or_reduce(tl.sum(acc, axis=1), out_ptr, ws_ptr, cnt_ptr, b_ptr, offs_m, offs_n, M, N,
-                         pid_m * tl.num_programs(1) + pid_n, pid_k, HAS_BIAS, SPLIT_K)
-
 
 @dataclass(frozen=True)
 class TritonInt4Config:
@@ -159,15 +121,13 @@ class TritonInt4Config:
     split_k: int
     num_warps: int
     num_stages: int
-    kind: Literal["dot", "fma"] = "dot"
-    """fma: CUDA-core kernel for a few rows; dot: tensor-core tiles."""
+    unpack_rows: bool = True
+    """Load each packed word once and unpack it to its 8 rows (else each element loads its word)."""
 
 
 SPLIT_K_TARGET_CTAS = 512
 """Decode (small M) splits K until about this many programs run: one program per N tile leaves most of
 a large GPU idle when N / BLOCK_N is near the SM count, and the weight read is the whole cost."""
-FMA_MAX_M = 8
-"""Rows up to which the CUDA-core kernel runs (above, its FMAs cost more than the tensor-core tiles)."""
 
 
 def _split(tiles: int, k: int, block_k: int) -> int:
@@ -183,13 +143,9 @@ def triton_config(m: int, k: int, n: int, group_size: int) -> TritonInt4Config:
     """Launch shapes measured on an H200 at Qwen3-8B shapes (benchmarks/bench_int4.py --sweep;
     docs/PERFORMANCE.md). dot: BLOCK_N 64, 4 warps, 3 stages, K split until about 512 programs run."""
     block_k = max(b for b in (16, 32, 64, 128) if group_size % b == 0)
-    if m <= FMA_MAX_M:
-        block_m = 1 << (m - 1).bit_length()
-        bk = min(block_k, 64)
-        return TritonInt4Config(block_m, 128, bk, _split(triton.cdiv(n, 128), k, bk), 4, 3, "fma")
     if m <= 64:
         block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        return TritonInt4Config(block_m, 64, block_k, _split(triton.cdiv(n, 64), k, block_k), 4, 3, "dot")
+        return TritonInt4Config(block_m, 64, block_k, _split(triton.cdiv(n, 64), k, block_k), 4, 3)
     return TritonInt4Config(64, 128, min(block_k, 64), 1, num_warps=4, num_stages=3)
 
 
@@ -224,11 +180,8 @@ def triton_mm(x2: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None,
     common = dict(GROUP_SIZE=g, ZERO_OFFSET=w.layout.zero_offset, HAS_BIAS=bias is not None, SPLIT_K=c.split_k,
                   BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps,
                   num_stages=c.num_stages)
-    if c.kind == "fma":
-        _w4a16_fma_kernel[grid](*args, **common)
-    else:
-        fp32_dot = x2.dtype == torch.float32 or (x2.dtype == torch.bfloat16 and interpreting())
-        _w4a16_dot_kernel[grid](*args, FP32_DOT=fp32_dot, **common)
+    fp32_dot = x2.dtype == torch.float32 or (x2.dtype == torch.bfloat16 and interpreting())
+    _w4a16_dot_kernel[grid](*args, FP32_DOT=fp32_dot, UNPACK_ROWS=c.unpack_rows, **common)
     return out
 
 
