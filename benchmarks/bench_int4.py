@@ -113,8 +113,8 @@ def run_case(dev: torch.device, m_rows: int, layout: Int4Layout, dense: list[tor
     return rec
 
 
-SWEEP = [TritonInt4Config(0, bn, bk, split, 4, 3, unpack) for unpack in (True, False)
-         for bn, bk in ((64, 128), (128, 64)) for split in (1, 2, 4, 8)]
+SWEEP = [TritonInt4Config(0, bn, bk, split, warps, stages) for bn, bk in ((64, 128), (128, 64))
+         for split in (1, 2, 4, 8) for warps, stages in ((4, 3), (4, 5), (8, 4))]
 
 
 def sweep(dev: torch.device, shapes: list[tuple[int, int]], ms: list[int], budget_s: float, rotate_mb: float) -> None:

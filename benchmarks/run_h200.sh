@@ -37,15 +37,12 @@ case "${1:-}" in
     timeout 150 python3 benchmarks/gpu_tp_check.py --skip collectives speed 2>&1 | grep -E '^\{|Error|error' \
       | tee "$OUT/tp.txt"
     ;;
-  final)  # CUDA kernel tests, int4 table, end-to-end decode with 32 adapters and the peer, 27B-shaped decode
-    PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_int4.py \
-      tests/kernels/test_gdn.py -k "(accelerator or split or decode or conv) and not interpreter" 2>&1 | tail -6 \
-      | tee "$OUT/kernel_tests.txt"
-    timeout 100 python3 benchmarks/bench_int4.py --budget-ms 10 2>&1 | grep -E '^\{|Error' | tee "$OUT/int4.txt"
-    timeout 200 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 --adapters 0 32 --peer-cases 32:32 \
-      2>&1 | grep -E '^\{|Error' | tee "$OUT/e2e.txt"
-    timeout 170 python3 benchmarks/gpu_tp_check.py --skip collectives equal --speed-shapes 27b 2>&1 \
-      | grep -E '^\{|Error|error' | tee "$OUT/tp.txt"
+  final)  # e2e decode (36 layers: batch 1 and 32 without adapters; 8 layers: batch x adapters with the peer), int4 table
+    timeout 110 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 --adapters 0 --peer-cases "" \
+      --root /tmp/e2e36 2>&1 | grep -E '^\{|Error' | tee "$OUT/e2e36.txt"
+    timeout 250 python3 benchmarks/bench_e2e.py --layers 8 --batches 1 8 32 64 --adapters 0 1 8 32 \
+      --peer-cases 32:32,8:8 --root /tmp/e2e8 2>&1 | grep -E '^\{|Error' | tee "$OUT/e2e8.txt"
+    timeout 110 python3 benchmarks/bench_int4.py --budget-ms 10 2>&1 | grep -E '^\{|Error' | tee "$OUT/int4.txt"
     ;;
   tp_bench)  # one 2-GPU call for both, inside the 10-minute limit
     python3 -c "import torch; print([torch.cuda.mem_get_info(i) for i in range(torch.cuda.device_count())])"

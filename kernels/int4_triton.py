@@ -62,14 +62,11 @@ if triton is not None:
         stride_xm, stride_qk, stride_sg, stride_zg,
         GROUP_SIZE: tl.constexpr, ZERO_OFFSET: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
         FP32_DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        UNPACK_ROWS: tl.constexpr,
     ):  # fmt: skip
         """y[m, n] = sum_k x[m, k] * s[k//G, n] * (u(k, n) - zq(k//G, n))  on tensor cores.
 
-        Grid (M tiles, N tiles, splits of K). UNPACK_ROWS: each packed word is loaded once and unpacked to
-        its 8 k rows in registers (a reshape); else every element loads its own word (8 loads of a word,
-        served by L1) and shifts it, which keeps the tile elementwise from load to dot operand. One group
-        per K tile, so the scale multiplies the tile's product of small integers.
+        Grid (M tiles, N tiles, splits of K). Each packed word is loaded once and unpacked to its 8 k rows
+        in registers; one group per K tile, so the scale multiplies the tile's product of small integers.
         """
         pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -78,23 +75,15 @@ if triton is not None:
         mask_n = offs_n < N
         k_start = pid_k * K_PER_SPLIT
         x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + tl.arange(0, BLOCK_K))[None, :]
-        if UNPACK_ROWS:
-            qw_ptrs = qw_ptr + (k_start // 8 + tl.arange(0, BLOCK_K // 8))[:, None] * stride_qk + offs_n[None, :]
-            shifts = (tl.arange(0, 8) * 4)[None, :, None]  # nibble j of a word holds k = 8 * row + j
-        else:
-            offs_k = tl.arange(0, BLOCK_K)
-            qw_ptrs = qw_ptr + ((k_start + offs_k) // 8)[:, None] * stride_qk + offs_n[None, :]
-            shifts = ((offs_k % 8) * 4)[:, None]
+        qw_ptrs = qw_ptr + (k_start // 8 + tl.arange(0, BLOCK_K // 8))[:, None] * stride_qk + offs_n[None, :]
+        shifts = (tl.arange(0, 8) * 4)[None, :, None]  # nibble j of a word holds k = 8 * row + j
         z_shift = (offs_n % 8) * 4
 
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_start + K_PER_SPLIT, BLOCK_K):
             g = k0 // GROUP_SIZE
             words = tl.load(qw_ptrs, mask=mask_n[None, :], other=0)
-            if UNPACK_ROWS:
-                u = tl.reshape((words[:, None, :] >> shifts) & 0xF, (BLOCK_K, BLOCK_N))  # & drops sign bits
-            else:
-                u = (words >> shifts) & 0xF
+            u = tl.reshape((words[:, None, :] >> shifts) & 0xF, (BLOCK_K, BLOCK_N))  # & drops sign bits
             zw = tl.load(qz_ptr + g * stride_zg + offs_n // 8, mask=mask_n, other=0)
             zq = ((zw >> z_shift) & 0xF) + ZERO_OFFSET
             s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
@@ -121,8 +110,6 @@ class TritonInt4Config:
     split_k: int
     num_warps: int
     num_stages: int
-    unpack_rows: bool = True
-    """Load each packed word once and unpack it to its 8 rows (else each element loads its word)."""
 
 
 SPLIT_K_TARGET_CTAS = 512
@@ -130,9 +117,9 @@ SPLIT_K_TARGET_CTAS = 512
 a large GPU idle when N / BLOCK_N is near the SM count, and the weight read is the whole cost."""
 
 
-def _split(tiles: int, k: int, block_k: int) -> int:
+def _split(tiles: int, k: int, block_k: int, target: int) -> int:
     split = 1
-    while (tiles * split * 2 <= SPLIT_K_TARGET_CTAS and k % (block_k * split * 2) == 0
+    while (tiles * split * 2 <= target and k % (block_k * split * 2) == 0
            and k // (split * 2) >= 4 * block_k):
         split *= 2
     return split
@@ -140,13 +127,16 @@ def _split(tiles: int, k: int, block_k: int) -> int:
 
 @functools.lru_cache(maxsize=4096)  # called per layer per step
 def triton_config(m: int, k: int, n: int, group_size: int) -> TritonInt4Config:
-    """Launch shapes measured on an H200 at Qwen3-8B shapes (benchmarks/bench_int4.py --sweep;
-    docs/PERFORMANCE.md). dot: BLOCK_N 64, 4 warps, 3 stages, K split until about 512 programs run."""
+    """Launch shapes measured on an H200 at Qwen3-8B shapes for M in {16, 32, 64} (benchmarks/bench_int4.py
+    --sweep; docs/PERFORMANCE.md): 4 warps, 3 stages, BLOCK_N 64 with K split until about 512 programs run
+    at M <= 16 and 384 above; very wide layers (N >= 16384) up to 32 rows take BLOCK_N 128 and BLOCK_K 64."""
     block_k = max(b for b in (16, 32, 64, 128) if group_size % b == 0)
-    if m <= 64:
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-        return TritonInt4Config(block_m, 64, block_k, _split(triton.cdiv(n, 64), k, block_k), 4, 3)
-    return TritonInt4Config(64, 128, min(block_k, 64), 1, num_warps=4, num_stages=3)
+    if m > 64:
+        return TritonInt4Config(64, 128, min(block_k, 64), 1, num_warps=4, num_stages=3)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n, bk = (128, min(block_k, 64)) if n >= 16384 and m <= 32 else (64, block_k)
+    target = SPLIT_K_TARGET_CTAS if m <= 16 else SPLIT_K_TARGET_CTAS * 3 // 4
+    return TritonInt4Config(block_m, block_n, bk, _split(triton.cdiv(n, block_n), k, bk, target), 4, 3)
 
 
 @functools.cache
@@ -181,7 +171,7 @@ def triton_mm(x2: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None,
                   BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, num_warps=c.num_warps,
                   num_stages=c.num_stages)
     fp32_dot = x2.dtype == torch.float32 or (x2.dtype == torch.bfloat16 and interpreting())
-    _w4a16_dot_kernel[grid](*args, FP32_DOT=fp32_dot, UNPACK_ROWS=c.unpack_rows, **common)
+    _w4a16_dot_kernel[grid](*args, FP32_DOT=fp32_dot, **common)
     return out
 
 
