@@ -48,7 +48,5 @@ class RotaryEmbedding(nn.Module):
         return self._apply(positions, q, q_norm), self._apply(positions, k, k_norm)
 
     def _apply(self, positions: torch.Tensor, x: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
-        if norm is None:
-            return norm_rope(x, positions, self.cos_sin, self.rotary_dim, None, 0.0, False, self.backend)
-        return norm_rope(x, positions, self.cos_sin, self.rotary_dim, norm.weight, norm.eps, norm.zero_centered,
-                         self.backend)
+        w, eps, zero_centered = (norm.weight, norm.eps, norm.zero_centered) if norm is not None else (None, 0.0, False)
+        return norm_rope(x, positions, self.cos_sin, self.rotary_dim, w, eps, zero_centered, self.backend)

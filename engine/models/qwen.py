@@ -95,7 +95,8 @@ class QwenAttention(nn.Module):
         t = x.size(0)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k, *((self.q_norm, self.k_norm) if self.qk_norm else ()))
+        norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+        q, k = rotary(positions, q, k, *norms)
         o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v)
         return self.o_proj(o)
 
