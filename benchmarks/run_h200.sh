@@ -60,9 +60,13 @@ case "${1:-}" in
     timeout 150 python3 benchmarks/gpu_engine_check.py 2>&1 | grep -E '^\{|Error' | tee "$OUT/engine_check.txt"
     timeout 220 python3 benchmarks/bench_int4.py --sweep --budget-ms 5 2>&1 | grep -E '^\{|Error' | tee "$OUT/sweep.txt"
     ;;
+  e2e36)  # the whole e2e matrix at 36 layers with the peer (two engines serve every case; not yet run)
+    timeout 560 python3 benchmarks/bench_e2e.py --layers 36 --peer-cases 32:32,8:8 --root /tmp/e2e36m 2>&1 \
+      | grep -E '^\{|Error' | tee "$OUT/e2e36_matrix.txt"
+    ;;
   lora)  # where the adapters' time goes: 8 layers, batch 32, 0 / 1 / 32 adapters (one GPU)
     timeout 200 python3 benchmarks/profile_step.py --layers 8 --batches 32 --adapters 0 1 32 --top 12 2>&1 \
       | grep -E '^\{|Error' | tee "$OUT/profile_lora.txt"
     ;;
-  *) echo "usage: run_h200.sh tests|check|final|tp|tp2|bench|tp_bench|probe|lora"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|final|tp|tp2|bench|tp_bench|probe|lora|e2e36"; exit 2 ;;
 esac

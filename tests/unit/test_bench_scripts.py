@@ -1,0 +1,35 @@
+"""The end-to-end benchmark scripts run on the CPU with tiny shapes (--quick), so they cannot rot between
+runs on a GPU (the kernel benchmarks have theirs in tests/kernels/test_lora_triton.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, tmp_path: Path) -> list[dict]:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--quick", "--root", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def test_bench_e2e_quick(tmp_path: Path) -> None:
+    rows = [r for r in _run("bench_e2e.py", tmp_path) if r["case"] == "decode"]
+    assert {(r["batch"], r["adapters"]) for r in rows} == {(1, 0), (4, 0), (4, 2)}
+    assert all(r["ms_per_step"] > 0 and r["steps"] > 0 for r in rows)
+    peer = [r for r in rows if "speedup_vs_peer" in r]
+    assert len(peer) == 1 and peer[0]["peer_tokens_per_s"] > 0
+
+
+def test_profile_step_quick(tmp_path: Path) -> None:
+    rows = _run("profile_step.py", tmp_path)
+    steps = [r for r in rows if r["part"] == "step"]
+    assert {(r["batch"], r["adapters"]) for r in steps} == {(1, 0), (4, 0), (4, 2)}
+    assert all(r["lm_head_ms"] > 0 and r["sampler_ms"] > 0 for r in steps)
+    hosts = [r for r in rows if r["part"] == "host"]
+    assert len(hosts) == 3 and all(r["top_self_ms_per_step"] for r in hosts)
