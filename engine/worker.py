@@ -13,6 +13,7 @@ import multiprocessing as mp
 import os
 import socket
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -178,8 +179,10 @@ class MultiprocExecutor(_Executor):
             log.error("tensor-parallel worker died: %s", self.dead)
 
     def _failure(self) -> str:
-        for p in self.procs:  # a peer's socket closes a moment before its process is reaped
-            p.join(timeout=2)
+        # A peer's socket closes a moment before its process exits. Exits are read from the sentinels, not
+        # from is_alive(): the watchdog thread may be reaping the same process, and then our own waitpid
+        # finds nothing and is_alive() says True until the watchdog has stored the exit code.
+        exited = mp.connection.wait([p.sentinel for p in self.procs], timeout=2)
         msgs = []
         for conn in self.conns:
             try:
@@ -189,7 +192,7 @@ class MultiprocExecutor(_Executor):
                         msgs.append(f"rank {m.rank}:\n{m.message}")
             except (EOFError, OSError):
                 continue
-        dead = [f"{p.name} exited with code {p.exitcode}" for p in self.procs if not p.is_alive()]
+        dead = [f"{p.name} exited with code {_exit_code(p)}" for p in self.procs if p.sentinel in exited]
         return "; ".join(dead + msgs) or "a tensor-parallel collective failed"
 
     def execute(self, step: SchedulerOutput, lora_loads: list[tuple[int, LoRAAdapter]]) -> SamplerOutput:
@@ -221,6 +224,14 @@ class MultiprocExecutor(_Executor):
         for conn in self.conns:
             conn.close()
         destroy_tp()
+
+
+def _exit_code(p: mp.process.BaseProcess, wait_s: float = 1.0) -> int | None:
+    """The exit code of a process whose sentinel is ready, once whichever thread reaps it has stored it."""
+    deadline = time.monotonic() + wait_s
+    while p.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return p.exitcode
 
 
 def make_executor(config: EngineConfig, info: CheckpointInfo, kind: DeviceKind, max_model_len: int,

@@ -58,11 +58,13 @@ def test_killed_worker_fails_fast_and_leaves_no_process(setup: dict) -> None:
     engine.step()
     os.kill(procs[0].pid, signal.SIGKILL)
     t0 = time.monotonic()
-    with pytest.raises(EngineDeadError, match="exited with code"):
-        while engine.has_unfinished():
-            engine.step()
-    assert time.monotonic() - t0 < 15
-    engine.shutdown()
+    try:
+        with pytest.raises(EngineDeadError, match="exited with code"):
+            while engine.has_unfinished():
+                engine.step()
+        assert time.monotonic() - t0 < 15
+    finally:
+        engine.shutdown()  # also when the checks fail, so later tests find no process group
     assert all(not p.is_alive() for p in procs)
     with pytest.raises(EngineDeadError):
         engine.step()
