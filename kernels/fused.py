@@ -21,9 +21,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
              residual: torch.Tensor | None, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h) of kernels.reference.rms_norm: h = x (+ residual), y = normed h."""
     _check(backend)
-    if weight.shape != (x.size(-1),) or (residual is not None and residual.shape != x.shape):
-        raise ValueError(f"rms_norm: x {tuple(x.shape)}, weight {tuple(weight.shape)}, residual "
-                         f"{None if residual is None else tuple(residual.shape)}")
+    if (weight.shape != (x.size(-1),) or not weight.is_contiguous()
+            or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype))):
+        raise ValueError(f"rms_norm: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} (contiguous), "
+                         f"residual {None if residual is None else (tuple(residual.shape), residual.dtype)}")
     if backend == "triton":
         from kernels.fused_triton import rms_norm_triton
 
@@ -36,10 +37,12 @@ def norm_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, r
     """rope_neox(rms_norm(x) if weight is given else x) per head: x [T, H, D] -> [T, H, D]."""
     _check(backend)
     d = x.size(-1)
-    if x.dim() != 3 or rotary_dim % 2 or not 0 < rotary_dim <= d or cos_sin.size(-1) != rotary_dim:
-        raise ValueError(f"norm_rope: x {tuple(x.shape)}, rotary_dim {rotary_dim}, cos_sin {tuple(cos_sin.shape)}")
-    if weight is not None and weight.shape != (d,):
-        raise ValueError(f"norm_rope: weight {tuple(weight.shape)} for head_dim {d}")
+    if (x.dim() != 3 or rotary_dim % 2 or not 0 < rotary_dim <= d or cos_sin.dim() != 2
+            or cos_sin.size(-1) != rotary_dim or not cos_sin.is_contiguous() or positions.shape != (x.size(0),)):
+        raise ValueError(f"norm_rope: x {tuple(x.shape)}, positions {tuple(positions.shape)}, rotary_dim "
+                         f"{rotary_dim}, cos_sin {tuple(cos_sin.shape)} (contiguous)")
+    if weight is not None and (weight.shape != (d,) or not weight.is_contiguous()):
+        raise ValueError(f"norm_rope: weight {tuple(weight.shape)} (contiguous) for head_dim {d}")
     if backend == "triton":
         from kernels.fused_triton import norm_rope_triton
 
@@ -65,6 +68,10 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
              slot_mapping: torch.Tensor, backend: str) -> None:
     """kernels.attention.write_kv: k_cache.flat[slot_mapping[t]] = k[t]; v likewise."""
     _check(backend)
+    if (v_cache.shape != k_cache.shape or not k_cache.is_contiguous() or not v_cache.is_contiguous()
+            or slot_mapping.shape != (k.size(0),) or v.size(0) != k.size(0)):
+        raise ValueError(f"write_kv: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} (contiguous), k "
+                         f"{tuple(k.shape)}, v {tuple(v.shape)}, slot_mapping {tuple(slot_mapping.shape)}")
     if backend == "triton":
         from kernels.fused_triton import write_kv_triton
 

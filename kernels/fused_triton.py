@@ -16,7 +16,7 @@ if triton is not None:
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, D, stride_x, stride_r, eps,
                          HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_D: tl.constexpr):
         """h = x[row] (+ r[row], rounded to x's dtype); y[row] = h * rsqrt(mean(h^2) + eps) * w."""
-        row = tl.program_id(0)
+        row = tl.program_id(0).to(tl.int64)  # row * stride may pass 2^31 elements
         offs = tl.arange(0, BLOCK_D)
         mask = offs < D
         h = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
@@ -39,7 +39,7 @@ if triton is not None:
 
         Grid (T, H). The head is read as three pieces: x1 = dims [0, RD/2), x2 = [RD/2, RD), pass = [RD, D).
         """
-        t, h = tl.program_id(0), tl.program_id(1)
+        t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
         half = RD // 2
         offs = tl.arange(0, BLOCK_H)
         m = offs < half
@@ -81,7 +81,7 @@ if triton is not None:
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, y_ptr, D, stride_x, BLOCK: tl.constexpr):
         """y[t, d] = silu(x[t, d]) * x[t, D + d], the silu rounded to x's dtype first (as torch does)."""
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = offs < D
         g = tl.load(x_ptr + t * stride_x + offs, mask=m, other=0.0).to(tl.float32)
@@ -92,7 +92,7 @@ if triton is not None:
     @triton.jit
     def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, W, stride_k, stride_v, BLOCK: tl.constexpr):
         """k_cache.flat[slot[t]] = k[t]; v likewise (W = kv_heads * head_dim elements per token)."""
-        t = tl.program_id(0)
+        t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         m = offs < W
         slot = tl.load(slot_ptr + t).to(tl.int64)

@@ -69,12 +69,27 @@ def test_silu_and_mul_reference_is_the_formula() -> None:
 def test_unknown_backend_and_bad_shapes_raise() -> None:
     x = _rand(2, 8)
     with pytest.raises(ValueError, match="unknown fused-op backend"):
-        fused.silu_and_mul(x, "cuda")
+        fused.silu_and_mul(x, "nope")
     with pytest.raises(ValueError, match="rms_norm"):
         fused.rms_norm(x, _rand(7), 1e-6, False, None, "reference")
     with pytest.raises(ValueError, match="norm_rope"):
         fused.norm_rope(_rand(2, 1, 8), torch.zeros(2, dtype=torch.long), _rand(16, 6), 4, None, 0.0, False,
                         "reference")
+    with pytest.raises(ValueError, match="positions"):  # one position per token, no broadcasting
+        fused.norm_rope(_rand(2, 1, 8), torch.zeros(1, dtype=torch.long), _rand(16, 8), 8, None, 0.0, False,
+                        "reference")
+    with pytest.raises(ValueError, match="contiguous"):
+        fused.norm_rope(_rand(2, 1, 8), torch.zeros(2, dtype=torch.long), _rand(16, 16)[:, :8], 8, None, 0.0,
+                        False, "reference")
+    with pytest.raises(ValueError, match="residual"):
+        fused.rms_norm(x, _rand(8), 1e-6, False, x.double(), "reference")
+    cache = _rand(4, 2, 1, 8)
+    with pytest.raises(ValueError, match="write_kv"):  # a strided cache view would scatter to wrong slots
+        fused.write_kv(_rand(4, 2, 2, 8)[:, :, 0:1], cache, _rand(1, 1, 8), _rand(1, 1, 8),
+                       torch.zeros(1, dtype=torch.long), "reference")
+    with pytest.raises(ValueError, match="write_kv"):
+        fused.write_kv(cache, cache.clone(), _rand(2, 1, 8), _rand(2, 1, 8), torch.zeros(1, dtype=torch.long),
+                       "reference")
 
 
 # -- Triton against the references -----------------------------------------------------------------------
@@ -101,7 +116,7 @@ def test_rms_norm_triton(dtype: torch.dtype, d: int, zero_centered: bool) -> Non
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("d", "rotary_dim"), [(128, 128), (256, 64), (64, 32)])
+@pytest.mark.parametrize(("d", "rotary_dim"), [(128, 128), (256, 64), (64, 32), (80, 80), (96, 40)])
 @pytest.mark.parametrize("with_norm", [False, True])
 def test_norm_rope_triton(dtype: torch.dtype, d: int, rotary_dim: int, with_norm: bool) -> None:
     assert DEV is not None
@@ -109,7 +124,7 @@ def test_norm_rope_triton(dtype: torch.dtype, d: int, rotary_dim: int, with_norm
     # Heads strided as in a gated query ([query, gate] per head) and rows as in a fused qkv output.
     x = _rand(t, h, 2 * d + 8, dtype=dtype)[:, :, :d]
     w = _rand(d, dtype=dtype, seed=3) if with_norm else None
-    pos = torch.tensor([0, 9, 3, 511, 40])
+    pos = torch.tensor([0, 9, 3, 511, 40], dtype=torch.int32 if d == 96 else torch.long)
     inv = 1.0 / 1e6 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
     cos_sin = torch.cat([torch.outer(torch.arange(512).float(), inv).cos(),
                          torch.outer(torch.arange(512).float(), inv).sin()], -1)
