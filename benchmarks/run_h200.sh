@@ -60,7 +60,7 @@ case "${1:-}" in
     timeout 150 python3 benchmarks/gpu_engine_check.py 2>&1 | grep -E '^\{|Error' | tee "$OUT/engine_check.txt"
     timeout 220 python3 benchmarks/bench_int4.py --sweep --budget-ms 5 2>&1 | grep -E '^\{|Error' | tee "$OUT/sweep.txt"
     ;;
-  e2e36)  # the whole e2e matrix at 36 layers with the peer (two engines serve every case; not yet run)
+  e2e36)  # the whole e2e matrix at 36 layers with the peer (one engine per adapter count; not yet run)
     timeout 560 python3 benchmarks/bench_e2e.py --layers 36 --peer-cases 32:32,8:8 --root /tmp/e2e36m 2>&1 \
       | grep -E '^\{|Error' | tee "$OUT/e2e36_matrix.txt"
     ;;

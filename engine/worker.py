@@ -172,10 +172,10 @@ class MultiprocExecutor(_Executor):
         self._watchdog.start()
 
     def _watch(self) -> None:
-        mp.connection.wait([p.sentinel for p in self.procs])
+        exited = mp.connection.wait([p.sentinel for p in self.procs])
         if not self._closing:
-            dead = [p for p in self.procs if not p.is_alive()]
-            self.dead = ", ".join(f"{p.name} exited with code {p.exitcode}" for p in dead) or "a worker exited"
+            dead = [p for p in self.procs if p.sentinel in exited]
+            self.dead = ", ".join(f"{p.name} exited with code {_exit_code(p)}" for p in dead) or "a worker exited"
             log.error("tensor-parallel worker died: %s", self.dead)
 
     def _failure(self) -> str:

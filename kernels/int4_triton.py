@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 __all__ = ["TritonInt4Config", "dequant_triton", "triton_config", "triton_mm"]
 
 _MAX_TILES = 1 << 16
-"""Split-K tile counters per device (each launch leaves its counters at zero)."""
+"""Split-K tile counters per device (each launch leaves its counters at zero). Every launch numbers its tiles
+from 0, so two split-K launches must not run at once on one device: the engine uses one stream."""
 
 if triton is not None:
 
@@ -160,8 +161,8 @@ def triton_mm(x2: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None,
         raise ValueError(f"int4 triton config {c} does not fit K={k}, group {g}")
     x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
     grid = (triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n), c.split_k)
-    if grid[0] * grid[1] > _MAX_TILES:
-        raise ValueError(f"int4 triton: {grid[0] * grid[1]} output tiles exceed {_MAX_TILES}")
+    if c.split_k > 1 and grid[0] * grid[1] > _MAX_TILES:
+        raise ValueError(f"int4 triton: {grid[0] * grid[1]} output tiles exceed the {_MAX_TILES} split-K counters")
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     ws = torch.empty((c.split_k, m, n), dtype=torch.float32, device=x2.device) if c.split_k > 1 else out
     b = bias.contiguous() if bias is not None else out  # dummy pointer when HAS_BIAS is False

@@ -406,6 +406,9 @@ for zo in (0, 1):
             again = triton_mm(x.to(dev), w, bias.to(dev), c).cpu()
             assert torch.equal(y, again), ("split-K must be deterministic", c)
             checked += 1
+from kernels.int4_triton import _counters
+counters = _counters(torch.empty(0, device=dev).device)  # the key the kernel used (with a device index)
+assert not counters.any(), "every launch leaves its split-K tile counters at zero"
 print("ok", checked)
 """
 

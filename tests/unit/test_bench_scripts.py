@@ -19,8 +19,10 @@ def _run(script: str, tmp_path: Path) -> list[dict]:
 
 
 def test_bench_e2e_quick(tmp_path: Path) -> None:
-    rows = [r for r in _run("bench_e2e.py", tmp_path) if r["case"] == "decode"]
-    assert {(r["batch"], r["adapters"]) for r in rows} == {(1, 0), (4, 0), (4, 2)}
+    out = _run("bench_e2e.py", tmp_path)
+    plan = [tuple(c) for r in out if r["case"] == "plan" for c in r["cases"]]
+    rows = [r for r in out if r["case"] == "decode"]
+    assert sorted((r["batch"], r["adapters"]) for r in rows) == sorted(plan) == [(1, 0), (4, 0), (4, 2)]
     assert all(r["ms_per_step"] > 0 and r["steps"] > 0 for r in rows)
     peer = [r for r in rows if "speedup_vs_peer" in r]
     assert len(peer) == 1 and peer[0]["peer_tokens_per_s"] > 0
