@@ -92,11 +92,16 @@ def engine_config(path: str, adapters: list[str], max_batch: int, device: str) -
                         scheduler=SchedulerConfig(max_num_seqs=max_batch), lora=lora)
 
 
-def ours(e: LLMEngine, batch: int, n_adapters: int, new_tokens: int) -> dict:
-    names = [f"a{i % n_adapters}" if n_adapters else None for i in range(batch)]
+def requests(batch: int, n_adapters: int) -> tuple[list[list[int]], list[str | None]]:
+    """32-token random prompts, and the adapter of each (a0..a{n-1} in turn; None without adapters)."""
     g = torch.Generator().manual_seed(batch)
-    ps = [torch.randint(0, 400, (32,), generator=g).tolist() for _ in range(batch)]
-    return time_decode(e, ps, new_tokens, names)
+    prompts = [torch.randint(0, 400, (32,), generator=g).tolist() for _ in range(batch)]
+    return prompts, [f"a{i % n_adapters}" if n_adapters else None for i in range(batch)]
+
+
+def ours(e: LLMEngine, batch: int, n_adapters: int, new_tokens: int) -> dict:
+    prompts, names = requests(batch, n_adapters)
+    return time_decode(e, prompts, new_tokens, names)
 
 
 def time_decode(e: LLMEngine, prompts: list[list[int]], new_tokens: int,
@@ -149,24 +154,38 @@ def peer(s: Shape, layers: int, adapters: list[str], batch: int, n_adapters: int
     return {"peer_tokens_per_s": batch * new_tokens / dt}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def model_args(ap: argparse.ArgumentParser, batches: list[int], adapters: list[int], root: str) -> None:
+    """The options every end-to-end script shares (this one and profile_step.py)."""
     ap.add_argument("--layers", type=int, default=36)
     ap.add_argument("--quick", action="store_true", help="tiny shapes, CPU smoke test")
-    ap.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32, 64])
-    ap.add_argument("--adapters", type=int, nargs="*", default=[0, 1, 8, 32])
+    ap.add_argument("--batches", type=int, nargs="*", default=batches)
+    ap.add_argument("--adapters", type=int, nargs="*", default=adapters,
+                    help="distinct rank-16 adapters on all seven projections")
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--peer-cases", default="32:8,32:32,1:0", help="batch:adapters pairs run with the peer too")
-    ap.add_argument("--root", default="/tmp/xpulora-e2e")
-    a = ap.parse_args()
+    ap.add_argument("--root", default=root)
+
+
+def write_model(a: argparse.Namespace) -> tuple[torch.device, Shape, int, str, list[str]]:
+    """(device, shape, layers, checkpoint path, adapter paths) for model_args' options; --quick shrinks
+    everything to a CPU smoke run."""
     device = torch.device("cuda" if torch.cuda.is_available() and not a.quick else "cpu")
     s = Shape(256, 768, 2, 4, 2, 64, 1024) if a.quick else QWEN3_8B
     layers = 2 if a.quick else a.layers
     if a.quick:
         a.batches, a.adapters, a.new_tokens = [1, 4], [0, 2], 4
-        a.peer_cases = "4:2"
     path = write_random_int4(f"{a.root}/model", s, layers=layers, device=device)
     adapters = [write_adapter(f"{a.root}/lora{i}", s, layers, 16, i) for i in range(max(a.adapters))]
+    return device, s, layers, path, adapters
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    model_args(ap, [1, 8, 32, 64], [0, 1, 8, 32], "/tmp/xpulora-e2e")
+    ap.add_argument("--peer-cases", default="32:8,32:32,1:0", help="batch:adapters pairs run with the peer too")
+    a = ap.parse_args()
+    device, s, layers, path, adapters = write_model(a)
+    if a.quick:
+        a.peer_cases = "4:2"
     bw = copy_bandwidth(device)
     weight_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
     emb_bytes = s.vocab * s.hidden * 2  # the embedding is looked up, not read whole

@@ -14,63 +14,42 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import os
 import pstats
 import sys
-import time
 from collections import defaultdict
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_e2e import time_decode, write_adapter
-from benchmarks.timing import device_sync
-from engine import CacheConfig, EngineConfig, LLMEngine, LoRAConfig, ModelConfig, SamplingParams, SchedulerConfig
+from benchmarks.bench_e2e import emit, engine_config, model_args, requests, time_decode, write_model
+from benchmarks.timing import device_sync, time_us
+from engine import LLMEngine, SamplingParams
 from engine.forward_context import forward_context
-from tools.random_int4 import QWEN3_8B, Shape, write_random_int4
 
-
-def emit(**kw: object) -> None:
-    print(json.dumps(kw), flush=True)
-
-
-def mean_ms(fn: object, sync: object, iters: int) -> float:
-    fn()  # type: ignore[operator]
-    sync()  # type: ignore[operator]
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()  # type: ignore[operator]
-    sync()  # type: ignore[operator]
-    return 1e3 * (time.perf_counter() - t0) / iters
+BUDGET_S = 0.05
+"""Timing budget of each part measured alone."""
 
 
 def profile(path: str, adapters: list[str], batch: int, new_tokens: int, device: torch.device, top: int) -> None:
-    lora = LoRAConfig(enable_lora=True, max_loras=len(adapters), max_lora_rank=16,
-                      lora_modules=tuple((f"a{i}", p) for i, p in enumerate(adapters))) if adapters else LoRAConfig()
-    cfg = EngineConfig(ModelConfig(path, dtype="bfloat16" if device.type != "cpu" else "float32", max_model_len=512),
-                       cache=CacheConfig(num_blocks=None if device.type == "cpu" else 4096),
-                       scheduler=SchedulerConfig(max_num_seqs=batch), lora=lora)
     sync = device_sync(device)
-    names = [f"a{i % len(adapters)}" if adapters else None for i in range(batch)]
-    with LLMEngine(cfg) as e:
-        g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(0, 400, (32,), generator=g).tolist() for _ in range(batch)]
+    prompts, names = requests(batch, len(adapters))
+    with LLMEngine(engine_config(path, adapters, batch, device.type)) as e:
         step = time_decode(e, prompts, new_tokens, names)
         r = e.runner
         row = {"part": "step", "batch": batch, "adapters": len(adapters), **step}
         if r.graphs is not None:
             size = next(s for s in r.graphs.sizes if s >= batch)
             graph, out, info = r.graphs.graphs[(size, bool(adapters))]
-            row["graph_replay_ms"] = mean_ms(graph.replay, sync, 50)
+            row["graph_replay_ms"] = time_us(graph.replay, sync, BUDGET_S) / 1e3
             h = out[:batch]
         else:
             h = torch.randn(batch, r.model.model.norm.weight.numel(), dtype=r.dtype, device=device)
         logits = r.model.compute_logits(h)
-        row["lm_head_ms"] = mean_ms(lambda: r.model.compute_logits(h), sync, 50)
+        row["lm_head_ms"] = time_us(lambda: r.model.compute_logits(h), sync, BUDGET_S) / 1e3
         params = [SamplingParams(temperature=0.0)] * batch
-        row["sampler_ms"] = mean_ms(lambda: r.sampler(logits.float(), params, [None] * batch), sync, 50)
+        row["sampler_ms"] = time_us(lambda: r.sampler(logits.float(), params, [None] * batch), sync, BUDGET_S) / 1e3
         row["rest_ms"] = step["ms_per_step"] - sum(row.get(k, 0.0) for k in ("graph_replay_ms", "lm_head_ms",
                                                                              "sampler_ms"))
         emit(**row)
@@ -115,25 +94,14 @@ def profile(path: str, adapters: list[str], batch: int, new_tokens: int, device:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=36)
-    ap.add_argument("--batches", type=int, nargs="*", default=[1, 32])
-    ap.add_argument("--adapters", type=int, nargs="*", default=[0], help="distinct rank-16 adapters on all projections")
-    ap.add_argument("--new-tokens", type=int, default=64)
+    model_args(ap, [1, 32], [0], "/tmp/xpulora-profile")
     ap.add_argument("--top", type=int, default=15)
-    ap.add_argument("--quick", action="store_true", help="tiny shapes, CPU smoke test")
-    ap.add_argument("--root", default="/tmp/xpulora-profile")
     a = ap.parse_args()
-    device = torch.device("cuda" if torch.cuda.is_available() and not a.quick else "cpu")
-    s = Shape(256, 768, 2, 4, 2, 64, 1024) if a.quick else QWEN3_8B
-    layers = 2 if a.quick else a.layers
-    if a.quick:
-        a.batches, a.new_tokens, a.adapters = [1, 4], 4, [0, 2]
-    path = write_random_int4(f"{a.root}/model", s, layers=layers, device=device)
-    paths = [write_adapter(f"{a.root}/lora{i}", s, layers, 16, i) for i in range(max(a.adapters))]
+    device, _, _, path, adapters = write_model(a)
     for b in a.batches:
         for n in a.adapters:
             if n <= b:
-                profile(path, paths[:n], b, a.new_tokens, device, a.top)
+                profile(path, adapters[:n], b, a.new_tokens, device, a.top)
 
 
 if __name__ == "__main__":
