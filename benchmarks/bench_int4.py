@@ -67,6 +67,20 @@ def copies_for(nbytes: int, rotate_mb: float) -> int:
     return max(1, min(64, int(rotate_mb * 2**20 // max(nbytes, 1)) + 1)) if rotate_mb > 0 else 1
 
 
+def over(fn: Callable[[object], object], items: list) -> Callable[[], None]:
+    """One timed call: fn on each weight copy in turn."""
+    def call() -> None:
+        for it in items:
+            fn(it)
+    return call
+
+
+def per_call(fn: Callable[[object], object], items: list, dev: torch.device, budget_s: float) -> float:
+    """µs of fn on one weight copy: graph-replayed where the device has graphs."""
+    call = over(fn, items)
+    return (graph_time_us(call, dev, budget_s, reps=2) or time_us(call, device_sync(dev), budget_s)) / len(items)
+
+
 def run_case(dev: torch.device, m_rows: int, layout: Int4Layout, dense: list[torch.Tensor], prepared: dict,
              methods: list[str], int4_weight_bytes: int, budget_s: float, no_graph: bool) -> dict:
     k, n = layout.in_features, layout.out_features
@@ -75,13 +89,6 @@ def run_case(dev: torch.device, m_rows: int, layout: Int4Layout, dense: list[tor
     act_bytes = (m_rows * k + m_rows * n) * x.element_size()
     rec: dict = dict(bench="int4", device=str(dev), dtype=str(dense[0].dtype).removeprefix("torch."), M=m_rows, K=k,
                      N=n, group=layout.group_size, weight_copies={"bf16": len(dense)})
-
-    def over(fn: Callable[[object], object], items: list) -> Callable[[], None]:
-        def call() -> None:
-            for it in items:
-                fn(it)
-        return call
-
     runs: dict[str, tuple[Callable[[], object] | None, int, int]] = {
         "bf16": (over(lambda d: x @ d, dense), k * n * dense[0].element_size() + act_bytes, len(dense))}
     for m in methods:
@@ -113,6 +120,7 @@ def run_case(dev: torch.device, m_rows: int, layout: Int4Layout, dense: list[tor
     return rec
 
 
+# block_m 0: each M takes the heuristic's
 SWEEP = [TritonInt4Config(0, bn, bk, split, warps, stages) for bn, bk in ((64, 128), (128, 64))
          for split in (1, 2, 4, 8) for warps, stages in ((4, 3), (4, 5), (8, 4))]
 
@@ -130,29 +138,16 @@ def sweep(dev: torch.device, shapes: list[tuple[int, int]], ms: list[int], budge
                for w in ws] if native in INT4_BACKENDS and native_supported(native, layout, torch.bfloat16) else []
         for m in ms:
             x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
-            times: list[tuple[float, TritonInt4Config]] = []
-            for c in [triton_config(m, k, n, GROUP), *SWEEP]:
-                c = replace(c, block_m=c.block_m or triton_config(m, k, n, GROUP).block_m)
-                if k % (c.block_k * c.split_k):
-                    continue
-
-                def fn(c: TritonInt4Config = c, x: torch.Tensor = x, ws: list = ws) -> None:
-                    for w in ws:
-                        triton_mm(x, w, None, c)
-                us = graph_time_us(fn, dev, budget_s, reps=2) or time_us(fn, device_sync(dev), budget_s)
-                if us is not None:
-                    times.append((us / len(ws), c))
-            heuristic = times[0]
-            best = sorted(times, key=lambda t: t[0])[:5]
+            chosen = triton_config(m, k, n, GROUP)
+            configs = [replace(c, block_m=chosen.block_m) for c in SWEEP if k % (c.block_k * c.split_k) == 0]
+            times = {c: per_call(lambda w, c=c, x=x: triton_mm(x, w, None, c), ws, dev, budget_s)
+                     for c in {chosen, *configs}}
+            best = sorted(times.items(), key=lambda t: t[1])[:5]
             rec = {"sweep": "int4 triton", "M": m, "K": k, "N": n, "copies": len(ws),
-                   "heuristic_us": round(heuristic[0], 2), "heuristic": heuristic[1].__dict__,
-                   "best": [{"us": round(t, 2), **c.__dict__} for t, c in best]}
+                   "heuristic_us": round(times[chosen], 2), "heuristic": chosen.__dict__,
+                   "best": [{"us": round(t, 2), **c.__dict__} for c, t in best]}
             if nws:
-                def nfn(x: torch.Tensor = x, nws: list = nws) -> None:
-                    for w in nws:
-                        int4_mm(x, w)
-                nus = graph_time_us(nfn, dev, budget_s, reps=2) or time_us(nfn, device_sync(dev), budget_s)
-                rec["native_us"] = round(nus / len(nws), 2) if nus is not None else None
+                rec["native_us"] = round(per_call(lambda w, x=x: int4_mm(x, w), nws, dev, budget_s), 2)
             print(json.dumps(rec), flush=True)
 
 
