@@ -5,11 +5,6 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from tools.tinymodels import load_transformers_fp32
-
-load_hf = load_transformers_fp32
-"""The checkpoint in transformers (+ auto-round's int4 layers), float32."""
-
 
 @torch.inference_mode()
 def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from peft import PeftModel
 
-from tests.oracle import hf_greedy, load_hf, load_hf_dequantized
+from tests.oracle import hf_greedy, load_hf_dequantized
+from tools.tinymodels import load_transformers_fp32
 
 DEMO = Path(__file__).resolve().parents[2] / "demo"
 
@@ -32,7 +33,7 @@ def test_demo_outputs_equal_the_oracles(generated: list[tuple[dict, dict]]) -> N
     from transformers import AutoTokenizer, GenerationConfig
 
     tok = AutoTokenizer.from_pretrained(DEMO / "model")
-    base = load_hf(str(DEMO / "model"))  # transformers + auto-round's own int4 layers
+    base = load_transformers_fp32(str(DEMO / "model"))  # transformers + auto-round's own int4 layers
     dense = load_hf_dequantized(str(DEMO / "model"))
     oracles = {name: PeftModel.from_pretrained(load_hf_dequantized(str(DEMO / "model")), str(DEMO / "adapters" / name))
                for name in {line.get("model") for line, _ in generated} - {None}}

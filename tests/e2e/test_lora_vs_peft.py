@@ -12,8 +12,8 @@ from peft import PeftModel
 
 from engine import SamplingParams
 from tests.helpers import make_lora_engine, prompts
-from tests.oracle import hf_greedy, hf_logits, load_hf, load_hf_dequantized
-from tools.tinymodels import make_peft_adapter
+from tests.oracle import hf_greedy, hf_logits, load_hf_dequantized
+from tools.tinymodels import load_transformers_fp32, make_peft_adapter
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 ADAPTERS = {
@@ -50,7 +50,7 @@ def test_mixed_batch_matches_peft(setup: dict, quant: str) -> None:
     results = engine.generate([p for p, _ in batch], GREEDY, [n for _, n in batch])
     by_key = {(p, n): r for (p, n), r in zip(batch, results)}
     for n in names:
-        hf = load_hf(path) if quant == "bf16" else load_hf_dequantized(path)
+        hf = load_transformers_fp32(path) if quant == "bf16" else load_hf_dequantized(path)
         oracle = hf if n is None else _oracle(hf, setup["adapters"][n])
         for p in ps:
             r = by_key[(p, n)]

@@ -13,7 +13,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.helpers import prompts
-from tests.oracle import hf_greedy, load_hf
+from tests.oracle import hf_greedy
+from tools.tinymodels import load_transformers_fp32
 
 MAX_NEW = 8
 
@@ -55,7 +56,7 @@ def test_quantize_writes_a_flat_folder_that_generate_serves_like_transformers(bf
     assert len(results) == len(ps)
 
     tok = AutoTokenizer.from_pretrained(str(out))
-    hf = load_hf(str(out))  # transformers + auto-round's QuantLinear, float32
+    hf = load_transformers_fp32(str(out))  # transformers + auto-round's QuantLinear, float32
     for p, r in zip(ps, results):
         assert r["finish_reason"] in ("length", "stop"), r
         ours = r["token_ids"]
@@ -108,6 +109,6 @@ def test_asym_writes_a_packing_the_engine_serves(tmp_path: Path) -> None:
     engine = make_engine(str(out), max_model_len=128)
     results = engine.generate(prompts(3, seed=5, min_words=2, max_words=10),
                               SamplingParams(max_tokens=MAX_NEW, temperature=0, ignore_eos=True))
-    hf = load_hf(str(out))
+    hf = load_transformers_fp32(str(out))
     for r in results:
         assert r.token_ids == hf_greedy(hf, r.prompt_token_ids, MAX_NEW), r.prompt_token_ids

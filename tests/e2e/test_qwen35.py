@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from engine import SamplingParams
 from engine.lora.adapter import AdapterError
 from tests.helpers import make_engine, make_lora_engine, prompts
-from tests.oracle import hf_greedy, hf_logits, load_hf, load_hf_dequantized
-from tools.tinymodels import make_peft_adapter, make_qwen35_model, quantize
+from tests.oracle import hf_greedy, hf_logits, load_hf_dequantized
+from tools.tinymodels import load_transformers_fp32, make_peft_adapter, make_qwen35_model, quantize
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 TWELVE = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj",
@@ -33,7 +33,7 @@ def models(tmp_path_factory) -> dict[str, str]:
 
 
 def _oracle(models: dict[str, str], kind: str) -> torch.nn.Module:
-    return load_hf_dequantized(models[kind]) if kind == "int4" else load_hf(models[kind])
+    return load_hf_dequantized(models[kind]) if kind == "int4" else load_transformers_fp32(models[kind])
 
 
 @pytest.mark.parametrize("kind", ["vl", "text", "int4"])
@@ -49,12 +49,12 @@ def test_logits_and_greedy_match_transformers(models: dict[str, str], kind: str)
                                    hf_logits(hf, r.prompt_token_ids), atol=1e-4, rtol=0)
     if kind == "int4":  # the dequantized oracle agrees with auto-round's own transformers integration
         ids = results[0].prompt_token_ids
-        torch.testing.assert_close(hf_logits(load_hf(models[kind]), ids), hf_logits(hf, ids), atol=1e-4, rtol=0)
+        torch.testing.assert_close(hf_logits(load_transformers_fp32(models[kind]), ids), hf_logits(hf, ids), atol=1e-4, rtol=0)
 
 
 def test_states_after_prompt_equal_transformers_cache(models: dict[str, str]) -> None:
     engine = make_engine(models["vl"])
-    hf = load_hf(models["vl"])
+    hf = load_transformers_fp32(models["vl"])
     ids = engine.tokenize(prompts(1, seed=4, min_words=20)[0])
     engine.runner.prompt_logits(ids)  # leaves the prompt's state in slot 0
     with torch.no_grad():

@@ -13,7 +13,8 @@ import torch
 
 from engine import SamplingParams
 from tests.helpers import make_engine, prompts
-from tests.oracle import hf_greedy, hf_logits, load_hf, load_hf_dequantized
+from tests.oracle import hf_greedy, hf_logits, load_hf_dequantized
+from tools.tinymodels import load_transformers_fp32
 
 CASES = [
     ("qwen3", None, False),
@@ -37,14 +38,14 @@ def test_greedy_and_logits_match_transformers(model_factory, arch: str, quant: s
     ps = prompts(20, seed=len(CASES) * 7 + CASES.index((arch, quant, tie)))
     results = engine.generate(ps, SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True))
     if quant is None:
-        hf = load_hf(path)
+        hf = load_transformers_fp32(path)
         checks = [hf]
     else:
         # Greedy decoding through auto-round's transformers integration re-dequantizes every layer at
         # every step (~0.7 s per prompt here), so the 20-prompt greedy run uses transformers holding
         # auto-round's own dequantized weights; both oracles are checked on logits below.
         hf = load_hf_dequantized(path)
-        checks = [hf] if quant == "auto_round:auto_gptq:asym" else [hf, load_hf(path)]
+        checks = [hf] if quant == "auto_round:auto_gptq:asym" else [hf, load_transformers_fp32(path)]
     mismatches = []
     for p, r in zip(ps, results):
         assert r.error is None and len(r.token_ids) == MAX_NEW

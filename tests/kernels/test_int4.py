@@ -415,8 +415,8 @@ print("ok", checked)
 
 def test_triton_split_k_configs_match_reference_under_interpreter() -> None:
     """Every launch shape of the W4A16 kernel (split-K partials summed in the kernel included) equals the
-    reference, with bias,
-    for v1 and v2 zeros and M from 1 to 40; split-K sums are the same bits on a second run."""
+    reference, with bias, for v1 and v2 zeros and M from 1 to 40; split-K sums are the same bits on a second
+    run, and the tile counters end at zero."""
     run_under_interpreter(_SPLIT_K_CHECK.replace("sys.argv[1]", "\"cpu\""), timeout=600)
 
 

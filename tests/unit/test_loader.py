@@ -170,11 +170,11 @@ def test_act_order_g_idx_is_refused(model_factory, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_unquantized_fp16_and_fp32_checkpoints(tmp_path: Path, dtype: torch.dtype) -> None:
-    from tests.oracle import hf_greedy, load_hf
-    from tools.tinymodels import make_model
+    from tests.oracle import hf_greedy
+    from tools.tinymodels import load_transformers_fp32, make_model
 
     path = make_model(str(tmp_path / "m"), "qwen3", dtype=dtype, seed=3)
     engine = make_engine(path)
-    hf = load_hf(path)
+    hf = load_transformers_fp32(path)
     for r in engine.generate(["hello world engine", "the quick brown fox"], GREEDY):
         assert r.token_ids == hf_greedy(hf, r.prompt_token_ids, GREEDY.max_tokens)
