@@ -17,14 +17,6 @@ case "${1:-}" in
     timeout 120 python3 benchmarks/check_fla.py 2>&1 | tail -8 | tee "$OUT/fla.txt"
     timeout 200 python3 benchmarks/gpu_engine_check.py 2>&1 | grep -v Warn | tail -12 | tee "$OUT/engine_check.txt"
     ;;
-  tp)
-    timeout 560 python3 benchmarks/gpu_tp_check.py --layers "${2:-8}" 2>&1 | grep -E '^\{|Error|error' | tail -40 | tee "$OUT/tp.txt"
-    ;;
-  bench)
-    timeout 200 python3 benchmarks/bench_int4.py 2>&1 | tail -30 | tee "$OUT/int4.txt"
-    timeout 150 python3 benchmarks/bench_lora.py 2>&1 | tail -40 | tee "$OUT/lora.txt"
-    timeout 240 python3 benchmarks/bench_e2e.py --layers "${2:-36}" 2>&1 | grep -E '^\{|Error' | tee "$OUT/e2e.txt"
-    ;;
   tp2)  # TP=2 vs TP=1 equality (4 layers) and full-depth decode speed, 2 GPUs
     timeout 570 python3 benchmarks/gpu_tp_check.py --skip collectives ${2:+--speed-shapes $2} 2>&1 \
       | grep -E '^\{|Error|error' | tail -40 | tee "$OUT/tp.txt"
@@ -44,18 +36,10 @@ case "${1:-}" in
       --peer-cases 32:32,8:8 --root /tmp/e2e8 2>&1 | grep -E '^\{|Error' | tee "$OUT/e2e8.txt"
     timeout 110 python3 benchmarks/bench_int4.py --budget-ms 10 2>&1 | grep -E '^\{|Error' | tee "$OUT/int4.txt"
     ;;
-  tp_bench)  # one 2-GPU call for both, inside the 10-minute limit
-    python3 -c "import torch; print([torch.cuda.mem_get_info(i) for i in range(torch.cuda.device_count())])"
-    timeout 60 python3 benchmarks/check_fla.py 2>&1 | tail -6 | tee "$OUT/fla.txt"
-    timeout 220 python3 benchmarks/gpu_tp_check.py --layers 4 2>&1 | grep -E '^\{|Error|error' | tail -40 | tee "$OUT/tp.txt"
-    timeout 110 python3 benchmarks/gpu_engine_check.py 2>&1 | grep -E '^\{|Error' | tail -12 | tee "$OUT/engine_check.txt"
-    timeout 110 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 --adapters 0 32 --peer-cases 32:32 \
-      2>&1 | grep -E '^\{|Error' | tee "$OUT/e2e.txt"
-    ;;
-  probe)  # CUDA tests of the changed kernels, int4 launch sweep (both unpackings), engine fast paths (one GPU)
+  probe)  # CUDA tests of the changed kernels, int4 launch sweep, engine fast paths (one GPU)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/env.txt"
     PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 120 python3 -m pytest -q -p no:cacheprovider -rf --tb=short \
-      tests/kernels/test_fused.py tests/kernels/test_int4.py -k "(fused or split_k or without_triton) and not interpreter" \
+      tests/kernels/test_fused.py tests/kernels/test_int4.py -k "(fused or split_k or accelerator) and not interpreter" \
       2>&1 | tail -25 | tee "$OUT/kernel_tests.txt"
     timeout 150 python3 benchmarks/gpu_engine_check.py 2>&1 | grep -E '^\{|Error' | tee "$OUT/engine_check.txt"
     timeout 220 python3 benchmarks/bench_int4.py --sweep --budget-ms 5 2>&1 | grep -E '^\{|Error' | tee "$OUT/sweep.txt"
@@ -68,5 +52,5 @@ case "${1:-}" in
     timeout 200 python3 benchmarks/profile_step.py --layers 8 --batches 32 --adapters 0 1 32 --top 12 2>&1 \
       | grep -E '^\{|Error' | tee "$OUT/profile_lora.txt"
     ;;
-  *) echo "usage: run_h200.sh tests|check|final|tp|tp2|bench|tp_bench|probe|lora|e2e36"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36"; exit 2 ;;
 esac
