@@ -78,18 +78,19 @@ def _make_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[i
     )
 
 
-def find_stop(text: str, stops: Sequence[str], start: int) -> int | None:
+def find_stop(text: str, stops: Sequence[str], start: int, floor: int = 0) -> int | None:
     """Earliest index where a stop string begins, searching only where a new match can be.
 
     ``start`` is where the newly added text begins; a stop that ends in it may begin up to
     ``len(stop) - 1`` characters earlier, so the search starts at ``start - max_len + 1`` (>= 0).
+    A match must also end beyond ``floor`` (text never checked before, e.g. under min_tokens).
     """
     if not stops:
         return None
     lo = max(start - max(len(s) for s in stops) + 1, 0)
     best: int | None = None
     for s in stops:
-        i = text.find(s, lo)
+        i = text.find(s, max(lo, floor - len(s) + 1))
         if i != -1 and (best is None or i < best):
             best = i
     return best

@@ -48,6 +48,8 @@ class _Request:
     reported_tokens: int = 0
     text_override: str | None = None
     """Final text when a stop string cut it."""
+    stop_floor: int = 0
+    """Text length after the first min_tokens tokens: a stop string must end beyond it."""
 
 
 @dataclass
@@ -93,7 +95,7 @@ class LLMEngine:
         self.served_model_name = config.model.served_model_name or os.path.basename(
             os.path.normpath(config.model.path))
         kind = detect(config.parallel.device)
-        self.executor = make_executor(config, info, kind, self.max_model_len, progress)
+        self.executor = make_executor(config, info, kind, self.max_model_len, progress, self.eos_ids)
         self.vocab_size = int(self.hf_config["vocab_size"])
         kv = self.executor.kv
         if kv.num_blocks * kv.block_size < self.max_model_len:
@@ -146,7 +148,7 @@ class LLMEngine:
         lora_id = self._resolve_lora(lora_name)
         if request_id in self.requests:
             raise RequestError(f"duplicate request id {request_id!r}")
-        params.validate(self.config.max_logprobs)
+        params.validate(self.config.max_logprobs, int(self.hf_config["vocab_size"]))
         ids = self.tokenize(prompt)
         if not ids:
             raise RequestError("the prompt is empty")
@@ -239,15 +241,25 @@ class LLMEngine:
         seq.output_token_ids.append(tok)
         if req.logprobs is not None and lp is not None:
             req.logprobs.append(lp)
-        req.detok.add(tok)
+        # As vLLM: the first min_tokens tokens cannot end the output (the sampler masks EOS and the stop ids,
+        # stop strings are matched only in the text after them); a stop token's own text is left out unless
+        # include_stop_str_in_output.
+        checks = len(seq.output_token_ids) > p.min_tokens
+        stop_tok = checks and ((not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids)
+        if not stop_tok or p.include_stop_str_in_output:
+            req.detok.add(tok)
         text = req.detok.text
         reason: FinishReason | None = None
-        if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
+        if stop_tok:
             reason = "stop"
-        elif p.stop:
-            cut = find_stop(text, p.stop, req.emitted)
+        elif p.stop and checks:
+            cut = find_stop(text, p.stop, req.emitted, req.stop_floor)
             if cut is not None:
+                if p.include_stop_str_in_output:
+                    cut += len(next(s for s in p.stop if text.startswith(s, cut)))
                 reason, req.text_override = "stop", text[:cut]
+        elif p.stop:
+            req.stop_floor = len(text)
         if reason is None and (len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
             reason = "length"
         if reason is not None:
@@ -257,7 +269,7 @@ class LLMEngine:
             text = req.text_override
             new_text = text[req.emitted:]
         else:
-            hold = stop_holdback(text, p.stop) if p.stop else 0
+            hold = stop_holdback(text, p.stop) if p.stop and checks else 0
             new_text = text[req.emitted: len(text) - hold]
         req.emitted += len(new_text)
         new_tokens = seq.output_token_ids[req.reported_tokens:]

@@ -20,6 +20,7 @@ from engine.layers.gdn import GatedDeltaNet
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.loader import CheckpointInfo, build_model, load_weights
+from engine.logits_processors import LogitsProcessors
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.layers import BaseLayerWithLoRA, wrap_model
 from engine.lora.punica import build_mapping
@@ -46,7 +47,8 @@ def resolve_dtype(name: str, device: Device) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, info: CheckpointInfo, device: Device, max_model_len: int,
-                 progress: bool = False) -> None:
+                 progress: bool = False, eos_ids: frozenset[int] = frozenset()) -> None:
+        """eos_ids: what min_tokens masks besides stop_token_ids (only rank 0 samples, so only it needs them)."""
         self.config, self.device = config, device
         self.dtype = resolve_dtype(config.model.dtype, device)
         self.max_model_len = max_model_len
@@ -71,6 +73,7 @@ class ModelRunner:
         self._allocate_state_pool()  # before the KV cache, which takes what memory is left
         self.kv = self._allocate_kv_cache()
         self.sampler = Sampler()
+        self.processors = LogitsProcessors(int(info.text_config["vocab_size"]), device.torch_device, eos_ids)
         self.generators: dict[int, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
         if self.use_graphs:
@@ -200,6 +203,10 @@ class ModelRunner:
         for sid in step.finished_seq_ids:
             self.generators.pop(sid, None)
         self._reset_states(step)
+        sampling_rank = tp_rank() == 0
+        if sampling_rank:
+            self.processors.release(step.finished_seq_ids)
+            self.processors.observe(step.seqs)
         if self.graphs is not None and self.graphs.can_run(step):
             h = self.graphs.run(step)
             # One row per sequence; a 1-token prefill chunk that is not a prompt's last does not sample.
@@ -213,10 +220,11 @@ class ModelRunner:
             return SamplerOutput([], [])
         # The lm_head gathers logits across ranks, so every rank computes them; only rank 0 samples.
         logits = self.model.compute_logits(h if len(rows) == h.size(0) else h[torch.tensor(rows, device=h.device)])
-        if tp_rank() != 0:
+        if not sampling_rank:
             return SamplerOutput([], [])
         gens = [self._generator(s.seq_id, s.params.seed) for s in sampled]
-        return self.sampler(logits.float(), [s.params for s in sampled], gens)
+        logits = logits.float()
+        return self.sampler(self.processors.apply(logits, sampled), [s.params for s in sampled], gens, raw=logits)
 
     def _generator(self, seq_id: int, seed: int | None) -> torch.Generator | None:
         if seed is None:

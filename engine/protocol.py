@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -28,6 +29,17 @@ class SamplingParams:
     """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p (0, 1]."""
     top_k: int = -1
     """Keep the k most likely tokens; -1 (or 0) keeps all."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's, in [0, 1]; 0 is off."""
+    repetition_penalty: float = 1.0
+    """> 0; tokens seen in the prompt or the output get positive logits divided by it, negative ones
+    multiplied (1 is off)."""
+    presence_penalty: float = 0.0
+    """In [-2, 2]; subtracted once from the logit of every token already in the output."""
+    frequency_penalty: float = 0.0
+    """In [-2, 2]; subtracted from a token's logit once per time it is already in the output."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before the penalties; bias in [-100, 100]."""
     seed: int | None = None
     """Per-request seed: the same seed, prompt and params give the same tokens."""
     stop: tuple[str, ...] = ()
@@ -35,13 +47,20 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     """Extra token ids that end the output (the EOS ids always do unless ignore_eos)."""
     ignore_eos: bool = False
+    """Keep generating past the EOS ids (stop_token_ids still end the output)."""
+    min_tokens: int = 0
+    """EOS and stop_token_ids are masked out, and stop strings not checked, until this many tokens exist."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string (or the stop token's text) at the end of the output."""
     logprobs: int | None = None
     """None: no logprobs. N >= 0: the chosen token's logprob plus the N most likely."""
     prompt_logprobs: bool = False
     """Reserved; echo with logprobs needs it. Not supported yet."""
     skip_special_tokens: bool = True
+    """Leave special tokens (e.g. <|endoftext|>) out of the text."""
 
-    def validate(self, max_logprobs: int = 20) -> None:
+    def validate(self, max_logprobs: int = 20, vocab_size: int | None = None) -> None:
+        """Raise RequestError naming the first bad field (vLLM's ranges); vocab_size bounds the token ids."""
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise RequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not (self.temperature >= 0.0):
@@ -50,6 +69,28 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             raise RequestError(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not (0.0 < self.repetition_penalty < math.inf):
+            raise RequestError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (-2.0 <= v <= 2.0):
+                raise RequestError(f"{name} must be in [-2, 2], got {v!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise RequestError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise RequestError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                               f"got {self.min_tokens}")
+        for tid, bias in self.logit_bias:
+            if not (-100.0 <= bias <= 100.0):
+                raise RequestError(f"logit_bias value for token {tid} must be in [-100, 100], got {bias!r}")
+        if vocab_size is not None:
+            for name, ids in (("logit_bias", [t for t, _ in self.logit_bias]), ("stop_token_ids", self.stop_token_ids)):
+                bad = [t for t in ids if not 0 <= t < vocab_size]
+                if bad:
+                    raise RequestError(f"{name} has out-of-vocabulary token id(s) {bad[:8]} "
+                                       f"(the vocabulary is [0, {vocab_size}))")
         if self.logprobs is not None and not (0 <= self.logprobs <= max_logprobs):
             raise RequestError(f"logprobs must be between 0 and {max_logprobs}, got {self.logprobs!r}")
         if self.prompt_logprobs:
@@ -60,6 +101,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def uses_history(self) -> bool:
+        """The penalties need the tokens seen so far (the runner keeps them on the device)."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def uses_processors(self) -> bool:
+        """Anything beyond temperature / top-k / top-p / min-p touches the logits."""
+        return self.uses_history or bool(self.logit_bias) or self.min_tokens > 0
 
 
 @dataclass

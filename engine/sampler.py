@@ -1,10 +1,13 @@
-"""Pick the next token of every sequence in a batch: greedy, temperature, top-k, top-p, seeds, logprobs.
+"""Pick the next token of every sequence in a batch: greedy, temperature, min-p, top-k, top-p, seeds, logprobs.
+
+The logits it gets are already processed (engine/logits_processors.py: min_tokens, logit_bias, penalties);
+logprobs are computed from the raw ones when given, as vLLM reports by default.
 
 Torch only and device-agnostic: everything runs on the device of the logits it is given.
 
 Sampling uses the inverse CDF: one uniform number per row, looked up in the cumulative distribution.
 A seeded row draws its uniform from its own generator, so its token depends only on its own logits,
-params and generator state, never on which rows share the batch. Rows that truncate (top-k / top-p)
+params and generator state, never on which rows share the batch. Rows that truncate (min-p / top-k / top-p)
 look the number up in sorted-by-probability order, other rows in vocabulary order; the choice
 depends only on the row's own params, which keeps that independence.
 """
@@ -46,7 +49,9 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        raw: torch.Tensor | None = None,
     ) -> SamplerOutput:
+        """raw: the unprocessed logits, for logprobs (default: `logits`)."""
         batch = logits.shape[0]
         if len(params) != batch or len(generators) != batch:
             raise ValueError(
@@ -65,7 +70,7 @@ class Sampler:
         for i, p in enumerate(params):
             if p.temperature < _MIN_TEMPERATURE:
                 continue
-            if p.top_k > 0 or p.top_p < 1.0:
+            if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
                 trunc_rows.append(i)
             else:
                 plain_rows.append(i)
@@ -91,7 +96,7 @@ class Sampler:
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         token_list: list[int]
         if lp_rows:
-            token_list, logprobs = _logprobs(logits, tokens, lp_rows, params, batch)
+            token_list, logprobs = _logprobs(logits if raw is None else raw.float(), tokens, lp_rows, params, batch)
         else:
             token_list = tokens.tolist()
         return SamplerOutput(token_ids=token_list, logprobs=logprobs)
@@ -111,7 +116,13 @@ class Sampler:
         top_k = torch.tensor(
             [p.top_k if p.top_k > 0 else vocab for p in params], dtype=torch.long, device=device
         ).clamp_(max=vocab)
-        sorted_logits = sorted_logits.masked_fill(positions >= top_k.unsqueeze(1), float("-inf"))
+        drop = positions >= top_k.unsqueeze(1)
+        if any(p.min_p > 0.0 for p in params):
+            # min-p on the full tempered distribution (before top-k, as vLLM); the top token always stays.
+            min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+            full = torch.softmax(sorted_logits, dim=-1)
+            drop |= full < min_p.unsqueeze(1) * full[:, :1]
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         probs = torch.softmax(sorted_logits, dim=-1)  # renormalised over the top-k
 
         top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)

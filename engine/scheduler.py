@@ -38,6 +38,8 @@ class ScheduledSeq:
     """Adapter slot of this sequence's tokens (-1: base model)."""
     state_slot: int = -1
     """Linear-attention state slot (hybrid models); zeroed by the runner when start_pos is 0."""
+    num_prompt_tokens: int = 0
+    """Positions below this are prompt, the rest output (the penalties and min_tokens tell them apart)."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +108,8 @@ class Scheduler:
     def _entry(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
         return ScheduledSeq(seq.seq_id, seq.token_slice(start, start + n), start, list(seq.block_table),
-                            start + n == seq.num_tokens, seq.params, seq.lora_slot, seq.state_slot)
+                            start + n == seq.num_tokens, seq.params, seq.lora_slot, seq.state_slot,
+                            seq.num_prompt_tokens)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens

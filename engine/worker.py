@@ -80,10 +80,10 @@ class LocalExecutor(_Executor):
     """tp = 1: the runner in this process (nothing else can die, so `dead` stays None)."""
 
     def __init__(self, config: EngineConfig, info: CheckpointInfo, kind: DeviceKind, max_model_len: int,
-                 progress: bool) -> None:
+                 progress: bool, eos_ids: frozenset[int] = frozenset()) -> None:
         device = rank_device(kind, 0)
         device.activate()
-        self.runner = ModelRunner(config, info, device, max_model_len, progress)
+        self.runner = ModelRunner(config, info, device, max_model_len, progress, eos_ids)
 
     def execute(self, step: SchedulerOutput, lora_loads: list[tuple[int, LoRAAdapter]]) -> SamplerOutput:
         return self.runner.execute(step, lora_loads)
@@ -132,7 +132,7 @@ class MultiprocExecutor(_Executor):
     """tp > 1: rank 0 here, ranks 1..N-1 spawned."""
 
     def __init__(self, config: EngineConfig, info: CheckpointInfo, kind: DeviceKind, max_model_len: int,
-                 progress: bool) -> None:
+                 progress: bool, eos_ids: frozenset[int] = frozenset()) -> None:
         size = config.parallel.tensor_parallel_size
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
@@ -160,7 +160,7 @@ class MultiprocExecutor(_Executor):
             device = rank_device(kind, 0)
             device.activate()
             init_tp(0, size, dist_backend(kind), init_method, device.dist_device_id, TP_TIMEOUT_S)
-            self.runner = ModelRunner(config, info, device, max_model_len, progress)
+            self.runner = ModelRunner(config, info, device, max_model_len, progress, eos_ids)
             for conn in self.conns:
                 msg = conn.recv()
                 if isinstance(msg, ErrorMsg):
@@ -235,7 +235,8 @@ def _exit_code(p: mp.process.BaseProcess, wait_s: float = 1.0) -> int | None:
 
 
 def make_executor(config: EngineConfig, info: CheckpointInfo, kind: DeviceKind, max_model_len: int,
-                  progress: bool) -> LocalExecutor | MultiprocExecutor:
+                  progress: bool, eos_ids: frozenset[int] = frozenset()) -> LocalExecutor | MultiprocExecutor:
+    """eos_ids: rank 0's sampler masks them under min_tokens."""
     if config.parallel.tensor_parallel_size == 1:
-        return LocalExecutor(config, info, kind, max_model_len, progress)
-    return MultiprocExecutor(config, info, kind, max_model_len, progress)
+        return LocalExecutor(config, info, kind, max_model_len, progress, eos_ids)
+    return MultiprocExecutor(config, info, kind, max_model_len, progress, eos_ids)

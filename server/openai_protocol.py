@@ -10,6 +10,7 @@ the prompt length are checked by the engine against max_model_len and max_logpro
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -110,16 +111,31 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
-    skip_special_tokens: bool = True
+    # Sampling (docs/sampling.md; ranges are checked by the engine with vLLM's messages):
+    min_p: float | None = Field(None, allow_inf_nan=False)  # keep tokens with p >= min_p * p_max, [0, 1]
+    repetition_penalty: float | None = Field(None, allow_inf_nan=False)  # > 0, on prompt + output tokens
+    presence_penalty: float | None = Field(None, allow_inf_nan=False)  # [-2, 2], once per output token seen
+    frequency_penalty: float | None = Field(None, allow_inf_nan=False)  # [-2, 2], per output occurrence
+    logit_bias: dict[str, float] | None = None  # {"token id": bias}, bias clamped to [-100, 100]
+    min_tokens: int = Field(0, ge=0)  # no EOS / stop token / stop string before this many tokens
+    ignore_eos: bool = False  # keep generating past EOS
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # token ids that end the output
+    skip_special_tokens: bool = True  # leave special tokens out of the text
+    include_stop_str_in_output: bool = False  # keep the matched stop string / stop token text
     # Defined by OpenAI, not implemented here: only their neutral values pass.
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
     best_of: Any = None
 
     _check_stop = field_validator("stop", mode="before")(_stop)
+
+    @field_validator("logit_bias", mode="after")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for k, b in (v or {}).items():
+            if re.fullmatch(r"-?[0-9]+", k) is None:
+                raise ValueError(f"'logit_bias' keys must be token ids (integers as strings), got {k!r}")
+            if b != b or b in (float("inf"), float("-inf")):
+                raise ValueError(f"'logit_bias' value for token {k} must be a finite number")
+        return v
 
     @field_validator("best_of", mode="before")
     @classmethod
@@ -127,11 +143,6 @@ class _Sampling(_Strict):
         if v is None or v == 1:
             return v
         raise ValueError("'best_of' is not supported by this server (use n)")
-
-    @field_validator("logit_bias", "presence_penalty", "frequency_penalty", mode="before")
-    @classmethod
-    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
-        return _neutral(v, info)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _Sampling:
@@ -146,6 +157,11 @@ class _Sampling(_Strict):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """(token id, bias) with the bias clamped to [-100, 100], as vLLM does."""
+        return tuple((int(k), min(100.0, max(-100.0, b))) for k, b in (self.logit_bias or {}).items())
 
 
 class CompletionRequest(_Sampling):

@@ -127,7 +127,12 @@ class Serving:
             top_k=-1 if req.top_k is None else req.top_k,
             seed=None if req.seed is None else req.seed + j,  # choice j: seed + j, so n > 1 is reproducible
             stop=req.stop_list, stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-            logprobs=logprobs, skip_special_tokens=req.skip_special_tokens)
+            logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+            min_p=req.min_p or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias=req.logit_bias_pairs, min_tokens=req.min_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output)
 
     # -- running ---------------------------------------------------------------------------------------
     async def _respond(self, kind: str, req: CompletionRequest | ChatCompletionRequest, raw: Request,
