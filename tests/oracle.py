@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
+from engine.protocol import SamplingParams
+
 
 @torch.inference_mode()
 def hf_greedy(model: torch.nn.Module, prompt_ids: list[int], max_new_tokens: int, eos: int | None = None) -> list[int]:
@@ -64,3 +66,61 @@ def load_hf_dequantized(path: str) -> torch.nn.Module:
     if config.tie_word_embeddings:
         model.tie_weights()
     return model
+
+
+# -- sampling: transformers' logits processors in vLLM's order (formulas where transformers has none) ----------
+def sampling_processed(logits: torch.Tensor, p: SamplingParams, prompt: list[int], out: list[int],
+                       eos: tuple[int, ...]) -> torch.Tensor:
+    """One row's logits after min_tokens, logit_bias, repetition penalty (transformers' processors) and the
+    presence / frequency penalties (OpenAI's formula: logit -= count * frequency + (count > 0) * presence)."""
+    from transformers import (
+        MinNewTokensLengthLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+    )
+
+    ids = torch.tensor([prompt + out])
+    x = logits.float().unsqueeze(0).clone()
+    stops = [*(() if p.ignore_eos else eos), *p.stop_token_ids]
+    if p.min_tokens and stops:
+        x = MinNewTokensLengthLogitsProcessor(len(prompt), p.min_tokens, stops)(ids, x)
+    if p.logit_bias:
+        x = SequenceBiasLogitsProcessor({(t,): b for t, b in p.logit_bias})(ids, x)
+    if p.repetition_penalty != 1.0:
+        x = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, x)
+    counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=x.shape[-1]).float()
+    return x[0] - counts * p.frequency_penalty - (counts > 0).float() * p.presence_penalty
+
+
+def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled row draws from: transformers' warpers in vLLM's order (temperature,
+    min-p, top-k, top-p)."""
+    from transformers import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    chain = LogitsProcessorList([TemperatureLogitsWarper(p.temperature)])
+    if p.min_p > 0:
+        chain.append(MinPLogitsWarper(p.min_p))
+    if p.top_k > 0:
+        chain.append(TopKLogitsWarper(p.top_k))
+    if p.top_p < 1:
+        chain.append(TopPLogitsWarper(p.top_p))
+    x = chain(torch.zeros(1, 1, dtype=torch.long), logits.float().unsqueeze(0).clone())
+    return torch.softmax(x, dim=-1)[0]
+
+
+def inverse_cdf_pick(probs: torch.Tensor, p: SamplingParams, u: float) -> int:
+    """The token a draw u in [0, 1) selects under the sampler's documented rule: the first token whose
+    cumulative mass exceeds u * total, in descending-probability order for truncating rows (min-p / top-k /
+    top-p), in vocabulary order otherwise."""
+    if p.top_k > 0 or p.top_p < 1 or p.min_p > 0:
+        order = torch.sort(probs, descending=True, stable=True).indices
+    else:
+        order = torch.arange(probs.shape[-1])
+    cdf = torch.cumsum(probs[order].double(), 0)
+    return int(order[int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=probs.shape[-1] - 1))])

@@ -9,21 +9,12 @@ import random
 
 import pytest
 import torch
-from transformers import (
-    LogitsProcessorList,
-    MinNewTokensLengthLogitsProcessor,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    SequenceBiasLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from engine.logits_processors import LogitsProcessors
 from engine.protocol import RequestError, SamplingParams
 from engine.sampler import Sampler, make_generator
 from engine.scheduler import ScheduledSeq
+from tests.oracle import inverse_cdf_pick, sampling_probs, sampling_processed
 
 CPU = torch.device("cpu")
 VOCAB = 300
@@ -63,22 +54,6 @@ def _feed(proc: LogitsProcessors, seq_id: int, params: SamplingParams, prompt: l
     return entry
 
 
-def _oracle_processed(logits: torch.Tensor, p: SamplingParams, prompt: list[int], out: list[int]) -> torch.Tensor:
-    """vLLM's order with transformers' processors; presence/frequency by OpenAI's formula."""
-    ids = torch.tensor([prompt + out])
-    x = logits.unsqueeze(0).clone()
-    stops = [*(() if p.ignore_eos else EOS), *p.stop_token_ids]
-    if p.min_tokens and stops:
-        x = MinNewTokensLengthLogitsProcessor(len(prompt), p.min_tokens, stops)(ids, x)
-    if p.logit_bias:
-        x = SequenceBiasLogitsProcessor({(t,): b for t, b in p.logit_bias})(ids, x)
-    if p.repetition_penalty != 1.0:
-        x = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, x)
-    counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=VOCAB).float()
-    x = x - counts * p.frequency_penalty - (counts > 0).float() * p.presence_penalty
-    return x[0]
-
-
 def test_processors_match_transformers_on_a_mixed_batch() -> None:
     rng = random.Random(0)
     torch.manual_seed(0)
@@ -92,13 +67,13 @@ def test_processors_match_transformers_on_a_mixed_batch() -> None:
     got = proc.apply(logits, entries)
     assert not torch.equal(got, logits)
     for i in range(rows):
-        want = _oracle_processed(logits[i], params[i], prompts[i], outs[i])
+        want = sampling_processed(logits[i], params[i], prompts[i], outs[i], EOS)
         torch.testing.assert_close(got[i], want, rtol=1e-6, atol=1e-5, msg=f"row {i}: {params[i]}")
         if not params[i].uses_processors:
             assert torch.equal(got[i], logits[i])
     # Greedy on the processed logits is the oracle's argmax (ties excluded by the random logits).
     out = Sampler()(got, params, [None] * rows, raw=logits)
-    assert out.token_ids == [int(_oracle_processed(logits[i], params[i], prompts[i], outs[i]).argmax())
+    assert out.token_ids == [int(sampling_processed(logits[i], params[i], prompts[i], outs[i], EOS).argmax())
                              for i in range(rows)]
 
 
@@ -127,19 +102,6 @@ def test_recompute_and_row_reuse_start_from_zero() -> None:
     del again, other
 
 
-def _oracle_dist(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """transformers' warpers in vLLM's order: temperature, min-p, top-k, top-p."""
-    chain = LogitsProcessorList([TemperatureLogitsWarper(p.temperature)])
-    if p.min_p > 0:
-        chain.append(MinPLogitsWarper(p.min_p))
-    if p.top_k > 0:
-        chain.append(TopKLogitsWarper(p.top_k))
-    if p.top_p < 1:
-        chain.append(TopPLogitsWarper(p.top_p))
-    x = chain(torch.zeros(1, 1, dtype=torch.long), logits.unsqueeze(0).clone())
-    return torch.softmax(x, dim=-1)[0]
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_seeded_truncation_matches_transformers_warpers(seed: int) -> None:
     """Each seeded row's draw u picks, by inverse CDF over the oracle's distribution in descending-probability
@@ -157,20 +119,16 @@ def test_seeded_truncation_matches_transformers_warpers(seed: int) -> None:
         logits = torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(100 * seed + step)) * 3
         got = sampler(logits, params, gens).token_ids
         for i, p in enumerate(params):
-            dist = _oracle_dist(logits[i], p)
+            dist = sampling_probs(logits[i], p)
             assert dist[got[i]] > 0, (i, p)
-            u = float(torch.rand(1, generator=mirror[i])[0])
-            order = torch.sort(dist, descending=True, stable=True).indices if (
-                p.top_k > 0 or p.top_p < 1 or p.min_p > 0) else torch.arange(VOCAB)
-            cdf = torch.cumsum(dist[order].double(), 0)
-            want = int(order[int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp(max=VOCAB - 1))])
+            want = inverse_cdf_pick(dist, p, float(torch.rand(1, generator=mirror[i])[0]))
             assert got[i] == want, (step, i, p)
 
 
 def test_min_p_keeps_exactly_the_oracle_support() -> None:
     logits = torch.randn(1, VOCAB) * 2
     p = SamplingParams(temperature=1.0, min_p=0.1, seed=3)
-    support = set(torch.nonzero(_oracle_dist(logits[0], p)).flatten().tolist())
+    support = set(torch.nonzero(sampling_probs(logits[0], p)).flatten().tolist())
     gen = make_generator(3, CPU)
     seen = {Sampler()(logits, [p], [gen]).token_ids[0] for _ in range(400)}
     assert seen <= support and len(seen) >= min(len(support), 2)

@@ -28,8 +28,12 @@ def test_requests_name_what_they_refuse() -> None:
     assert "field 'echo'" in _error(CompletionRequest, model="m", prompt="x", echo=1)
     assert "'prompt' must be" in _error(CompletionRequest, model="m", prompt=[1, "a"])
     assert "'prompt' must be" in _error(CompletionRequest, model="m", prompt=[True])
-    assert "'frequency_penalty' is not supported" in _error(CompletionRequest, model="m", prompt="x",
-                                                            frequency_penalty=1)
+    assert "'logit_bias' keys must be token ids" in _error(CompletionRequest, model="m", prompt="x",
+                                                           logit_bias={"a": 1})
+    assert "field 'frequency_penalty'" in _error(CompletionRequest, model="m", prompt="x", frequency_penalty="1")
+    assert "field 'min_tokens'" in _error(CompletionRequest, model="m", prompt="x", min_tokens=-1)
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "logit_bias": {"5": 250, "6": -1}}
+                                            ).logit_bias_pairs == ((5, 100.0), (6, -1.0))  # clamped as vLLM
     assert "missing field 'model'" in _error(CompletionRequest, prompt="x")
     assert "only allowed when 'stream'" in _error(CompletionRequest, model="m", prompt="x",
                                                   stream_options={"include_usage": True})
