@@ -1,44 +1,100 @@
-"""The `xpulora` command: serve, generate, quantize.
+"""The `xpulora` command line: parsers and `--config` presets. Imports nothing heavy (no torch, no
+engine), so that `xpulora --help` and `--version` answer at once and a bad flag fails before the
+engine is imported; server/cli.py imports the engine only once the command line is valid.
 
 Engine flags are shared by serve and generate; `--config FILE.yaml` supplies defaults for them
 (keys are the flag names with dashes or underscores) and flags given on the command line win.
+Flags that vLLM has use vLLM's names and forms (`-tp`, `--model`, several `--served-model-name`,
+JSON `--lora-modules`); `--lora-root` takes one folder per flag, so it can never swallow the model.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
-import logging
-import os
-import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from engine import (
-    DEVICE_CHOICES,
-    CacheConfig,
-    ConfigError,
-    EngineConfig,
-    LoRAConfig,
-    ModelConfig,
-    ParallelConfig,
-    SamplingParams,
-    SchedulerConfig,
-)
-
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_MODEL = REPO_ROOT / "demo" / "model"
 DEMO_ADAPTERS = REPO_ROOT / "demo" / "adapters"
+DEVICE_CHOICES = ("auto", "xpu", "cuda", "cpu")  # engine.device.DeviceName (tests/unit/test_cli.py keeps them equal)
+try:
+    VERSION = importlib.metadata.version("xpulora")
+except importlib.metadata.PackageNotFoundError:  # running from a checkout that was never installed
+    VERSION = "0+unknown"
 
 
-def _lora_module(s: str) -> tuple[str, str]:
+class _Formatter(argparse.HelpFormatter):
+    """Help lines end with the default, except where there is none to show (None, off, empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        d = action.default
+        if d in (None, False, [], ()) or d is argparse.SUPPRESS or "%(default)" in text:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class LoraModule(tuple):
+    """(name, path), with vLLM's optional base_model_name beside it (checked against the served names
+    once they are known, in build_engine_config)."""
+
+    base_model_name: str | None
+
+    def __new__(cls, name: str, path: str, base_model_name: str | None = None) -> LoraModule:
+        obj = super().__new__(cls, (name, path))
+        obj.base_model_name = base_model_name
+        return obj
+
+
+def _lora_module(s: str) -> LoraModule:
+    """`NAME=PATH` or vLLM's JSON `{"name": ..., "path": ..., "base_model_name": ...}`."""
+    if s.lstrip().startswith("{"):
+        try:
+            obj = json.loads(s)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"--lora-modules: invalid JSON {s!r} ({e})") from None
+        unknown = set(obj) - {"name", "path", "base_model_name"}
+        if unknown:
+            keys = ", ".join(sorted(unknown))
+            raise argparse.ArgumentTypeError(f"--lora-modules: unsupported key(s) {keys} in {s!r}")
+        name, path, base = obj.get("name"), obj.get("path"), obj.get("base_model_name")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise argparse.ArgumentTypeError(f"--lora-modules: JSON form needs string 'name' and 'path', got {s!r}")
+        if base is not None and not isinstance(base, str):
+            raise argparse.ArgumentTypeError(f"--lora-modules: 'base_model_name' must be a string, got {s!r}")
+        return LoraModule(name, path, base)
     name, sep, path = s.partition("=")
     if not sep or not name or not path:
-        raise argparse.ArgumentTypeError(f"--lora-modules expects NAME=PATH, got {s!r}")
-    return name, path
+        raise argparse.ArgumentTypeError(f"--lora-modules expects NAME=PATH, got {s!r} (or JSON: "
+                                         '{"name": ..., "path": ..., "base_model_name": ...})')
+    return LoraModule(name, path)
+
+
+class _Model(argparse.Action):
+    """MODEL and --model write the same destination; giving two different models is an error. A
+    value identical to the default is the positional left out (argparse calls the action anyway)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        if values is None or values is self.default:
+            return
+        given = getattr(namespace, "_model_given", None)
+        if given is not None and given != values:
+            parser.error(f"two models given: {given!r} and {values!r} (give MODEL or --model, once)")
+        namespace._model_given = values
+        namespace.model = values
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, action=_Model, metavar="MODEL",
+                   help="model folder (default: the bundled demo model and adapters on the CPU)")
+    p.add_argument("--model", dest="model", default=None, action=_Model, metavar="MODEL",
+                   help="the same as MODEL (vLLM's form)")
 
 
 def engine_flags(p: argparse.ArgumentParser) -> None:
@@ -48,7 +104,7 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
                    help="device kind (auto: xpu, then cuda, then cpu)")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="activation dtype (auto: float32 on the CPU, bfloat16 on GPUs)")
-    g.add_argument("--tensor-parallel-size", type=int, default=1, help="ranks that shard every layer")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks that shard every layer")
     g.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens")
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
@@ -56,17 +112,19 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of device memory to use")
     g.add_argument("--seed", type=int, default=0, help="seed of the global RNG")
-    g.add_argument("--served-model-name", default=None, help="name of the base model in the API")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names of the base model in the API: the first is reported, all are accepted "
+                        "(default: the folder name)")
     g.add_argument("--enforce-eager", action="store_true", help="disable graph capture")
     g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
     g.add_argument("--max-loras", type=int, default=4, help="adapters per step (device slots)")
     g.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
     g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters cached in host memory")
     g.add_argument("--fully-sharded-loras", action="store_true", help="shard LoRA A/B over TP ranks too")
-    g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
-                   help="adapters to load at start")
-    g.add_argument("--lora-root", nargs="+", action="extend", default=[], metavar="DIR",
-                   help="folders runtime adapter loads may read from")
+    g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH|JSON",
+                   help='adapters to load at start: NAME=PATH or {"name": ..., "path": ..., "base_model_name": ...}')
+    g.add_argument("--lora-root", action="append", default=[], metavar="DIR",
+                   help="a folder runtime adapter loads may read from (repeat the flag for several)")
     g.add_argument("--no-lora-autoload", action="store_true",
                    help="do not load an adapter from a lora root on its first request")
 
@@ -75,8 +133,8 @@ def apply_config_file(p: argparse.ArgumentParser, argv: list[str]) -> None:
     """Set parser defaults from --config FILE.yaml, so that flags given on the command line win.
 
     Keys are flag names with dashes or underscores (`max-loras`, `max_loras`); `model` is the
-    positional. Values are checked like command-line values (type, choices, on/off flags as
-    booleans, lists for multi-value flags); an unknown key or a bad value fails naming the key.
+    model. Values are checked like command-line values (type, choices, on/off flags as booleans,
+    lists for multi-value and repeatable flags); an unknown key or a bad value fails naming the key.
     Relative paths are taken relative to the working directory, as on the command line.
     """
     pre = argparse.ArgumentParser(add_help=False)
@@ -94,7 +152,7 @@ def apply_config_file(p: argparse.ArgumentParser, argv: list[str]) -> None:
     data = {} if data is None else data
     if not isinstance(data, dict):
         p.error(f"{known.config}: expected a mapping of flag names to values")
-    actions = {a.dest: a for a in p._actions if a.dest not in ("help", "config")}
+    actions = {a.dest: a for a in p._actions if a.dest not in ("help", "config") and a.option_strings}
     defaults: dict[str, Any] = {}
     for key, value in data.items():
         dest = str(key).replace("-", "_")
@@ -118,6 +176,8 @@ def _on_command_line(action: argparse.Action, argv: list[str]) -> bool:
         name = tok.split("=", 1)[0]
         if name.startswith("--") and len(name) > 2 and any(o.startswith(name) for o in action.option_strings):
             return True
+        if name in action.option_strings:  # a short form such as -tp
+            return True
     return False
 
 
@@ -129,10 +189,12 @@ def _config_value(action: argparse.Action, value: Any) -> Any:
         return value  # the key names the destination, so `no_lora_autoload: true` sets it
     if value is None:
         return None
-    if action.nargs in ("+", "*"):
+    if action.nargs in ("+", "*") or isinstance(action, argparse._AppendAction):
         if isinstance(value, dict) and action.dest == "lora_modules":
             value = [f"{k}={v}" for k, v in value.items()]
         items = value if isinstance(value, list) else [value]
+        if action.dest == "lora_modules":  # vLLM's JSON form written as a YAML mapping
+            items = [json.dumps(v) if isinstance(v, dict) else v for v in items]
         return [_config_scalar(action, v) for v in items]
     return _config_scalar(action, value)
 
@@ -161,134 +223,9 @@ def _config_scalar(action: argparse.Action, value: Any) -> Any:
     return value
 
 
-def build_engine_config(a: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(a.model, dtype=a.dtype, max_model_len=a.max_model_len,
-                          served_model_name=a.served_model_name),
-        cache=CacheConfig(block_size=a.block_size, num_blocks=a.num_kv_blocks,
-                          gpu_memory_utilization=a.gpu_memory_utilization),
-        parallel=ParallelConfig(tensor_parallel_size=a.tensor_parallel_size, device=a.device),
-        lora=LoRAConfig(enable_lora=a.enable_lora, max_loras=a.max_loras, max_lora_rank=a.max_lora_rank,
-                        max_cpu_loras=a.max_cpu_loras, fully_sharded_loras=a.fully_sharded_loras,
-                        lora_modules=tuple(tuple(m) for m in a.lora_modules),
-                        lora_roots=tuple(a.lora_root), lora_autoload=not a.no_lora_autoload),
-        scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),
-        seed=a.seed, enforce_eager=a.enforce_eager)
-
-
-def is_demo(model: str) -> bool:
-    return Path(model).resolve() == DEMO_MODEL.resolve()
-
-
-def demo_config(config: EngineConfig, adapters: Path = DEMO_ADAPTERS) -> EngineConfig:
-    """The bundled demo (serve and generate alike): LoRA on, a lora root on the demo adapters, every adapter
-    there loaded at start besides those named, the CPU unless a device was asked for."""
-    have = {n for n, _ in config.lora.lora_modules}
-    found = sorted(d.name for d in adapters.iterdir() if (d / "adapter_config.json").is_file()) \
-        if adapters.is_dir() else []
-    lora = replace(config.lora, enable_lora=True, lora_roots=(*config.lora.lora_roots, str(adapters)),
-                   lora_modules=(*config.lora.lora_modules, *((n, str(adapters / n)) for n in found if n not in have)))
-    parallel = replace(config.parallel, device="cpu") if config.parallel.device == "auto" else config.parallel
-    return replace(config, lora=lora, parallel=parallel)
-
-
-# -- generate ----------------------------------------------------------------------------------------
-GENERATE_KEYS = {"prompt", "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs"}
-
-
-def _line_request(line: dict[str, Any], base_names: set[str]) -> tuple[str | list[int], SamplingParams, str | None]:
-    unknown = set(line) - GENERATE_KEYS
-    if unknown:
-        raise ValueError(f"unsupported field(s): {', '.join(sorted(unknown))}")
-    prompt = line.get("prompt")
-    if not isinstance(prompt, (str, list)):
-        raise ValueError("'prompt' must be a string or a list of token ids")
-    stop = line.get("stop") or ()
-    stop = (stop,) if isinstance(stop, str) else tuple(stop)
-    params = SamplingParams(
-        max_tokens=line.get("max_tokens", 16), temperature=float(line.get("temperature", 1.0)),
-        top_p=float(line.get("top_p", 1.0)), top_k=int(line.get("top_k", -1)), seed=line.get("seed"),
-        stop=stop, logprobs=line.get("logprobs"))
-    model = line.get("model")
-    adapter = None if model is None or model in base_names else str(model)
-    return prompt, params, adapter
-
-
-def cmd_generate(a: argparse.Namespace) -> int:
-    from engine import LLMEngine
-
-    config = build_engine_config(a)
-    with LLMEngine(demo_config(config) if is_demo(a.model) else config, progress=False) as engine:
-        return _generate(engine, a)
-
-
-def _generate(engine: Any, a: argparse.Namespace) -> int:
-    from engine.protocol import RequestError
-
-    base_names = {engine.served_model_name, a.model}
-    lines: list[dict[str, Any]] = []
-    with open(a.requests) as f:
-        for n, raw in enumerate(f, 1):
-            if not raw.strip():
-                continue
-            try:
-                lines.append(json.loads(raw))
-            except json.JSONDecodeError as e:
-                lines.append({"__error__": f"line {n}: invalid JSON ({e})"})
-    results: list[dict[str, Any] | None] = [None] * len(lines)
-    rid_to_index: dict[str, int] = {}
-    for i, line in enumerate(lines):
-        rid = f"req-{i}"
-        try:
-            if "__error__" in line:
-                raise ValueError(line["__error__"])
-            prompt, params, adapter = _line_request(line, base_names)
-            engine.add_request(rid, prompt, params, lora_name=adapter)
-            rid_to_index[rid] = i
-            results[i] = {"text": "", "token_ids": [], "finish_reason": None}
-            if params.logprobs is not None:
-                results[i]["logprobs"] = []
-        except (ValueError, TypeError, RequestError) as e:
-            results[i] = {"text": "", "token_ids": [], "finish_reason": "error", "error": str(e)}
-    tok = engine.tokenizer
-    while engine.has_unfinished():
-        for out in engine.step():
-            r = results[rid_to_index[out.request_id]]
-            assert r is not None
-            r["text"] += out.new_text
-            r["token_ids"].extend(out.new_token_ids)
-            if "logprobs" in r and out.new_logprobs:
-                r["logprobs"].extend({
-                    "token_id": lp.token_id, "token": tok.decode([lp.token_id]), "logprob": lp.logprob,
-                    "top_logprobs": [{"token_id": t, "token": tok.decode([t]), "logprob": v} for t, v in lp.top]}
-                    for lp in out.new_logprobs)
-            if out.finished:
-                r["finish_reason"] = out.finish_reason
-    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in results)
-    if a.output:
-        Path(a.output).write_text(text)
-    else:
-        sys.stdout.write(text)
-    return 0
-
-
-# -- main ----------------------------------------------------------------------------------------------
-def build_parser(argv: list[str]) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="xpulora", description="Serve many LoRA adapters on one int4 Qwen model")
-    sub = p.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    serve.add_argument("model", nargs="?", default=None, help="model folder (default: the bundled demo model)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=os.environ.get("XPULORA_API_KEY"), help="require Bearer KEY on /v1/*")
-    serve.add_argument("--max-waiting-requests", type=int, default=None, help="503 beyond this many waiting")
-    engine_flags(serve)
-    gen = sub.add_parser("generate", help="offline batch generation from a JSONL file")
-    gen.add_argument("model", nargs="?", default=None, help="model folder (default: the bundled demo model)")
-    gen.add_argument("--requests", required=True, help="input JSONL: one request per line")
-    gen.add_argument("--output", default=None, help="output JSONL (default: stdout)")
-    engine_flags(gen)
+def _quantize_parser(sub: Any) -> None:
     q = sub.add_parser("quantize", help="quantize a 16-bit Hugging Face Qwen folder to int4 with auto-round",
+                       formatter_class=_Formatter,
                        description="Write the int4 AutoRound checkpoint this engine serves (W4A16, format "
                                    "auto_round; symmetric packs as auto_round:auto_gptq, asymmetric as "
                                    "auto_round:gptqmodel) into a flat folder OUT. "
@@ -314,27 +251,27 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     q.add_argument("--device", choices=DEVICE_CHOICES, default="auto",
                    help="where auto-round computes (auto: xpu, then cuda, then cpu)")
     q.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT")
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="xpulora", description="Serve many LoRA adapters on one int4 Qwen model",
+                                formatter_class=_Formatter)
+    p.add_argument("--version", action="version", version=f"xpulora {VERSION}")
+    sub = p.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", formatter_class=_Formatter)
+    _model_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port")
+    serve.add_argument("--api-key", default=None,
+                       help="require Bearer KEY on /v1/*, /tokenize and /detokenize (default: $XPULORA_API_KEY)")
+    serve.add_argument("--max-waiting-requests", type=int, default=None, help="503 beyond this many waiting")
+    engine_flags(serve)
+    gen = sub.add_parser("generate", help="offline batch generation from a JSONL file", formatter_class=_Formatter)
+    _model_args(gen)
+    gen.add_argument("--requests", required=True, help="input JSONL: one request per line")
+    gen.add_argument("--output", default=None, help="output JSONL (default: stdout)")
+    engine_flags(gen)
+    _quantize_parser(sub)
     if len(argv) >= 1 and argv[0] in ("serve", "generate"):
         apply_config_file(serve if argv[0] == "serve" else gen, argv[1:])
     return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    a = build_parser(argv).parse_args(argv)
-    try:
-        if a.command in ("serve", "generate") and a.model is None:
-            a.model = str(DEMO_MODEL)  # demo_config adds the demo's adapters and lora root
-        if a.command == "generate":
-            return cmd_generate(a)
-        if a.command == "serve":
-            from server.app import run_server
-
-            return run_server(a, build_engine_config(a))
-        from server.quantize import run_quantize
-
-        return run_quantize(a)
-    except ConfigError as e:
-        print(f"xpulora: configuration error: {e}", file=sys.stderr)
-        return 2
