@@ -17,7 +17,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
 _SAMPLE = re.compile(r"^([^\s{]+)(\{[^}]*\})?\s+(\S+)$")
-_MODEL_LABEL = re.compile(r'model_name="[^"]*",?')
+_MODEL_LABEL = re.compile(r'model_name="[^"]*",?|,model_name="[^"]*"')
 
 
 def free_port() -> int:
