@@ -1,29 +1,37 @@
-# make setup: idempotent; creates .venv, installs the CPU torch first (a plain `pip install torch`
-# would fetch a multi-GB CUDA build), then the project with its test extras.
+# make setup: idempotent runtime install; creates .venv, installs the CPU torch first (a plain `pip install
+# torch` would fetch a multi-GB CUDA build), then the project WITHOUT test tools (the test extra pulls
+# NVIDIA triton, which shadows pytorch-triton-xpu on an Intel host). make test adds the test extra.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 TORCH ?= torch==2.13.0
 
-.PHONY: setup serve test lint clean
+.PHONY: setup setup-test serve test lint clean
 
 setup: $(STAMP)
+
+setup-test: $(TEST_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH)"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q -e .
 	touch $(STAMP)
+
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e ".[test]"
+	touch $(TEST_STAMP)
 
 serve: setup
 	$(BIN)/xpulora serve
 
-test: setup
+test: setup-test
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q tests
 
-lint: setup
+lint: setup-test
 	$(BIN)/ruff check .
 
 clean:

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -195,7 +196,8 @@ async def _idle(c: httpx.AsyncClient, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = (await c.get("/metrics")).text
-        if "xpulora:num_requests_running 0.0" in text and "xpulora:num_requests_waiting 0.0" in text:
+        if all(re.search(rf"^xpulora:{name}(\{{[^}}]*\}})? 0\.0$", text, re.M)
+               for name in ("num_requests_running", "num_requests_waiting")):
             return
         await asyncio.sleep(0.1)
     raise TimeoutError(f"the server did not go idle within {timeout_s} s")

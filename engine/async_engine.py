@@ -149,6 +149,7 @@ class AsyncEngine:
         # Per adapter name (loads, autoloads), with a count of holders and waiters: dropped when the
         # count returns to 0, or a churn of new names would grow this dict without bound.
         self._load_locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+        self._unloaded: set[str] = set()  # names explicitly unloaded and not explicitly loaded since
         self.error: BaseException | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -251,31 +252,46 @@ class AsyncEngine:
             raise OverloadedError("the server is shutting down")
 
     # -- adapters ------------------------------------------------------------------------------------
-    async def load_adapter(self, name: str, path: str) -> None:
-        """Load (validated) in a worker thread; serialized per name with autoload."""
+    async def load_adapter(self, name: str, path: str, replace: bool = False) -> None:
+        """Load (validated) in a worker thread; serialized per name with autoload. An explicit load lifts
+        an earlier explicit unload (see unload_adapter); replace swaps a loaded adapter of that name."""
         async with self._name_lock(name):
-            await asyncio.to_thread(self.engine.load_lora_adapter, name, path)
+            await asyncio.to_thread(self.engine.load_lora_adapter, name, path, False, replace)
+            self._unloaded.discard(name)
 
     async def unload_adapter(self, name: str) -> None:
-        if name == self.engine.served_model_name:
+        """Unregister; until an explicit load_adapter of this name, autoload does not bring it back
+        (an operator who unloads an adapter to retire it expects it gone, DESIGN.md §6)."""
+        if name in self.engine.base_names:
             raise AdapterError(f"{name!r} is the base model; it cannot be unloaded")
-        self.engine.unload_lora_adapter(name)
+        async with self._name_lock(name):  # not between an autoload's check and its load
+            self.engine.unload_lora_adapter(name)
+            if self._autoload_path(name) is not None:  # only names autoload could find: a bounded set
+                self._unloaded.add(name)
 
-    async def ensure_adapter(self, name: str) -> None:
-        """Autoload: a model name that is not loaded but names a folder under a lora root is loaded
-        once (concurrent first requests wait for the same load)."""
-        lora, cfg = self.engine.lora, self.engine.config.lora
-        if lora is None or not cfg.lora_autoload or name == self.engine.served_model_name or name in lora:
-            return
+    def _autoload_path(self, name: str) -> str | None:
+        """The folder autoload would load `name` from, or None (autoload off, or no such folder)."""
+        cfg = self.engine.config.lora
+        if self.engine.lora is None or not cfg.lora_autoload or name in self.engine.base_names:
+            return None
         try:
             validate_name(name)
             path = resolve_under_roots(name, cfg.lora_roots)
         except AdapterError:
-            return  # not a loadable name: add_request answers "model not found"
-        if not os.path.isdir(path):
+            return None  # not a loadable name: add_request answers "model not found"
+        return path if os.path.isdir(path) else None
+
+    async def ensure_adapter(self, name: str) -> None:
+        """Autoload: a model name that is not loaded but names a folder under a lora root is loaded
+        once (concurrent first requests wait for the same load), unless it was explicitly unloaded."""
+        lora = self.engine.lora
+        if lora is None or name in lora or name in self._unloaded:
+            return
+        path = self._autoload_path(name)
+        if path is None:
             return
         async with self._name_lock(name):
-            if name in lora:
+            if name in lora or name in self._unloaded:
                 return
             try:
                 await asyncio.to_thread(self.engine.load_lora_adapter, name, path)

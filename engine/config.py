@@ -23,12 +23,19 @@ class ModelConfig:
     max_model_len: int | None = None
     """Longest prompt + output in tokens; None takes the model's max_position_embeddings."""
     served_model_name: str | None = None
-    """Name clients use for the base model; defaults to the folder name."""
+    """Name clients use for the base model (reported in responses and metrics); defaults to the folder name."""
+    extra_served_model_names: tuple[str, ...] = ()
+    """Further names accepted for the base model (vLLM's `--served-model-name a b`: all are accepted)."""
     trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        names = [self.served_model_name, *self.extra_served_model_names]
+        if self.extra_served_model_names and self.served_model_name is None:
+            raise ConfigError("extra_served_model_names need a served_model_name first")
+        if any(n is not None and not n for n in names) or len(set(names)) != len(names):
+            raise ConfigError(f"served model names must be non-empty and distinct, got {names}")
 
 
 @dataclass(frozen=True)

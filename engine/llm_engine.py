@@ -94,6 +94,8 @@ class LLMEngine:
         self.eos_ids = _eos_ids(config.model.path, self.tokenizer, self.hf_config)
         self.served_model_name = config.model.served_model_name or os.path.basename(
             os.path.normpath(config.model.path))
+        self.base_names = frozenset((self.served_model_name, *config.model.extra_served_model_names))
+        """Every name that means the base model (the first served name is the one reported)."""
         kind = detect(config.parallel.device)
         self.executor = make_executor(config, info, kind, self.max_model_len, progress, self.eos_ids)
         self.vocab_size = int(self.hf_config["vocab_size"])
@@ -180,13 +182,14 @@ class LLMEngine:
         return lora_id
 
     # -- adapters ------------------------------------------------------------------------------------
-    def load_lora_adapter(self, name: str, path: str, pin: bool = False) -> int:
-        """Validate and register an adapter (safe while the engine steps in another thread)."""
+    def load_lora_adapter(self, name: str, path: str, pin: bool = False, replace: bool = False) -> int:
+        """Validate and register an adapter (safe while the engine steps in another thread); replace: a
+        loaded adapter of that name is swapped for the new one once it has loaded (vLLM's load_inplace)."""
         if self.lora is None:
             raise AdapterError("LoRA is not enabled on this engine (start it with --enable-lora)")
-        if name == self.served_model_name:
+        if name in self.base_names:
             raise AdapterError(f"adapter name {name!r} is the base model's name")
-        return self.lora.load(name, path, pin)
+        return self.lora.load(name, path, pin, replace)
 
     def unload_lora_adapter(self, name: str) -> None:
         if self.lora is None:

@@ -3,7 +3,8 @@
 Runtime loads read only from inside a --lora-root: the requested path and the roots are compared as
 real paths, so neither `..` nor a symlink inside a root can reach outside it (403). Status codes
 follow DESIGN.md §9: 400 invalid (bad name, rank too large, bad files, duplicate), 403 outside every
-root, 404 missing path / unknown adapter.
+root, 404 missing path / unknown adapter. `load_inplace: true` (vLLM's) replaces a loaded adapter of
+that name (new identity; requests already running finish on the old weights) instead of a 400.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def list_models(engine: AsyncEngine) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": _CREATED, "owned_by": "xpulora", "root": root,
                 "parent": parent, "max_model_len": llm.max_model_len}
 
-    data = [card(base, llm.config.model.path, None)]
+    # Every served name is a card (as vLLM lists them); the first is the one adapters name as parent.
+    data = [card(name, llm.config.model.path, None) for name in (base, *llm.config.model.extra_served_model_names)]
     if llm.lora is not None:
         data += [card(name, path, base) for name, path, _ in llm.lora.list_adapters()]
     return {"object": "list", "data": data}
@@ -53,11 +55,11 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> d
     if not cfg.enable_lora:
         raise ApiError(400, "LoRA is not enabled on this server (start it with --enable-lora)")
     name = validate_name(body.lora_name)
-    if name == engine.engine.served_model_name:
+    if name in engine.engine.base_names:
         raise ApiError(400, f"adapter name {name!r} is the base model's name")
     path = resolve_under_roots(body.lora_path, cfg.lora_roots)  # 403 outside every root
-    await engine.load_adapter(name, path)
-    log.info("loaded adapter %r from %s", name, path)
+    await engine.load_adapter(name, path, replace=body.load_inplace)
+    log.info("%s adapter %r from %s", "reloaded" if body.load_inplace else "loaded", name, path)
     return {"object": "lora_adapter", "lora_name": name, "lora_path": path, "status": "loaded"}
 
 

@@ -1,7 +1,8 @@
 """The FastAPI app (factory + lifespan), its routes and `run_server` behind `xpulora serve`.
 
-/v1/* needs `Authorization: Bearer KEY` when an API key is set (constant-time compare); /health,
-/metrics and /version stay open. Every error is JSON {"error": {"message", "type", "code"}}. A request
+/v1/*, /tokenize and /detokenize need `Authorization: Bearer KEY` when an API key is set (constant-time
+compare); /health, /ping, /metrics and /version stay open. Every error is JSON
+{"error": {"message", "type", "code"}}. A request
 body over `max_request_bytes` (1 MiB; env XPULORA_MAX_REQUEST_BYTES) is refused with 413 before it is read.
 SIGTERM: uvicorn stops accepting, in-flight requests may finish for GRACE_S, then the engine aborts
 what is left (streams end with finish_reason "abort" and [DONE], others get a 503), the lifespan joins
@@ -15,7 +16,6 @@ import argparse
 import asyncio
 import hashlib
 import hmac
-import importlib.metadata
 import json
 import logging
 import os
@@ -31,19 +31,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine import AsyncEngine, CheckpointError, EngineConfig, LLMEngine
 from server.adapters import router as adapters_router
+from server.cli_args import VERSION
 from server.errors import ERROR_TYPES, error_body, error_response, install_error_handlers
 from server.metrics import Metrics
 from server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from server.serving import Serving
+from server.tokenize import router as tokenize_router
 
 log = logging.getLogger(__name__)
 GRACE_S = float(os.environ.get("XPULORA_SHUTDOWN_GRACE_S", "30"))
 MAX_REQUEST_BYTES = int(os.environ.get("XPULORA_MAX_REQUEST_BYTES", str(1 << 20)))
 ENGINE_FAILED_EXIT = 3
-try:
-    VERSION = importlib.metadata.version("xpulora")
-except importlib.metadata.PackageNotFoundError:  # running from a checkout that was never installed
-    VERSION = "0+unknown"
 
 
 class BearerAuth:
@@ -54,7 +52,7 @@ class BearerAuth:
         self.expected = _digest(f"Bearer {api_key}".encode())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and (scope["path"] == "/v1" or scope["path"].startswith("/v1/")):
+        if scope["type"] == "http" and needs_key(scope["path"]):
             got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
             # Digests, not the raw values: compare_digest returns early when the lengths differ, which
             # would leak the key's length; two SHA-256 digests always have the same length.
@@ -63,6 +61,11 @@ class BearerAuth:
                                   ((b"www-authenticate", b"Bearer"),))
                 return
         await self.app(scope, receive, send)
+
+
+def needs_key(path: str) -> bool:
+    """The routes an API key protects: the API proper and the tokenizer (a 1 MiB prompt costs CPU)."""
+    return path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
 
 
 def _digest(value: bytes) -> bytes:
@@ -145,6 +148,7 @@ def create_app(engine_config: EngineConfig, *, engine: LLMEngine | None = None, 
     if api_key:  # added last: outermost, so an unauthenticated body is never read
         app.add_middleware(BearerAuth, api_key=api_key)
     app.include_router(adapters_router)
+    app.include_router(tokenize_router)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -161,6 +165,11 @@ def create_app(engine_config: EngineConfig, *, engine: LLMEngine | None = None, 
             return Response(json.dumps({"status": "healthy"}), media_type="application/json")
         return error_response(503, f"the engine is not running: {e.error!r}")
 
+    @app.get("/ping")  # vLLM's (SageMaker's) liveness probe, GET and POST: /health's answer
+    @app.post("/ping")
+    async def ping(request: Request) -> Response:
+        return await health(request)
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -175,7 +184,8 @@ def create_app(engine_config: EngineConfig, *, engine: LLMEngine | None = None, 
 # -- the OpenAPI document ---------------------------------------------------------------------------
 _ERRORS: dict[str, tuple[int, ...]] = {  # what each route answers besides 200 (and 401, 413, 405)
     "/v1/completions": (400, 404, 500, 503), "/v1/chat/completions": (400, 404, 500, 503),
-    "/v1/load_lora_adapter": (400, 403, 404), "/v1/unload_lora_adapter": (400, 404), "/health": (503,)}
+    "/v1/load_lora_adapter": (400, 403, 404), "/v1/unload_lora_adapter": (400, 404), "/health": (503,),
+    "/ping": (503,), "/tokenize": (400, 404), "/detokenize": (400, 404)}
 _ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type", "code"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "code": {"type": "integer"}}}}}
@@ -208,7 +218,7 @@ def _openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
             codes = list(_ERRORS.get(path, ()))
             if method == "post":
                 codes.append(413)
-            if api_key and path.startswith("/v1/"):
+            if api_key and needs_key(path):
                 codes.append(401)
                 op["security"] = [{"bearer": []}]
             for code in codes:

@@ -1,6 +1,11 @@
 """Prometheus metrics on a private registry per app (never the global one, so several apps can live
-in one process, as in tests). Names follow vLLM's with an `xpulora:` prefix; `xpulora:lora_requests_info`
-has vLLM's labels (running_lora_adapters, waiting_lora_adapters, max_lora) for LoRA-aware routers."""
+in one process, as in tests). Every series carries a `model_name` label (the first served name).
+
+Two names per series where vLLM has one: our `xpulora:` series, and the same samples under vLLM's
+`vllm:` names (num_requests_running, num_requests_waiting, kv_cache_usage_perc, lora_requests_info,
+prompt_tokens_total, ...), so that routers and dashboards built for vLLM (the Gateway API Inference
+Extension, Grafana boards) read them unchanged. `lora_requests_info` has vLLM's labels
+(running_lora_adapters, waiting_lora_adapters, max_lora) and the update time as its value."""
 
 from __future__ import annotations
 
@@ -14,55 +19,93 @@ from prometheus_client.registry import Collector
 from engine import AsyncEngine, RequestOutput
 
 P = "xpulora:"
+VLLM = "vllm:"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0, 480.0)
+# Our series that vLLM exports too, under the same name after the prefix (vllm:<name>).
+VLLM_ALIASES = frozenset({
+    "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions", "lora_requests_info",
+    "prompt_tokens", "generation_tokens", "request_success", "time_to_first_token_seconds",
+    "inter_token_latency_seconds", "e2e_request_latency_seconds"})
+MODEL = "model_name"
 
 
 class _EngineCollector(Collector):
     """Gauges and engine-side counters read at scrape time from the step thread's latest snapshot."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
-        self.engine = engine
+    def __init__(self, engine: AsyncEngine, model: str) -> None:
+        self.engine, self.model = engine, model
 
     def collect(self) -> Iterator[Metric]:
-        llm = self.engine.engine
+        llm, m = self.engine.engine, [self.model]
         s = self.engine.stats()
-        yield GaugeMetricFamily(P + "num_requests_running", "Requests in the running batch.", s.num_running)
-        yield GaugeMetricFamily(P + "num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        yield GaugeMetricFamily(P + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", s.kv_usage)
-        yield CounterMetricFamily(P + "num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions)
-        yield GaugeMetricFamily(P + "engine_healthy", "1 while the step loop is alive.", float(self.engine.healthy))
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=[MODEL])
+            g.add_metric(m, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=[MODEL])
+            c.add_metric(m, value)
+            return c
+
+        yield gauge(P + "num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge(P + "num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield gauge(P + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", s.kv_usage)
+        yield counter(P + "num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions)
+        yield gauge(P + "engine_healthy", "1 while the step loop is alive.", float(self.engine.healthy))
         lora = llm.lora
         if lora is None:
             return
-        yield CounterMetricFamily(P + "lora_adapter_loads", "Adapters registered (loads).", lora.num_loads)
-        yield CounterMetricFamily(P + "lora_adapter_unloads", "Adapters unregistered.", lora.num_unloads)
-        yield CounterMetricFamily(P + "lora_slot_evictions", "Adapters evicted from a device slot.",
-                                  lora.num_evictions)
-        yield GaugeMetricFamily(P + "lora_adapters_loaded", "Registered adapters.", len(lora.list_adapters()))
+        yield counter(P + "lora_adapter_loads", "Adapters registered (loads).", lora.num_loads)
+        yield counter(P + "lora_adapter_unloads", "Adapters unregistered.", lora.num_unloads)
+        yield counter(P + "lora_slot_evictions", "Adapters evicted from a device slot.", lora.num_evictions)
+        yield gauge(P + "lora_adapters_loaded", "Registered adapters.", len(lora.list_adapters()))
         info = GaugeMetricFamily(P + "lora_requests_info", "Running and waiting adapters (value: update time).",
-                                 labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
-        info.add_metric([",".join(s.running_adapters), ",".join(s.waiting_adapters), str(llm.config.lora.max_loras)],
-                        s.timestamp)
+                                 labels=[MODEL, "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        info.add_metric([self.model, ",".join(s.running_adapters), ",".join(s.waiting_adapters),
+                         str(llm.config.lora.max_loras)], s.timestamp)
         yield info
+
+
+class _VllmNames(Collector):
+    """The registry's xpulora: families that vLLM has, again under vLLM's names (same samples)."""
+
+    def __init__(self, sources: list[Collector]) -> None:
+        self.sources = sources
+
+    def collect(self) -> Iterator[Metric]:
+        for source in self.sources:
+            for fam in source.collect():
+                short = fam.name.removeprefix(P)
+                if short not in VLLM_ALIASES:
+                    continue
+                alias = Metric(VLLM + short, fam.documentation, fam.type, fam.unit)
+                alias.samples = [smp._replace(name=VLLM + smp.name.removeprefix(P)) for smp in fam.samples]
+                yield alias
 
 
 class Metrics:
     def __init__(self, engine: AsyncEngine) -> None:
         self.registry = r = CollectorRegistry()
-        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", registry=r)
-        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", registry=r)
+        self.model = engine.engine.served_model_name
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", [MODEL], registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", [MODEL], registry=r)
         self.request_success = Counter(P + "request_success", "Requests ended, by finish reason.",
-                                       ["finished_reason"], registry=r)
-        self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first token.", registry=r,
+                                       [MODEL, "finished_reason"], registry=r)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Arrival to first token.", [MODEL], registry=r,
                               buckets=_LATENCY_BUCKETS)
-        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between output tokens.", registry=r,
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between output tokens.", [MODEL], registry=r,
                              buckets=_LATENCY_BUCKETS)
-        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to last token.", registry=r,
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to last token.", [MODEL], registry=r,
                              buckets=_E2E_BUCKETS)
-        r.register(_EngineCollector(engine))
+        collector = _EngineCollector(engine, self.model)
+        r.register(collector)
+        r.register(_VllmNames([collector, self.prompt_tokens, self.generation_tokens, self.request_success,
+                               self.ttft, self.itl, self.e2e]))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -83,24 +126,26 @@ class RequestTracker:
     def observe(self, out: RequestOutput) -> None:
         now = time.monotonic()
         n = len(out.new_token_ids)
+        m, model = self.m, self.m.model
         if n:
             if self.first:
-                self.m.ttft.observe(now - self.arrival)
-                self.m.prompt_tokens.inc(out.num_prompt_tokens)
+                m.ttft.labels(model).observe(now - self.arrival)
+                m.prompt_tokens.labels(model).inc(out.num_prompt_tokens)
                 self.first = False
             else:
                 gap = (now - self.last) / n
+                itl = m.itl.labels(model)
                 for _ in range(n):
-                    self.m.itl.observe(gap)
-            self.m.generation_tokens.inc(n)
+                    itl.observe(gap)
+            m.generation_tokens.labels(model).inc(n)
             self.last = now
         if out.finished:
             self.done = True
-            self.m.e2e.observe(now - self.arrival)
-            self.m.request_success.labels(out.finish_reason or "stop").inc()
+            m.e2e.labels(model).observe(now - self.arrival)
+            m.request_success.labels(model, out.finish_reason or "stop").inc()
 
     def close(self) -> None:
         """The request ended without a final output (client gone, cancelled): count it as aborted."""
         if not self.done:
             self.done = True
-            self.m.request_success.labels("abort").inc()
+            self.m.request_success.labels(self.m.model, "abort").inc()

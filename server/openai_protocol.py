@@ -11,9 +11,18 @@ the prompt length are checked by the engine against max_model_len and max_logpro
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MAX_CHOICES = 256
 MAX_STOP = 16
@@ -226,8 +235,40 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
-class ChatCompletionRequest(_Sampling):
+# apply_chat_template's own parameters: set through the request's fields, never through chat_template_kwargs.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "add_special_tokens"})
+
+
+class ChatTemplateOptions(_Strict):
+    """vLLM's chat-template fields, shared by chat completions and /tokenize."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # template variables, e.g. {"enable_thinking": false}
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        bad = sorted(set(v or ()) & _RESERVED_TEMPLATE_KWARGS)
+        if bad:
+            raise ValueError(f"'chat_template_kwargs' may not set {', '.join(bad)} (use the request field of that "
+                             "name where there is one)")
+        return v
+
+    @model_validator(mode="after")
+    def _generation_prompt(self) -> ChatTemplateOptions:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("'continue_final_message' and 'add_generation_prompt' cannot both be true")
+        return self
+
+
+class ChatCompletionRequest(_Sampling, ChatTemplateOptions):
     messages: list[ChatMessage] = Field(min_length=1)
+    echo: bool = False  # vLLM's: the reply starts with the last message's content when it has the reply's role
     max_completion_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
     logprobs: bool = False
     top_logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 20})
@@ -271,17 +312,46 @@ class ChatCompletionRequest(_Sampling):
 class LoadLoRAAdapterRequest(_Strict):
     lora_name: str = Field(json_schema_extra={"pattern": ADAPTER_NAME_PATTERN})
     lora_path: str = Field(max_length=4096)  # PATH_MAX
+    load_inplace: bool = False  # vLLM's: replace a loaded adapter of this name instead of a 400
 
 
 class UnloadLoRAAdapterRequest(_Strict):
     lora_name: str = Field(json_schema_extra={"pattern": ADAPTER_NAME_PATTERN})
 
 
+class TokenizeCompletionRequest(_Strict):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool | None = False
+
+
+class TokenizeChatRequest(ChatTemplateOptions):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    return_token_strs: bool | None = False
+
+
+def _tokenize_kind(v: Any) -> str:
+    return "<chat>" if isinstance(v, dict) and "messages" in v else "<prompt>"
+
+
+# vLLM's two /tokenize bodies: one with `messages` (rendered by the chat template), one with `prompt`.
+# The tags are in angle brackets so that error messages can leave them out of field paths.
+TokenizeRequest = Annotated[Annotated[TokenizeChatRequest, Tag("<chat>")]
+                            | Annotated[TokenizeCompletionRequest, Tag("<prompt>")], Discriminator(_tokenize_kind)]
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int] = Field(json_schema_extra={"items": {"type": "integer", "minimum": 0}})
+
+
 def format_validation_errors(errors: list[dict[str, Any]]) -> str:
     """One readable line naming every offending field (FastAPI puts 'body' first in each loc)."""
     parts: list[str] = []
     for e in errors:
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        loc = [str(x) for x in e.get("loc", ()) if x != "body" and not str(x).startswith("<")]
         field = ".".join(loc)
         kind, msg = e.get("type", ""), str(e.get("msg", ""))
         if kind == "json_invalid":

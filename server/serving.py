@@ -29,7 +29,7 @@ from engine import AsyncEngine, OverloadedError, RequestError, RequestOutput, Re
 from server.errors import ApiError, error_body, error_response, status_of
 from server.logprobs import TokenText
 from server.metrics import Metrics, RequestTracker
-from server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from server.openai_protocol import ChatCompletionRequest, CompletionRequest, TokenizeChatRequest
 
 T = TypeVar("T")
 
@@ -42,7 +42,8 @@ class _Choice:
     prompt_index: int
     ids: list[int]
     params: SamplingParams
-    prefix: str = ""  # echoed prompt text
+    prefix: str = ""  # echoed prompt text (chat: the echoed last message)
+    role: str = "assistant"  # chat: the reply's role
     text: str = ""
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
@@ -64,24 +65,26 @@ class Serving:
         self.engine, self.metrics = engine, metrics
         llm = engine.engine
         self.tok = copy.deepcopy(llm.tokenizer)  # event loop only
-        self._enc_tok = copy.deepcopy(llm.tokenizer)  # the tokenizer thread only
+        self.enc_tok = copy.deepcopy(llm.tokenizer)  # the tokenizer thread only
         self._enc_pool = ThreadPoolExecutor(1, thread_name_prefix="xpulora-tokenize")
         self.tokens = TokenText(self.tok)
         self.base = llm.served_model_name
+        self.base_names = llm.base_names
         self.max_model_len = llm.max_model_len
         self.lora_enabled = llm.lora is not None
 
     def close(self) -> None:
         self._enc_pool.shutdown(wait=False, cancel_futures=True)
 
-    async def _on_tokenizer_thread(self, fn: Callable[[], T]) -> T:
+    async def on_tokenizer_thread(self, fn: Callable[[], T]) -> T:
+        """Run fn on the tokenizer thread, the only one that may use `enc_tok`."""
         return await asyncio.get_running_loop().run_in_executor(self._enc_pool, fn)
 
     # -- endpoints -----------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         if req.echo and req.logprobs is not None:
             raise ApiError(400, "'echo' with 'logprobs' needs prompt logprobs, which this server does not support")
-        tok = self._enc_tok
+        tok = self.enc_tok
 
         def encode() -> list[tuple[list[int], str]]:
             out = []
@@ -92,30 +95,50 @@ class Serving:
             return out
 
         choices: list[_Choice] = []
-        for pi, (ids, prefix) in enumerate(await self._on_tokenizer_thread(encode)):
+        for pi, (ids, prefix) in enumerate(await self.on_tokenizer_thread(encode)):
             for j in range(req.n):
                 choices.append(_Choice(len(choices), pi, ids, self._params(req, ids, j, req.max_tokens, req.logprobs),
                                        prefix, offset=len(prefix)))
         return await self._respond("cmpl", req, raw, choices, chat=False)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        ids = await self.chat_prompt_ids(req)
+        lp = (req.top_logprobs or 0) if req.logprobs else None
+        # vLLM's rules: without a generation prompt the reply continues the last message's role, and
+        # echo repeats the last message when it has that role.
+        last = req.messages[-1]
+        role = "assistant" if req.add_generation_prompt else last.role
+        echo = last.text() if req.echo and last.role == role else ""
+        choices = [_Choice(j, 0, ids, self._params(req, ids, j, req.output_limit, lp), echo, role=role)
+                   for j in range(req.n)]
+        return await self._respond("chatcmpl", req, raw, choices, chat=True)
+
+    async def chat_prompt_ids(self, req: ChatCompletionRequest | TokenizeChatRequest) -> list[int]:
+        """The messages rendered by the tokenizer's chat template with the request's template options
+        (chat_template_kwargs are template variables, e.g. Qwen3's enable_thinking), as token ids."""
         if not self.tok.chat_template:
             raise ApiError(400, f"model {self.base!r} has no chat template; use /v1/completions")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
                      **({"name": m.name} if m.name else {})} for m in req.messages]
-        tok = self._enc_tok
+        tok = self.enc_tok
 
         def encode() -> list[int]:
             try:
-                text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+                text = tok.apply_chat_template(messages, tokenize=False,
+                                               add_generation_prompt=req.add_generation_prompt,
+                                               continue_final_message=req.continue_final_message,
+                                               **(req.chat_template_kwargs or {}))
             except Exception as e:  # jinja errors from a model-supplied template: the client's input
                 raise ApiError(400, f"the chat template failed on these messages: {e}") from e
-            return tok.encode(text, add_special_tokens=False)
+            return tok.encode(text, add_special_tokens=req.add_special_tokens)
 
-        ids = await self._on_tokenizer_thread(encode)
-        lp = (req.top_logprobs or 0) if req.logprobs else None
-        choices = [_Choice(j, 0, ids, self._params(req, ids, j, req.output_limit, lp)) for j in range(req.n)]
-        return await self._respond("chatcmpl", req, raw, choices, chat=True)
+        return await self.on_tokenizer_thread(encode)
+
+    def check_model(self, model: str) -> None:
+        """404 unless `model` is a served base name or a loaded adapter (no load on first use)."""
+        lora = self.engine.engine.lora
+        if model not in self.base_names and (lora is None or model not in lora):
+            raise ApiError(404, f"model {model!r} does not exist (the base model is {self.base!r})")
 
     def _params(self, req: CompletionRequest | ChatCompletionRequest, ids: list[int], j: int,
                 max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -137,9 +160,9 @@ class Serving:
     # -- running ---------------------------------------------------------------------------------------
     async def _respond(self, kind: str, req: CompletionRequest | ChatCompletionRequest, raw: Request,
                        choices: list[_Choice], chat: bool) -> Response:
-        if req.model != self.base and not self.lora_enabled:
+        if req.model not in self.base_names and not self.lora_enabled:
             raise ApiError(404, f"model {req.model!r} does not exist (the base model is {self.base!r})")
-        lora = None if req.model == self.base else req.model
+        lora = None if req.model in self.base_names else req.model
         rid = f"{kind}-{uuid.uuid4().hex}"
         trackers = [self.metrics.tracker() for _ in choices]
         streams = await self._start(rid, choices, lora)
@@ -225,7 +248,7 @@ class Serving:
         want = c.params.logprobs is not None
         if chat:
             lp = {"content": self.tokens.chat(c.logprobs)} if want else None
-            return {"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+            return {"index": c.index, "message": {"role": c.role, "content": c.prefix + c.text}, "logprobs": lp,
                     "finish_reason": c.finish_reason}
         lp = self.tokens.completion(c.logprobs, len(c.prefix))[0] if want else None
         return {"index": c.index, "text": c.prefix + c.text, "logprobs": lp, "finish_reason": c.finish_reason}
@@ -236,9 +259,12 @@ class Serving:
         want = c.params.logprobs is not None and bool(out.new_logprobs)
         if chat:
             lp = {"content": self.tokens.chat(out.new_logprobs or [])} if want else None
-            if not out.new_text and lp is None and finish is None:
+            text = out.new_text
+            if not c.started:
+                text, c.started = c.prefix + text, True
+            if not text and lp is None and finish is None:
                 return None
-            delta = {"content": out.new_text} if out.new_text else {}
+            delta = {"content": text} if text else {}
             return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         text = out.new_text
         if not c.started:
@@ -263,7 +289,7 @@ class Serving:
         try:
             if chat:  # the role comes first, as OpenAI sends it
                 for c in choices:
-                    yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                    yield chunk([{"index": c.index, "delta": {"role": c.role, "content": ""}, "logprobs": None,
                                   "finish_reason": None}])
             async for c, out in self._merge(choices, streams, trackers):
                 if out.finish_reason == "error":

@@ -59,15 +59,19 @@ class LoRAManager:
         self.num_loads = self.num_unloads = self.num_evictions = 0
 
     # -- registry ------------------------------------------------------------------------------------
-    def load(self, name: str, path: str, pin: bool = False) -> int:
-        """Validate and register; raises AdapterError (nothing registered) on any problem."""
+    def load(self, name: str, path: str, pin: bool = False, replace: bool = False) -> int:
+        """Validate and register; raises AdapterError (nothing registered, nothing replaced) on any problem.
+        replace: an adapter already registered under `name` is unregistered (as by unload) once the new
+        one has loaded, in one step under the lock; the new one gets a new id."""
         with self._lock:
-            if name in self._by_name:
+            if name in self._by_name and not replace:
                 raise AdapterError(f"adapter {name!r} is already loaded; unload it first")
         adapter = load_adapter(name, path, self.target_shapes, self.config.max_lora_rank)  # slow part, unlocked
         with self._lock:
             if name in self._by_name:
-                raise AdapterError(f"adapter {name!r} is already loaded; unload it first")
+                if not replace:
+                    raise AdapterError(f"adapter {name!r} is already loaded; unload it first")
+                self.unload(name)
             e = _Entry(next(self._ids), name, adapter.path, adapter.checksum, pinned=pin)
             self._by_name[name] = e
             self._by_id[e.id] = e

@@ -17,6 +17,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
 _SAMPLE = re.compile(r"^([^\s{]+)(\{[^}]*\})?\s+(\S+)$")
+_MODEL_LABEL = re.compile(r'model_name="[^"]*",?|,model_name="[^"]*"')
 
 
 def free_port() -> int:
@@ -26,11 +27,13 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str, flags: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, model: str | None, flags: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        """model None: the flags name the model themselves (anywhere among them)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "server", model, "--port", str(self.port), "--api-key", API_KEY, *flags]
+        cmd = [sys.executable, "-m", "server", *([model] if model else []), "--port", str(self.port),
+               "--api-key", API_KEY, *flags]
         self._log = open(log_path, "w")  # noqa: SIM115 - lives as long as the process
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",
@@ -64,14 +67,18 @@ class ServerProcess:
         self._log.close()
         return self.proc.returncode
 
-    def metrics(self) -> dict[str, float]:
-        """name{labels} -> value for every sample in /metrics."""
+    def metrics(self, keep_model_name: bool = False) -> dict[str, float]:
+        """name{labels} -> value for every sample in /metrics; the model_name label (on every series, one
+        value per server) is left out of the keys unless keep_model_name."""
         text = httpx.get(self.url + "/metrics", timeout=10).text
         out: dict[str, float] = {}
         for line in text.splitlines():
             m = _SAMPLE.match(line)
             if m and not line.startswith("#"):
-                out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
+                labels = m.group(2) or ""
+                if not keep_model_name:
+                    labels = _MODEL_LABEL.sub("", labels).replace("{}", "")
+                out[m.group(1) + labels] = float(m.group(3))
         return out
 
     def wait_metrics(self, ok: Callable[[dict[str, float]], bool], timeout: float = 10.0) -> dict[str, float]:

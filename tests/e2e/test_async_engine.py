@@ -120,7 +120,7 @@ def test_engine_failure_makes_health_503(llm: LLMEngine, monkeypatch: pytest.Mon
             r = await client.get("/health")
             assert r.status_code == 503 and "device lost" in r.json()["error"]["message"]
             assert (await client.post("/v1/completions", json=body)).status_code == 503
-            assert "xpulora:engine_healthy 0.0" in (await client.get("/metrics")).text
+            assert f'xpulora:engine_healthy{{model_name="{base}"}} 0.0' in (await client.get("/metrics")).text
         monkeypatch.undo()
         for rid in list(llm.requests):  # leave the shared engine clean
             llm.abort(rid)

