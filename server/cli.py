@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,7 +67,18 @@ def demo_config(config: EngineConfig, adapters: Path = DEMO_ADAPTERS) -> EngineC
 
 
 # -- generate ----------------------------------------------------------------------------------------
-GENERATE_KEYS = {"prompt", "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs"}
+def _flag(v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"expected true or false, got {v!r}")
+    return v
+
+
+# The sampling fields of a JSONL line, each with the conversion it gets (the server's names and meanings).
+_SCALAR_FIELDS: dict[str, Callable[[Any], Any]] = {
+    "max_tokens": int, "temperature": float, "top_p": float, "top_k": int, "min_p": float,
+    "repetition_penalty": float, "presence_penalty": float, "frequency_penalty": float, "min_tokens": int,
+    "ignore_eos": _flag, "include_stop_str_in_output": _flag, "skip_special_tokens": _flag}
+GENERATE_KEYS = {"prompt", "model", "seed", "stop", "stop_token_ids", "logit_bias", "logprobs", *_SCALAR_FIELDS}
 
 
 def _line_request(line: dict[str, Any], base_names: set[str]) -> tuple[str | list[int], SamplingParams, str | None]:
@@ -80,10 +92,13 @@ def _line_request(line: dict[str, Any], base_names: set[str]) -> tuple[str | lis
         raise ValueError("'prompt' must be a string or a list of token ids")
     stop = line.get("stop") or ()
     stop = (stop,) if isinstance(stop, str) else tuple(stop)
+    bias = line.get("logit_bias") or {}
+    if not isinstance(bias, dict):
+        raise ValueError("'logit_bias' must be an object of token id -> bias")
     params = SamplingParams(
-        max_tokens=line.get("max_tokens", 16), temperature=float(line.get("temperature", 1.0)),
-        top_p=float(line.get("top_p", 1.0)), top_k=int(line.get("top_k", -1)), seed=line.get("seed"),
-        stop=stop, logprobs=line.get("logprobs"))
+        **{k: conv(line[k]) for k, conv in _SCALAR_FIELDS.items() if line.get(k) is not None},
+        seed=line.get("seed"), stop=stop, stop_token_ids=tuple(int(t) for t in line.get("stop_token_ids") or ()),
+        logit_bias=tuple((int(t), float(b)) for t, b in bias.items()), logprobs=line.get("logprobs"))
     model = line.get("model")
     adapter = None if model is None or model in base_names else str(model)
     return prompt, params, adapter

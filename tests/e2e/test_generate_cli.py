@@ -58,3 +58,23 @@ def test_seeded_generate_is_reproducible(model_factory, tmp_path: Path) -> None:
     line = json.dumps({"prompt": "hello world", "max_tokens": 8, "temperature": 1.0, "seed": 42})
     a = _run(model, [line, line], tmp_path)
     assert a[0]["token_ids"] == a[1]["token_ids"]
+
+
+def test_generate_takes_the_servers_sampling_fields(model_factory, tmp_path: Path) -> None:
+    """The vLLM sampling fields reach SamplingParams with the server's meanings (their effect on the logits is
+    checked against transformers' processors in tests/unit/test_logits_processors.py)."""
+    model = model_factory("qwen3", "auto_round", True)
+    fields = {"max_tokens": 6, "temperature": 0, "repetition_penalty": 1.5, "presence_penalty": 0.5,
+              "frequency_penalty": 0.7, "min_p": 0.1, "top_k": 5, "logit_bias": {"7": 8.0}, "min_tokens": 6,
+              "ignore_eos": True, "stop_token_ids": [3], "include_stop_str_in_output": True}
+    lines = [json.dumps({"prompt": "hello world", **fields}), json.dumps({"prompt": "hello world", "max_tokens": 6,
+             "temperature": 0}), json.dumps({"prompt": "hi", "ignore_eos": "yes"})]
+    out = _run(model, lines, tmp_path, "--max-model-len", "64")
+    engine = make_engine(model, max_model_len=64)
+    params = SamplingParams(**{**fields, "logit_bias": ((7, 8.0),), "stop_token_ids": (3,)})
+    ref = engine.generate(["hello world"], params)[0]
+    plain = engine.generate(["hello world"], SamplingParams(max_tokens=6, temperature=0))[0]
+    assert out[0]["token_ids"] == ref.token_ids and out[0]["text"] == ref.text
+    assert out[1]["token_ids"] == plain.token_ids
+    assert ref.token_ids != plain.token_ids  # the fields change the output, so dropping them would show
+    assert "expected true or false" in out[2]["error"]
