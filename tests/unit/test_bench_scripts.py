@@ -39,6 +39,8 @@ def test_profile_step_quick(tmp_path: Path) -> None:
 
 def test_bench_serve_quick(tmp_path: Path) -> None:
     rows = _run("bench_serve.py", tmp_path)
+    assert [r["concurrency"] for r in rows if r["case"] == "offline"] == [1, 4]
+    rows = [r for r in rows if r["case"] == "serve"]
     assert [r["concurrency"] for r in rows] == [1, 4]
     for r in rows:
         assert r["errors"] == 0 and r["wrong_length"] == 0, r
