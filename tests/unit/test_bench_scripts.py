@@ -35,3 +35,16 @@ def test_profile_step_quick(tmp_path: Path) -> None:
     assert all(r["lm_head_ms"] > 0 and r["sampler_ms"] > 0 for r in steps)
     hosts = [r for r in rows if r["part"] == "host"]
     assert len(hosts) == 3 and all(r["top_self_ms_per_step"] for r in hosts)
+
+
+def test_bench_serve_quick(tmp_path: Path) -> None:
+    rows = _run("bench_serve.py", tmp_path)
+    assert [r["concurrency"] for r in rows if r["case"] == "offline"] == [1, 4]
+    rows = [r for r in rows if r["case"] == "serve"]
+    assert [r["concurrency"] for r in rows] == [1, 4]
+    for r in rows:
+        assert r["errors"] == 0 and r["wrong_length"] == 0, r
+        assert r["server_tokens_per_s"] > 0 and r["offline_tokens_per_s"] > 0 and r["ratio"] > 0
+        assert r["ttft_s"]["p50"] is not None and r["itl_s"]["p50"] is not None
+        # float32 on the CPU: the server's greedy texts are the offline engine's
+        assert r["text_mismatch"] == 0, r

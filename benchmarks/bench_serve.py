@@ -1,0 +1,197 @@
+"""The server against the offline engine on the same model, adapters and request plan, in one run: what a
+user gets over HTTP (a real `python -m server`, concurrent streaming clients) next to what `LLMEngine` does
+with the same requests and the same number in flight. One JSON line per concurrency:
+
+    server_tokens_per_s, offline_tokens_per_s, ratio (server / offline), ttft_s p50/p99, itl_s p50/p99
+    (inter-token latency: the gaps between a stream's chunks), offline_ms_per_step.
+
+Requests: token-id prompts of 16-64 tokens, greedy, ignore_eos, max_tokens between half and all of
+--new-tokens, spread round-robin over the adapters and the base model (every (adapters+1)-th request).
+
+    python benchmarks/bench_serve.py --layers 36 --adapters 32 --batches 32 64 --requests 256 --new-tokens 128
+    python benchmarks/bench_serve.py --quick          # tiny shapes on the CPU (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_e2e import emit, engine_config, model_args, write_model
+from benchmarks.load import _pct
+from engine import LLMEngine, SamplingParams
+from tests.e2e.serverlib import REPO, ServerProcess
+
+
+@dataclass(frozen=True)
+class Req:
+    prompt: list[int]
+    model: str | None
+    """Adapter name; None is the base model."""
+    max_tokens: int
+
+
+def plan(n: int, n_adapters: int, new_tokens: int, vocab: int, seed: int = 0) -> list[Req]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        k = i % (n_adapters + 1)
+        out.append(Req([rng.randrange(vocab) for _ in range(rng.randint(16, 64))],
+                       f"a{k}" if k < n_adapters else None, rng.randint(max(1, new_tokens // 2), new_tokens)))
+    return out
+
+
+def offline(e: LLMEngine, reqs: list[Req], concurrency: int, texts: list[str] | None = None) -> dict[str, float]:
+    """The plan through the engine with at most `concurrency` requests in flight (a new one is added as one
+    ends, as concurrent clients do); each request's text goes to texts[i] when given."""
+    pending = list(enumerate(reqs))[::-1]
+    steps = 0
+
+    def add() -> None:
+        i, r = pending.pop()
+        e.add_request(str(i), r.prompt, SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True),
+                      r.model)
+
+    for _ in range(min(concurrency, len(pending))):
+        add()
+    e.device.synchronize()
+    t0 = time.perf_counter()
+    while e.has_unfinished():
+        for out in e.step():
+            if texts is not None:
+                texts[int(out.request_id)] += out.new_text
+            if out.finished and pending:
+                add()
+        steps += 1
+    e.device.synchronize()
+    dt = time.perf_counter() - t0
+    tokens = sum(r.max_tokens for r in reqs)
+    return {"offline_tokens_per_s": tokens / dt, "offline_ms_per_step": 1e3 * dt / steps, "offline_steps": steps}
+
+
+@dataclass
+class Stream:
+    tokens: int = 0
+    text: str = ""
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+async def one(client: httpx.AsyncClient, base: str, r: Req) -> Stream:
+    s, t0 = Stream(), time.perf_counter()
+    body = {"model": r.model or base, "prompt": r.prompt, "max_tokens": r.max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    last = t0
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        if resp.status_code != 200:
+            s.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
+            return s
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                s.error = json.dumps(ev["error"])[:300]
+            if ev.get("choices"):
+                s.text += ev["choices"][0]["text"]
+                now = time.perf_counter()
+                if s.ttft is None:
+                    s.ttft = now - t0
+                else:
+                    s.gaps.append(now - last)
+                last = now
+            if ev.get("usage"):
+                s.tokens = ev["usage"]["completion_tokens"]
+    return s
+
+
+async def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int,
+                 texts: list[str] | None = None) -> dict[str, object]:
+    """The plan over HTTP with at most `concurrency` streams open; text_mismatch counts the requests whose
+    text differs from texts (the offline run's; informational: on a GPU a different batch composition can
+    flip a near tie)."""
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=srv.url, headers=srv.headers, timeout=600, limits=limits) as client:
+        async def bounded(r: Req) -> Stream:
+            async with sem:
+                return await one(client, base, r)
+
+        t0 = time.perf_counter()
+        streams = await asyncio.gather(*(bounded(r) for r in reqs))
+        dt = time.perf_counter() - t0
+    errors = [s.error for s in streams if s.error]
+    wrong = sum(s.tokens != r.max_tokens for s, r in zip(streams, reqs) if not s.error)
+    ttft = [s.ttft for s in streams if s.ttft is not None]
+    gaps = [g for s in streams for g in s.gaps]
+    return {"server_tokens_per_s": sum(s.tokens for s in streams) / dt,
+            "ttft_s": {"p50": _pct(ttft, 50), "p99": _pct(ttft, 99)},
+            "itl_s": {"p50": _pct(gaps, 50), "p99": _pct(gaps, 99)},
+            "errors": len(errors), "wrong_length": wrong,
+            "text_mismatch": None if texts is None else sum(s.text != t for s, t in zip(streams, texts)),
+            "first_error": errors[0] if errors else None}
+
+
+def server_flags(device: str, adapters: list[str], max_batch: int) -> list[str]:
+    """The CLI form of bench_e2e.engine_config (the offline engine's configuration)."""
+    flags = ["--device", device, "--dtype", "bfloat16" if device != "cpu" else "float32", "--max-model-len", "512",
+             "--max-num-seqs", str(max_batch)]
+    if device != "cpu":
+        flags += ["--num-kv-blocks", "8192"]
+    if adapters:
+        flags += ["--enable-lora", "--max-loras", str(len(adapters)), "--max-lora-rank", "16",
+                  "--lora-modules", *(f"a{i}={p}" for i, p in enumerate(adapters))]
+    return flags
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    model_args(ap, [32, 64], [32], "/tmp/xpulora-serve")
+    ap.add_argument("--requests", type=int, default=256)
+    a = ap.parse_args()
+    device, s, _, path, adapters = write_model(a)  # --quick: tiny shapes, batches [1, 4], 2 adapters
+    if a.quick:
+        a.requests, a.new_tokens = 16, 8
+    n = max(a.adapters)
+    max_batch = max(a.batches)
+    reqs = plan(a.requests, n, a.new_tokens, min(s.vocab, 1000))
+    rows: dict[int, dict] = {}
+    texts = [""] * len(reqs)
+    with LLMEngine(engine_config(path, adapters[:n], max_batch, device.type)) as e:
+        offline(e, reqs[: min(8, len(reqs))], 8)  # warm-up
+        for i, c in enumerate(a.batches):
+            rows[c] = offline(e, reqs, c, texts if i == 0 else None)
+            emit(case="offline", concurrency=c, **rows[c])  # kept should the server fail
+    # the child keeps this process's import path (ServerProcess would set the repository alone)
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    srv = ServerProcess(path, server_flags(device.type, adapters[:n], max_batch), Path(a.root) / "server.log", env)
+    try:
+        srv.wait_ready(timeout=600)
+        base = httpx.get(srv.url + "/v1/models", headers=srv.headers, timeout=30).json()["data"][0]["id"]
+        asyncio.run(served(srv, base, reqs[: min(8, len(reqs))], 8))  # warm-up
+        failed = False
+        for c in a.batches:
+            r = asyncio.run(served(srv, base, reqs, c, texts))
+            row = {"case": "serve", "concurrency": c, "requests": len(reqs), "adapters": n, **rows[c], **r}
+            row["ratio"] = row["server_tokens_per_s"] / row["offline_tokens_per_s"]
+            failed |= bool(r["errors"] or r["wrong_length"])
+            emit(**row)
+    finally:
+        srv.stop()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
