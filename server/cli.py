@@ -30,8 +30,11 @@ from engine import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEMO_MODEL = REPO_ROOT / "demo" / "model"
-DEMO_ADAPTERS = REPO_ROOT / "demo" / "adapters"
+# The bundled demo lies beside the packages in a checkout; an installed wheel (the Docker image) has none
+# beside it, and XPULORA_DEMO_DIR says where it is.
+DEMO_DIR = Path(os.environ.get("XPULORA_DEMO_DIR") or REPO_ROOT / "demo")
+DEMO_MODEL = DEMO_DIR / "model"
+DEMO_ADAPTERS = DEMO_DIR / "adapters"
 
 
 def _lora_module(s: str) -> tuple[str, str]:
@@ -278,7 +281,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     serve.add_argument("model", nargs="?", default=None, help="model folder (default: the bundled demo model)")
-    serve.add_argument("--host", default="127.0.0.1")
+    # XPULORA_HOST: the Docker image sets 0.0.0.0, so that any flags after the image name keep it reachable.
+    serve.add_argument("--host", default=os.environ.get("XPULORA_HOST") or "127.0.0.1",
+                       help="address to listen on (default: $XPULORA_HOST, else 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=os.environ.get("XPULORA_API_KEY"), help="require Bearer KEY on /v1/*")
     serve.add_argument("--max-waiting-requests", type=int, default=None, help="503 beyond this many waiting")
