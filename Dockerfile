@@ -48,7 +48,7 @@ RUN --mount=type=secret,id=ca \
                    "${igc}/intel-igc-opencl-2_${INTEL_IGC}+${INTEL_IGC_BUILD}_amd64.deb" \
                    "https://github.com/oneapi-src/level-zero/releases/download/v${LEVEL_ZERO}/level-zero_${LEVEL_ZERO}+u24.04_amd64.deb"; do \
             echo "fetching ${url}"; \
-            curl -fsSL --retry 3 --connect-timeout 20 --cacert "${ca}" -o "/tmp/intel/${url##*/}" "${url}"; \
+            curl -fsSL --retry 3 --connect-timeout 20 --cacert "${ca}" -o "/tmp/intel/${url##*/}" "${url}" || exit 1; \
         done \
      && apt-get install -y --no-install-recommends /tmp/intel/*.deb \
      && apt-get purge -y --auto-remove curl \

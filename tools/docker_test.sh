@@ -121,6 +121,15 @@ say "building $IMAGE (log: last lines below on failure)"
 if ! DOCKER_BUILDKIT=1 "$DOCKER" build --progress plain "${build[@]}" . >"$WORK/build.log" 2>&1; then
   tail -40 "$WORK/build.log"; die "docker build"
 fi
+# steps cached|run: the build's stage steps (`deps:4/4`, ...) that came from the layer cache, or that ran.
+steps() {
+  awk -v want="$1" '/^#[0-9]+ \[[a-z]+ [0-9]+\/[0-9]+\]/ {s[$1] = substr($2, 2) ":" substr($3, 1, length($3) - 1)}
+    /^#[0-9]+ CACHED/ {c[$1] = 1}
+    END {for (k in s) if ((k in c) == (want == "cached")) print s[k]}' "$WORK/build.log" | sort -V | paste -sd' '
+}
+# After a code or README edit only the project's own steps (build:*, final:3/9 on) should run.
+say "build steps cached: $(steps cached)"
+say "build steps run: $(steps run)"
 say "built $IMAGE: $("$DOCKER" image inspect --format '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1 / 1e6}')"
 
 # -- 4..6. run it ----------------------------------------------------------------------------------------------

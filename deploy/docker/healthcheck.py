@@ -18,17 +18,28 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def _serve_args(argv: list[str]) -> list[str] | None:
+    """`serve ...` if ARGV runs the server: `xpulora serve`, `python -m server.cli_main serve` or
+    `python -m server` (which is `xpulora serve`)."""
+    for i, arg in enumerate(argv):
+        rest = argv[i + 1:]
+        if (Path(arg).name == "xpulora" or arg == "server.cli_main") and rest[:1] == ["serve"]:
+            return rest
+        if arg == "server" and argv[i - 1:i] == ["-m"]:
+            return ["serve", *rest]
+    return None
+
+
 def serve_commands() -> Iterator[tuple[int, list[str]]]:
-    """(pid, argv from `serve` on) of every process running `xpulora serve` or `python -m server serve`, by pid."""
+    """(pid, its `serve ...` arguments) of every process running the server, by pid."""
     for proc in sorted(Path("/proc").glob("[0-9]*"), key=lambda p: int(p.name)):
         try:
             argv = [a.decode(errors="replace") for a in (proc / "cmdline").read_bytes().split(b"\0")[:-1]]
         except OSError:
             continue
-        for i in range(1, len(argv)):
-            if argv[i] == "serve" and (argv[i - 1].endswith("/xpulora") or argv[i - 1] in ("xpulora", "server")):
-                yield int(proc.name), argv[i:]
-                break
+        args = _serve_args(argv)
+        if args is not None:
+            yield int(proc.name), args
 
 
 def external_address() -> str:

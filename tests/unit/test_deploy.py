@@ -137,7 +137,7 @@ def _healthcheck():  # deploy/docker/healthcheck.py, imported as the image runs 
 
 @pytest.mark.parametrize("bind", ["0.0.0.0", "127.0.0.1"])
 def test_healthcheck_finds_the_server_and_fails_on_loopback_only(bind: str, tmp_path: Path) -> None:
-    """A real `python -m server serve` (the demo) with its port given by flag: the health check finds it among
+    """A real `python -m server.cli_main serve` (the demo) with its port given by flag: the health check finds it among
     the processes, takes the port from its command line, and is healthy when the server listens on every
     interface, unhealthy when it listens on the loopback only (the check probes the non-loopback address)."""
     hc = _healthcheck()
@@ -145,7 +145,7 @@ def test_healthcheck_finds_the_server_and_fails_on_loopback_only(bind: str, tmp_
         pytest.skip("this machine has no non-loopback address")
     port = _free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    server = subprocess.Popen([sys.executable, "-m", "server", "serve", "--host", bind, "--port", str(port)],
+    server = subprocess.Popen([sys.executable, "-m", "server.cli_main", "serve", "--host", bind, "--port", str(port)],
                               env=env, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 240
