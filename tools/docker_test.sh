@@ -20,6 +20,7 @@
 #   DOCKER_TEST_IMAGE    tag to build (default xpulora:cpu-test)
 #   DOCKER_TEST_BASE     base image (default xpulora-base:bookworm, made here if missing)
 #   DOCKER_TEST_WHEELS   folder with a CPU torch wheel (default /opt/wheels when it holds one)
+#   DOCKER_TEST_WHEEL_PORT  loopback port that serves DOCKER_TEST_WHEELS to the build (default 18765)
 #   DOCKER_TEST_CA       CA bundle given to the build (default /etc/ssl/certs/ca-certificates.crt)
 #   DOCKER               client binary (default: `docker` if it can use BuildKit, else Debian's /usr/bin/docker)
 set -euo pipefail
@@ -106,7 +107,8 @@ build=(--network host --build-arg DEVICE=cpu --build-arg "BASE_IMAGE=$BASE" -t "
 if [[ -s "$CA" ]]; then build+=(--secret "id=ca,src=$CA"); fi
 torch_wheel="$(find "$WHEELS" -maxdepth 1 -name 'torch-*+cpu-*.whl' 2>/dev/null | sort | tail -1)"
 if [[ -n "$torch_wheel" ]]; then
-  port="$(free_port)"
+  # A fixed port: PIP_FIND_LINKS is part of the layer cache key of every pip step after it.
+  port="${DOCKER_TEST_WHEEL_PORT:-18765}"
   python3 -m http.server --bind 127.0.0.1 --directory "$WHEELS" "$port" >"$WORK/wheels.log" 2>&1 &
   WHEEL_PID=$!
   version="$(basename "$torch_wheel" | cut -d- -f2)"

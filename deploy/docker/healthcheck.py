@@ -1,21 +1,24 @@
 """Docker HEALTHCHECK of the xpulora image: GET /health where a client outside the container would connect.
 
-The port is the running server's own: its command line (`xpulora serve ...`, found under /proc, also when
-an init process such as `docker run --init` is PID 1) is parsed by the server's own argument parser, so
-`--port` and `--config` count exactly as they did for the server. The address is the container's
-non-loopback one, so a server that listens on the loopback only (`--host 127.0.0.1`) is unhealthy: nothing
-outside the container could reach it. XPULORA_HEALTH_URL, when set, is used as it is.
+The port is the running server's own: from its command line (`xpulora serve ...`, found under /proc, also
+when an init process such as `docker run --init` is PID 1), `--port` or the `--config` preset's `port`.
+The address is the container's non-loopback one, so a server that listens on the loopback only
+(`--host 127.0.0.1`) is unhealthy: nothing outside the container could reach it. XPULORA_HEALTH_URL, when
+set, is used as it is.
 Exit status 0: healthy; 1: not (the message lands in `docker inspect`'s health log).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import socket
 import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+
+import yaml
 
 
 def _serve_args(argv: list[str]) -> list[str] | None:
@@ -55,12 +58,26 @@ def external_address() -> str:
         s.close()
 
 
+def server_port(args: list[str]) -> int:
+    """The port `xpulora serve` takes from ARGS (`serve ...`): --port, else the --config preset's `port`, else
+    8000. Read here rather than through server.cli, which imports torch: seconds per check on a busy host."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--port", type=int)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(args[1:])
+    if known.port is not None:
+        return known.port
+    if known.config:
+        with open(known.config) as f:
+            preset = yaml.safe_load(f) or {}
+        if "port" in preset:
+            return int(preset["port"])
+    return 8000
+
+
 def health_url(args: list[str]) -> str:
     """Where a client outside the container reaches /health of the server started with ARGS (`serve ...`)."""
-    from server.cli import build_parser  # answers without importing torch
-
-    port = build_parser(args).parse_args(args).port
-    return f"http://{external_address()}:{port}/health"
+    return f"http://{external_address()}:{server_port(args)}/health"
 
 
 def probe(url: str) -> str:

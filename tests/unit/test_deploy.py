@@ -135,6 +135,21 @@ def _healthcheck():  # deploy/docker/healthcheck.py, imported as the image runs 
     return healthcheck
 
 
+def test_healthcheck_reads_the_port_as_the_server_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The health check's light reading of --port / --config (no torch import) agrees with the server's parser."""
+    from server.cli import build_parser
+
+    hc = _healthcheck()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "p.yaml").write_text("port: 9100\nmax-num-seqs: 4\n")
+    (tmp_path / "q.yaml").write_text("max-num-seqs: 4\n")
+    cases = [[], ["--port", "9000"], ["--port=9001", "--max-num-seqs", "4"], ["/models/m", "--config", "p.yaml"],
+             ["--config", "p.yaml", "--port", "9002"], ["--config=q.yaml"], ["--host", "127.0.0.1", "/m"]]
+    for flags in cases:
+        args = ["serve", *flags]
+        assert hc.server_port(args) == build_parser(args).parse_args(args).port, flags
+
+
 @pytest.mark.parametrize("bind", ["0.0.0.0", "127.0.0.1"])
 def test_healthcheck_finds_the_server_and_fails_on_loopback_only(bind: str, tmp_path: Path) -> None:
     """A real `python -m server.cli_main serve` (the demo) with its port given by flag: the health check finds it among
