@@ -36,3 +36,10 @@ lint: setup-test
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+# make docker-test: builds the CPU image from the Dockerfile on this machine (starting a Docker daemon and
+# making a base image if needed) and drives docs/smoke.sh against running containers; see tools/docker_test.sh.
+# Not part of `make test`: it needs root and Docker and takes minutes.
+.PHONY: docker-test
+docker-test:
+	tools/docker_test.sh

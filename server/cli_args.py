@@ -13,14 +13,18 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEMO_MODEL = REPO_ROOT / "demo" / "model"
-DEMO_ADAPTERS = REPO_ROOT / "demo" / "adapters"
+# The bundled demo lies beside the packages in a checkout; an installed wheel (the Docker image) has none
+# beside it, and XPULORA_DEMO_DIR says where it is.
+DEMO_DIR = Path(os.environ.get("XPULORA_DEMO_DIR") or REPO_ROOT / "demo")
+DEMO_MODEL = DEMO_DIR / "model"
+DEMO_ADAPTERS = DEMO_DIR / "adapters"
 DEVICE_CHOICES = ("auto", "xpu", "cuda", "cpu")  # engine.device.DeviceName (tests/unit/test_cli.py keeps them equal)
 try:
     VERSION = importlib.metadata.version("xpulora")
@@ -260,7 +264,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", formatter_class=_Formatter)
     _model_args(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    # XPULORA_HOST: the Docker image sets 0.0.0.0, so that any flags after the image name keep it reachable.
+    serve.add_argument("--host", default=os.environ.get("XPULORA_HOST") or "127.0.0.1",
+                       help="address to listen on (default: $XPULORA_HOST, else 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port")
     serve.add_argument("--api-key", default=None,
                        help="require Bearer KEY on /v1/*, /tokenize and /detokenize (default: $XPULORA_API_KEY)")
