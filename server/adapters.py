@@ -56,7 +56,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> d
     if name == engine.engine.served_model_name:
         raise ApiError(400, f"adapter name {name!r} is the base model's name")
     path = resolve_under_roots(body.lora_path, cfg.lora_roots)  # 403 outside every root
-    await engine.load_adapter(name, path)
+    await engine.load_adapter(name, path, cfg.lora_roots)  # 403 also if the folder moved out since
     log.info("loaded adapter %r from %s", name, path)
     return {"object": "lora_adapter", "lora_name": name, "lora_path": path, "status": "loaded"}
 

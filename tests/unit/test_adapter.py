@@ -469,6 +469,11 @@ def test_rank_over_limit(tmp, small):
 
 def test_scale_overflow_refused(tmp, small):
     p = copy_with(small, tmp / "overflow", cfg_edit=lambda c: c.update(lora_alpha=1e300))
+    with pytest.raises(AdapterError, match=r"'ov'.*lora_alpha must be a finite number \(\|alpha\| <= 1e\+06\)"):
+        load_adapter("ov", str(p), SHAPES, max_rank=8)
+    # within the alpha limit, a huge (finite) lora_B value still overflows once scaled
+    p = copy_with(small, tmp / "overflow-b", cfg_edit=lambda c: c.update(lora_alpha=1e6),
+                  tensors_edit=lambda t: t[KEY_B].__setitem__((0, 0), 3e38))
     with pytest.raises(AdapterError, match=r"'ov'.*lora_B \* scale .* overflows"):
         load_adapter("ov", str(p), SHAPES, max_rank=8)
 
