@@ -162,8 +162,8 @@ class AdapterFiles:
             fd = self._open(fname, os.O_RDONLY | os.O_NONBLOCK, self._dir)
         except FileNotFoundError:
             if fname == WEIGHTS_FILE and self._exists(PICKLE_FILE):
-                raise AdapterError(f"adapter {self.name!r}: {self.shown} holds only {PICKLE_FILE}; pickled .bin "
-                                   f"adapters are refused; save with safe_serialization=True") from None
+                raise AdapterError(f"adapter {self.name!r}: {self.shown} holds only {PICKLE_FILE}; "
+                                   f"pickled .bin adapters are refused; save with safe_serialization=True") from None
             raise AdapterNotFoundError(f"adapter {self.name!r}: no {fname} in {self.shown}") from None
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise AdapterError(f"adapter {self.name!r}: {fname} in {self.shown} is not a regular file")
