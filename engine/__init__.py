@@ -1,7 +1,6 @@
 """xpulora engine: what the server and the CLI may use."""
 
 from engine.async_engine import (
-    AdapterPathForbiddenError,
     AsyncEngine,
     EngineFailedError,
     EngineStats,
@@ -21,9 +20,9 @@ from engine.config import (
 from engine.device import DEVICE_CHOICES
 from engine.llm_engine import GenerationResult, LLMEngine
 from engine.loader import CheckpointError
-from engine.lora.adapter import AdapterError, AdapterNotFoundError, validate_name
+from engine.lora.adapter import AdapterError, AdapterNotFoundError, AdapterPathForbiddenError, validate_name
 from engine.lora.manager import AdapterNotLoadedError
-from engine.protocol import ModelNotFoundError, RequestError, RequestOutput, SamplingParams, TokenLogprob
+from engine.protocol import ErrorKind, ModelNotFoundError, RequestError, RequestOutput, SamplingParams, TokenLogprob
 
 __all__ = [
     "DEVICE_CHOICES",
@@ -38,6 +37,7 @@ __all__ = [
     "EngineConfig",
     "EngineFailedError",
     "EngineStats",
+    "ErrorKind",
     "GenerationResult",
     "LLMEngine",
     "LoRAConfig",

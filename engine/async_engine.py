@@ -23,7 +23,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.llm_engine import LLMEngine
-from engine.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterError, validate_name
+from engine.lora.adapter import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    AdapterError,
+    AdapterNotFoundError,
+    AdapterPathForbiddenError,
+    validate_name,
+)
 from engine.protocol import RequestError, RequestOutput, SamplingParams
 from engine.worker import EngineDeadError
 
@@ -39,32 +46,33 @@ class EngineFailedError(OverloadedError):
     """The step loop failed; the engine serves nothing more (HTTP 503, /health unhealthy)."""
 
 
-class AdapterPathForbiddenError(AdapterError):
-    """An adapter path outside every --lora-root, or runtime loads without a root (HTTP 403)."""
-
-
 def resolve_under_roots(path: str, roots: Sequence[str]) -> str:
     """The real path of `path` if it lies inside one of `roots` (both resolved, so `..` and symlinks
     cannot escape); a relative path is taken relative to each root in turn. The adapter's two files
-    are checked too: a folder inside a root whose files are symlinks to elsewhere is refused."""
+    are checked too: a folder inside a root whose files are symlinks to elsewhere is refused. This is the
+    early answer; the load checks again on the files it opens (the links can change in between)."""
     if not roots:
         raise AdapterPathForbiddenError("runtime adapter loads are disabled: start the server with --lora-root DIR")
     if "\0" in path:  # os.path raises ValueError on it (was an HTTP 500)
         raise AdapterError(f"adapter path {path!r} contains a NUL character")
-    real_roots = [os.path.realpath(r) for r in roots]
+    try:
+        real_roots = [os.path.realpath(r) for r in roots]
 
-    def inside(real: str) -> bool:
-        return any(os.path.commonpath([real, r]) == r for r in real_roots)
+        def inside(real: str) -> bool:
+            return any(os.path.commonpath([real, r]) == r for r in real_roots)
 
-    candidates = [path] if os.path.isabs(path) else [os.path.join(r, path) for r in real_roots]
-    reals = [os.path.realpath(c) for c in candidates]
-    for real in reals:
-        if not inside(real):
-            raise AdapterPathForbiddenError(f"adapter path {path} is outside every --lora-root")
-    chosen = next((r for r in reals if os.path.exists(r)), reals[0])
-    for f in (CONFIG_FILE, WEIGHTS_FILE):
-        if not inside(os.path.realpath(os.path.join(chosen, f))):
-            raise AdapterPathForbiddenError(f"adapter path {path}: {f} is a link to outside every --lora-root")
+        candidates = [path] if os.path.isabs(path) else [os.path.join(r, path) for r in real_roots]
+        reals = [os.path.realpath(c) for c in candidates]
+        for real in reals:
+            if not inside(real):
+                raise AdapterPathForbiddenError(f"adapter path {path} is outside every --lora-root")
+        chosen = next((r for r in reals if os.path.exists(r)), reals[0])
+        for f in (CONFIG_FILE, WEIGHTS_FILE):
+            if not inside(os.path.realpath(os.path.join(chosen, f))):
+                raise AdapterPathForbiddenError(f"adapter path {path}: {f} is a link to outside every --lora-root")
+    except OSError as e:  # a link replaced while realpath followed it
+        raise AdapterNotFoundError(f"adapter path {path} changed while it was being resolved ({e.strerror}); "
+                                   "retry") from None
     return chosen
 
 
@@ -252,11 +260,12 @@ class AsyncEngine:
             raise OverloadedError("the server is shutting down")
 
     # -- adapters ------------------------------------------------------------------------------------
-    async def load_adapter(self, name: str, path: str, replace: bool = False) -> None:
-        """Load (validated) in a worker thread; serialized per name with autoload. An explicit load lifts
+    async def load_adapter(self, name: str, path: str, roots: Sequence[str] = (), replace: bool = False) -> None:
+        """Load (validated) in a worker thread; serialized per name with autoload. roots: confine the
+        load (and later re-reads) to these folders, checked on the opened files. An explicit load lifts
         an earlier explicit unload (see unload_adapter); replace swaps a loaded adapter of that name."""
         async with self._name_lock(name):
-            await asyncio.to_thread(self.engine.load_lora_adapter, name, path, False, replace)
+            await asyncio.to_thread(self.engine.load_lora_adapter, name, path, False, tuple(roots), replace)
             self._unloaded.discard(name)
 
     async def unload_adapter(self, name: str) -> None:
@@ -294,7 +303,8 @@ class AsyncEngine:
             if name in lora or name in self._unloaded:
                 return
             try:
-                await asyncio.to_thread(self.engine.load_lora_adapter, name, path)
+                await asyncio.to_thread(self.engine.load_lora_adapter, name, path, False,
+                                        self.engine.config.lora.lora_roots)
             except AdapterError as e:
                 raise RequestError(f"model {name!r}: loading it from {path} failed: {e}") from e
             log.info("autoloaded adapter %r from %s", name, path)

@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import os
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -24,6 +25,7 @@ from engine.lora.adapter import AdapterError, LoRAAdapter
 from engine.lora.manager import LoRAManager
 from engine.model_runner import ModelRunner
 from engine.protocol import (
+    ErrorKind,
     FinishReason,
     ModelNotFoundError,
     RequestError,
@@ -182,14 +184,16 @@ class LLMEngine:
         return lora_id
 
     # -- adapters ------------------------------------------------------------------------------------
-    def load_lora_adapter(self, name: str, path: str, pin: bool = False, replace: bool = False) -> int:
-        """Validate and register an adapter (safe while the engine steps in another thread); replace: a
-        loaded adapter of that name is swapped for the new one once it has loaded (vLLM's load_inplace)."""
+    def load_lora_adapter(self, name: str, path: str, pin: bool = False, roots: Seq[str] = (),
+                          replace: bool = False) -> int:
+        """Validate and register an adapter (safe while the engine steps in another thread); roots: the
+        folders it must lie in (runtime loads); replace: a loaded adapter of that name is swapped for the
+        new one once it has loaded (vLLM's load_inplace)."""
         if self.lora is None:
             raise AdapterError("LoRA is not enabled on this engine (start it with --enable-lora)")
         if name in self.base_names:
             raise AdapterError(f"adapter name {name!r} is the base model's name")
-        return self.lora.load(name, path, pin, replace)
+        return self.lora.load(name, path, pin, roots, replace)
 
     def unload_lora_adapter(self, name: str) -> None:
         if self.lora is None:
@@ -288,15 +292,19 @@ class LLMEngine:
 
     def _resolve_loads(self, step: SchedulerOutput, seqs: list[Sequence]
                        ) -> tuple[SchedulerOutput, list[Sequence], list[RequestOutput], list[tuple[int, LoRAAdapter]]]:
-        """Fetch the adapters that must be copied into slots; requests whose adapter can no longer be read fail."""
+        """Fetch the adapters that must be copied into slots; requests whose adapter can no longer be read
+        fail with its error, and nothing a file holds stops the step loop."""
         assert self.lora is not None
-        failed: dict[int, str] = {}
+        failed: dict[int, tuple[str, ErrorKind]] = {}
         loads: list[tuple[int, LoRAAdapter]] = []
         for slot, lora_id in step.lora_loads:
             try:
                 loads.append((slot, self.lora.adapter(lora_id)))
-            except (AdapterError, OSError) as e:
-                failed[slot] = str(e)
+            except AdapterError as e:  # the re-read raises nothing else for what the files hold
+                failed[slot] = (str(e), "adapter")
+            except Exception as e:  # a bug, not a file: fail these requests, keep serving the others
+                log.exception("re-reading adapter %s failed", lora_id)
+                failed[slot] = (f"re-reading the adapter failed: {e}", "internal")
         if not failed:
             return step, seqs, [], loads
         outputs = []
@@ -305,8 +313,9 @@ class LLMEngine:
             if e.lora_slot in failed:
                 req = self.requests[s.request_id]
                 self._end(req)
-                outputs.append(RequestOutput(s.request_id, [], "", None, True, "error", error=failed[e.lora_slot],
-                                             num_prompt_tokens=s.num_prompt_tokens))
+                message, kind = failed[e.lora_slot]
+                outputs.append(RequestOutput(s.request_id, [], "", None, True, "error", error=message,
+                                             error_kind=kind, num_prompt_tokens=s.num_prompt_tokens))
         for slot in failed:
             self.lora.forget_slot(slot)
         step = SchedulerOutput([e for e, _ in keep], [], step.finished_seq_ids, step.num_preempted)

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+ErrorKind = Literal["internal", "adapter"]
+"""Why a request ended in "error": an engine fault, or its adapter's files (unreadable, changed on disk)."""
 
 
 class RequestError(ValueError):
@@ -136,3 +138,4 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    error_kind: ErrorKind = "internal"

@@ -58,7 +58,8 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> d
     if name in engine.engine.base_names:
         raise ApiError(400, f"adapter name {name!r} is the base model's name")
     path = resolve_under_roots(body.lora_path, cfg.lora_roots)  # 403 outside every root
-    await engine.load_adapter(name, path, replace=body.load_inplace)
+    # roots: 403 also if the folder moved out since it was resolved
+    await engine.load_adapter(name, path, cfg.lora_roots, replace=body.load_inplace)
     log.info("%s adapter %r from %s", "reloaded" if body.load_inplace else "loaded", name, path)
     return {"object": "lora_adapter", "lora_name": name, "lora_path": path, "status": "loaded"}
 

@@ -33,6 +33,7 @@ from engine import AsyncEngine, CheckpointError, EngineConfig, LLMEngine
 from server.adapters import router as adapters_router
 from server.cli_args import VERSION
 from server.errors import ERROR_TYPES, error_body, error_response, install_error_handlers
+from server.http_limits import uvicorn_limits
 from server.metrics import Metrics
 from server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from server.serving import Serving
@@ -300,7 +301,7 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
                     timer.cancel()
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                            timeout_graceful_shutdown=int(GRACE_S) + 10, lifespan="on")
+                            timeout_graceful_shutdown=int(GRACE_S) + 10, lifespan="on", **uvicorn_limits())
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _ignore_signal)
     server = _Server(config)

@@ -16,6 +16,7 @@ from engine import (
     AdapterNotFoundError,
     AdapterNotLoadedError,
     AdapterPathForbiddenError,
+    ErrorKind,
     ModelNotFoundError,
     OverloadedError,
     RequestError,
@@ -59,6 +60,11 @@ def status_of(exc: BaseException) -> int:
     if isinstance(exc, ApiError):
         return exc.status
     return next((code for cls, code in _STATUS if isinstance(exc, cls)), 500)
+
+
+def output_error_status(kind: ErrorKind) -> int:
+    """A request that ended in "error": 400 when its adapter's files are at fault, else 500."""
+    return 400 if kind == "adapter" else 500
 
 
 def error_body(status: int, message: str) -> dict:

@@ -25,8 +25,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from engine import AsyncEngine, OverloadedError, RequestError, RequestOutput, RequestStream, SamplingParams
-from server.errors import ApiError, error_body, error_response, status_of
+from engine import AsyncEngine, ErrorKind, OverloadedError, RequestError, RequestOutput, RequestStream, SamplingParams
+from server.errors import ApiError, error_body, error_response, output_error_status, status_of
 from server.logprobs import TokenText
 from server.metrics import Metrics, RequestTracker
 from server.openai_protocol import ChatCompletionRequest, CompletionRequest, TokenizeChatRequest
@@ -48,6 +48,7 @@ class _Choice:
     logprobs: list[Any] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    error_kind: ErrorKind = "internal"
     num_output_tokens: int = 0
     started: bool = False  # streaming: the echo prefix was sent
     offset: int = 0  # completions text_offset of the next token
@@ -57,7 +58,7 @@ class _Choice:
         self.logprobs.extend(out.new_logprobs or ())
         self.num_output_tokens = out.num_output_tokens or self.num_output_tokens
         if out.finished:
-            self.finish_reason, self.error = out.finish_reason, out.error
+            self.finish_reason, self.error, self.error_kind = out.finish_reason, out.error, out.error_kind
 
 
 class Serving:
@@ -184,7 +185,7 @@ class Serving:
             close()
         failed = next((c for c in choices if c.finish_reason == "error"), None)
         if failed is not None:
-            raise ApiError(500, failed.error or "generation failed")
+            raise ApiError(output_error_status(failed.error_kind), failed.error or "generation failed")
         if any(c.finish_reason == "abort" for c in choices):  # only shutdown aborts a request it still serves
             raise ApiError(503, "the request was aborted: the server is shutting down")
         body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
@@ -293,7 +294,7 @@ class Serving:
                                   "finish_reason": None}])
             async for c, out in self._merge(choices, streams, trackers):
                 if out.finish_reason == "error":
-                    yield _event(error_body(500, out.error or "generation failed"))
+                    yield _event(error_body(output_error_status(out.error_kind), out.error or "generation failed"))
                     break
                 part = self._delta(c, out, chat)
                 if part is not None:

@@ -3,7 +3,8 @@
 - Names map to internal ids; every (re)load gets a new id, so nothing kept under an old id (slot
   contents, cached state) is reused by a same-name reload.
 - Host cache: at most `max_cpu_loras` adapters keep their tensors in memory (LRU); an evicted one is
-  re-read from disk when it next needs a slot, and refused if its files changed meanwhile.
+  re-read from disk when it next needs a slot (confined to the roots it was loaded under), and refused,
+  before anything is parsed, if its files' bytes are not the ones loaded.
 - Device slots: `max_loras`, LRU, refcounted by running sequences, pinnable. A slot is only reused
   when no running sequence holds it.
 - Unload removes the name at once; the adapter lives on until its last request ends.
@@ -15,11 +16,11 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.config import LoRAConfig
-from engine.lora.adapter import AdapterError, LoRAAdapter, load_adapter
+from engine.lora.adapter import AdapterError, Fingerprint, LoRAAdapter, load_adapter
 from engine.protocol import ModelNotFoundError
 
 
@@ -35,7 +36,9 @@ class _Entry:
     id: int
     name: str
     path: str
-    checksum: str
+    fingerprint: Fingerprint
+    roots: tuple[str, ...]
+    """The --lora-root folders a runtime load was confined to (re-reads are too); () for startup loads."""
     pinned: bool = False
     users: int = 0
     """Sequences (waiting or running) that use this adapter."""
@@ -59,20 +62,21 @@ class LoRAManager:
         self.num_loads = self.num_unloads = self.num_evictions = 0
 
     # -- registry ------------------------------------------------------------------------------------
-    def load(self, name: str, path: str, pin: bool = False, replace: bool = False) -> int:
+    def load(self, name: str, path: str, pin: bool = False, roots: Sequence[str] = (), replace: bool = False) -> int:
         """Validate and register; raises AdapterError (nothing registered, nothing replaced) on any problem.
-        replace: an adapter already registered under `name` is unregistered (as by unload) once the new
-        one has loaded, in one step under the lock; the new one gets a new id."""
+        roots: the folders the adapter must lie in (runtime loads), checked on the opened files. replace: an
+        adapter already registered under `name` is unregistered (as by unload) once the new one has loaded,
+        in one step under the lock; the new one gets a new id."""
         with self._lock:
             if name in self._by_name and not replace:
                 raise AdapterError(f"adapter {name!r} is already loaded; unload it first")
-        adapter = load_adapter(name, path, self.target_shapes, self.config.max_lora_rank)  # slow part, unlocked
+        adapter = load_adapter(name, path, self.target_shapes, self.config.max_lora_rank, roots)  # slow, unlocked
         with self._lock:
             if name in self._by_name:
                 if not replace:
                     raise AdapterError(f"adapter {name!r} is already loaded; unload it first")
                 self.unload(name)
-            e = _Entry(next(self._ids), name, adapter.path, adapter.checksum, pinned=pin)
+            e = _Entry(next(self._ids), name, adapter.path, adapter.fingerprint, tuple(roots), pinned=pin)
             self._by_name[name] = e
             self._by_id[e.id] = e
             self._cache(e.id, adapter)
@@ -149,16 +153,13 @@ class LoRAManager:
             if hit is not None:
                 self._host.move_to_end(adapter_id)
                 return hit
-        # Re-read with the same bounded, validated reader (a plain checksum of the files first would read
-        # whatever size they have now); its checksum is of the bytes the tensors came from.
+        # Re-read through the same confined reader; it compares the size, then the checksum of the raw
+        # bytes, with what was loaded before it parses anything (the config was validated at load).
         try:
-            adapter = load_adapter(e.name, e.path, self.target_shapes, self.config.max_lora_rank)
+            adapter = load_adapter(e.name, e.path, self.target_shapes, self.config.max_lora_rank, e.roots,
+                                   expect=e.fingerprint)
         except AdapterError as err:
-            raise AdapterError(f"adapter {e.name!r}: files under {e.path} changed on disk since it was loaded "
-                               f"and no longer load ({err}); unload and load it again") from err
-        if adapter.checksum != e.checksum:
-            raise AdapterError(f"adapter {e.name!r}: files under {e.path} changed on disk since it was loaded; "
-                               "unload and load it again")
+            raise type(err)(f"{err}; the adapter cannot be re-read from disk: unload and load it again") from None
         with self._lock:
             self._cache(adapter_id, adapter)
         return adapter

@@ -220,9 +220,9 @@ shapes = demo_shapes()
 real = A.safe_open
 def attempt(tag, hook):
     d = os.path.join(work, tag); shutil.copytree(src, d)
-    def patched(path, framework="pt", snapshot=None):
-        f = real(path, framework, snapshot)
-        hook(path)
+    def patched(fh, size, framework="pt", snapshot=None):
+        f = real(fh, size, framework, snapshot)
+        hook(os.path.join(d, "adapter_model.safetensors"))
         return f
     A.safe_open = patched
     try:

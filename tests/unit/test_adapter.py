@@ -469,6 +469,11 @@ def test_rank_over_limit(tmp, small):
 
 def test_scale_overflow_refused(tmp, small):
     p = copy_with(small, tmp / "overflow", cfg_edit=lambda c: c.update(lora_alpha=1e300))
+    with pytest.raises(AdapterError, match=r"'ov'.*lora_alpha must be a finite number \(\|alpha\| <= 1e\+06\)"):
+        load_adapter("ov", str(p), SHAPES, max_rank=8)
+    # within the alpha limit, a huge (finite) lora_B value still overflows once scaled
+    p = copy_with(small, tmp / "overflow-b", cfg_edit=lambda c: c.update(lora_alpha=1e6),
+                  tensors_edit=lambda t: t[KEY_B].__setitem__((0, 0), 3e38))
     with pytest.raises(AdapterError, match=r"'ov'.*lora_B \* scale .* overflows"):
         load_adapter("ov", str(p), SHAPES, max_rank=8)
 
@@ -538,3 +543,87 @@ def test_nothing_returned_on_late_failure(tmp, small):
     p = copy_with(small, tmp / "late", tensors_edit=lambda t: t[last].__setitem__((0, 0), float("nan")))
     with pytest.raises(AdapterError, match=r"model\.layers\.1\.self_attn\.v_proj: lora_B contains NaN"):
         load_adapter("late", str(p), SHAPES, max_rank=8)
+
+
+# ------------------------------------------------------------------------------------------------
+# hostile files (issue 22): bounded parsing, linear-time regexes, confinement, checksum-first re-reads
+
+HOSTILE_CONFIGS = [
+    (lambda c: "[" * 100_000 + "]" * 100_000, r"nests more than 32 levels"),
+    (lambda c: json.dumps(c)[:-1] + ', "x": ' + "[" * 40 + "]" * 40 + "}", r"nests more than 32 levels"),
+    (lambda c: json.dumps(c).replace('"lora_alpha": 8', '"lora_alpha": ' + "7" * 400), r"a number of 400 characters"),
+    (lambda c: json.dumps(c).replace('"r": 4', '"r": ' + "7" * 5000), r"a number of 5000 characters"),
+    (lambda c: json.dumps({**c, "r": 1 << 40}), r"r must be a positive integer \(at most 65536\)"),
+    (lambda c: json.dumps({**c, "alpha_pattern": {"q_proj": 1e300}}), r"alpha_pattern\['q_proj'\] must be a finite"),
+    (lambda c: json.dumps({**c, "layers_to_transform": [-1]}), r"layers_to_transform must be"),
+    (lambda c: json.dumps({**c, "target_modules": "(" * 5000 + "q_proj" + ")" * 5000}), r"10006 characters"),
+    (lambda c: json.dumps({**c, "target_modules": r"(q)\1_proj"}), r"not a valid regex.*RE2"),
+    (lambda c: json.dumps({**c, "rank_pattern": {f"k{i}": 4 for i in range(1025)}}), r"1025 keys; at most 1024"),
+    (lambda c: json.dumps({**c, "exclude_modules": [str(i) for i in range(4097)]}), r"4097 names"),
+    (lambda c: json.dumps({**c, "rank_pattern": {f"[a-z]{{1000}}{i}": 4 for i in range(600)}}),
+     r"compile to more than"),
+]
+
+
+@pytest.mark.parametrize("make,pattern", HOSTILE_CONFIGS, ids=[f"hostile{i}" for i in range(len(HOSTILE_CONFIGS))])
+def test_hostile_configs_are_the_adapters_own_error(tmp_path, small, make, pattern):
+    p = copy_with(small, tmp_path / "hostile")
+    (p / "adapter_config.json").write_text(make(json.loads((p / "adapter_config.json").read_text())))
+    with pytest.raises(AdapterError, match=rf"adapter 'h'.*{pattern}") as ei:
+        load_adapter("h", str(p), SHAPES, max_rank=8)
+    assert type(ei.value).__name__ not in str(ei.value) and "Error" not in str(ei.value)
+
+
+@pytest.mark.timeout(60)
+def test_catastrophic_regexes_match_in_linear_time(tmp, small):
+    """Python's re never returns from (.*.*)*X against a module name; RE2 matches it in microseconds."""
+    p = copy_with(small, tmp / "redos", cfg_edit=lambda c: c.update(
+        target_modules=r"(.*.*)*X|.*\.(q|v)_proj", exclude_modules=r"(.*.*)*Y", rank_pattern={"(.*.*)*X": 2},
+        alpha_pattern={r".{6}(.*)*X|.*v_proj": 16}))
+    ad = load_adapter("redos", str(p), SHAPES, max_rank=8)
+    ref = load_adapter("ref", str(small), SHAPES, max_rank=8)
+    assert sorted(ad.modules) == sorted(ref.modules) and ad.rank == 4
+    v0 = "model.layers.0.self_attn.v_proj"  # alpha 16 instead of 8 through the alpha_pattern regex
+    torch.testing.assert_close(ad.modules[v0].b, ref.modules[v0].b * 2)
+    torch.testing.assert_close(ad.modules[Q0].b, ref.modules[Q0].b)
+
+
+def test_confined_to_the_roots_on_the_opened_files(tmp, small):
+    root, outside = tmp / "root22", tmp / "outside22"
+    root.mkdir()
+    copy_with(small, outside / "evil")
+    copy_with(small, root / "ok")
+    os.symlink(outside / "evil", root / "escape")
+    os.symlink(root / "ok", root / "inner")
+    linked = copy_with(small, root / "linkedfile")
+    (linked / "adapter_model.safetensors").unlink()
+    os.symlink(outside / "evil" / "adapter_model.safetensors", linked / "adapter_model.safetensors")
+    roots = [str(root)]
+    assert load_adapter("a", str(root / "inner"), SHAPES, 8, roots).path == str((root / "ok").resolve())
+    with pytest.raises(adapter_mod.AdapterPathForbiddenError, match="outside every --lora-root"):
+        load_adapter("a", str(root / "escape"), SHAPES, 8, roots)
+    with pytest.raises(adapter_mod.AdapterPathForbiddenError, match=r"adapter_model\.safetensors is a link to outside"):
+        load_adapter("a", str(linked), SHAPES, 8, roots)
+    assert load_adapter("a", str(root / "escape"), SHAPES, 8).path == str((outside / "evil").resolve())  # no roots
+    fifo = copy_with(small, root / "fifo")
+    (fifo / "adapter_config.json").unlink()
+    os.mkfifo(fifo / "adapter_config.json")  # opening it blocking would hang the load forever
+    with pytest.raises(AdapterError, match=r"adapter_config\.json in .* is not a regular file"):
+        load_adapter("a", str(fifo), SHAPES, 8, roots)
+
+
+def test_reread_compares_the_checksum_before_parsing(tmp, small):
+    p = copy_with(small, tmp / "reread")
+    ad = load_adapter("rr", str(p), SHAPES, 8)
+    good = (p / "adapter_config.json").read_bytes()
+    again = load_adapter("rr", str(p), SHAPES, 8, expect=ad.fingerprint)
+    assert again.checksum == ad.checksum and sorted(again.modules) == sorted(ad.modules)
+    (p / "adapter_config.json").write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    with pytest.raises(AdapterError, match=r"'rr'.*changed on disk since the load") as ei:
+        load_adapter("rr", str(p), SHAPES, 8, expect=ad.fingerprint)
+    assert "nests" not in str(ei.value)  # refused on the checksum: never parsed
+    (p / "adapter_config.json").write_bytes(good)
+    with open(p / "adapter_model.safetensors", "r+b") as f:
+        f.truncate(8 << 30)  # a huge sparse file: refused on its size, unread
+    with pytest.raises(AdapterError, match=r"'rr'.*is now 8589934592 bytes"):
+        load_adapter("rr", str(p), SHAPES, 8, expect=ad.fingerprint)
