@@ -6,7 +6,6 @@ from engine.async_engine import (
     EngineStats,
     OverloadedError,
     RequestStream,
-    resolve_under_roots,
 )
 from engine.config import (
     CacheConfig,
@@ -21,6 +20,7 @@ from engine.device import DEVICE_CHOICES
 from engine.llm_engine import GenerationResult, LLMEngine
 from engine.loader import CheckpointError
 from engine.lora.adapter import AdapterError, AdapterNotFoundError, AdapterPathForbiddenError, validate_name
+from engine.lora.adapter_files import resolve_under_roots
 from engine.lora.manager import AdapterNotLoadedError
 from engine.protocol import ErrorKind, ModelNotFoundError, RequestError, RequestOutput, SamplingParams, TokenLogprob
 

@@ -23,14 +23,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.llm_engine import LLMEngine
-from engine.lora.adapter import (
-    CONFIG_FILE,
-    WEIGHTS_FILE,
-    AdapterError,
-    AdapterNotFoundError,
-    AdapterPathForbiddenError,
-    validate_name,
-)
+from engine.lora.adapter import AdapterError, validate_name
+from engine.lora.adapter_files import resolve_under_roots
 from engine.protocol import RequestError, RequestOutput, SamplingParams
 from engine.worker import EngineDeadError
 
@@ -44,36 +38,6 @@ class OverloadedError(RuntimeError):
 
 class EngineFailedError(OverloadedError):
     """The step loop failed; the engine serves nothing more (HTTP 503, /health unhealthy)."""
-
-
-def resolve_under_roots(path: str, roots: Sequence[str]) -> str:
-    """The real path of `path` if it lies inside one of `roots` (both resolved, so `..` and symlinks
-    cannot escape); a relative path is taken relative to each root in turn. The adapter's two files
-    are checked too: a folder inside a root whose files are symlinks to elsewhere is refused. This is the
-    early answer; the load checks again on the files it opens (the links can change in between)."""
-    if not roots:
-        raise AdapterPathForbiddenError("runtime adapter loads are disabled: start the server with --lora-root DIR")
-    if "\0" in path:  # os.path raises ValueError on it (was an HTTP 500)
-        raise AdapterError(f"adapter path {path!r} contains a NUL character")
-    try:
-        real_roots = [os.path.realpath(r) for r in roots]
-
-        def inside(real: str) -> bool:
-            return any(os.path.commonpath([real, r]) == r for r in real_roots)
-
-        candidates = [path] if os.path.isabs(path) else [os.path.join(r, path) for r in real_roots]
-        reals = [os.path.realpath(c) for c in candidates]
-        for real in reals:
-            if not inside(real):
-                raise AdapterPathForbiddenError(f"adapter path {path} is outside every --lora-root")
-        chosen = next((r for r in reals if os.path.exists(r)), reals[0])
-        for f in (CONFIG_FILE, WEIGHTS_FILE):
-            if not inside(os.path.realpath(os.path.join(chosen, f))):
-                raise AdapterPathForbiddenError(f"adapter path {path}: {f} is a link to outside every --lora-root")
-    except OSError as e:  # a link replaced while realpath followed it
-        raise AdapterNotFoundError(f"adapter path {path} changed while it was being resolved ({e.strerror}); "
-                                   "retry") from None
-    return chosen
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,32 @@ def _inside(real: str, roots: Sequence[str]) -> bool:
     return any(os.path.commonpath([real, r]) == r for r in roots)
 
 
+def resolve_under_roots(path: str, roots: Sequence[str]) -> str:
+    """The real path of `path` if it lies inside one of `roots` (both resolved, so `..` and symlinks
+    cannot escape); a relative path is taken relative to each root in turn. The adapter's two files
+    are checked too: a folder inside a root whose files are symlinks to elsewhere is refused. This is the
+    early answer; the load checks again on the files it opens (the links can change in between)."""
+    if not roots:
+        raise AdapterPathForbiddenError("runtime adapter loads are disabled: start the server with --lora-root DIR")
+    if "\0" in path:  # os.path raises ValueError on it (was an HTTP 500)
+        raise AdapterError(f"adapter path {path!r} contains a NUL character")
+    try:
+        real_roots = [os.path.realpath(r) for r in roots]
+        candidates = [path] if os.path.isabs(path) else [os.path.join(r, path) for r in real_roots]
+        reals = [os.path.realpath(c) for c in candidates]
+        for real in reals:
+            if not _inside(real, real_roots):
+                raise AdapterPathForbiddenError(f"adapter path {path} is outside every --lora-root")
+        chosen = next((r for r in reals if os.path.exists(r)), reals[0])
+        for f in (CONFIG_FILE, WEIGHTS_FILE):
+            if not _inside(os.path.realpath(os.path.join(chosen, f)), real_roots):
+                raise AdapterPathForbiddenError(f"adapter path {path}: {f} is a link to outside every --lora-root")
+    except OSError as e:  # a link replaced while realpath followed it
+        raise AdapterNotFoundError(f"adapter path {path} changed while it was being resolved ({e.strerror}); "
+                                   "retry") from None
+    return chosen
+
+
 def _stat_sig(st: os.stat_result) -> tuple[int, int, int]:
     return st.st_ino, st.st_size, st.st_mtime_ns
 
