@@ -23,7 +23,14 @@ from engine.llm_engine import GenerationResult, LLMEngine
 from engine.loader import CheckpointError
 from engine.lora.adapter import AdapterError, AdapterNotFoundError, validate_name
 from engine.lora.manager import AdapterNotLoadedError
-from engine.protocol import ModelNotFoundError, RequestError, RequestOutput, SamplingParams, TokenLogprob
+from engine.protocol import (
+    ModelNotFoundError,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    StructuredSpec,
+    TokenLogprob,
+)
 
 __all__ = [
     "DEVICE_CHOICES",
@@ -50,6 +57,7 @@ __all__ = [
     "RequestStream",
     "SamplingParams",
     "SchedulerConfig",
+    "StructuredSpec",
     "TokenLogprob",
     "resolve_under_roots",
     "validate_name",

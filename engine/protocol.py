@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+StructuredKind = Literal["json", "regex", "choice", "grammar"]
 
 
 class RequestError(ValueError):
@@ -15,6 +16,20 @@ class RequestError(ValueError):
 
 class ModelNotFoundError(RequestError):
     """The request names a model that is neither the base nor a loaded adapter (HTTP 404)."""
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """What a request's output must match (a plain value: it travels in SamplingParams)."""
+
+    kind: StructuredKind
+    """json: a JSON schema; regex; choice: one of a JSON list of strings; grammar: Lark (llguidance's
+    dialect, %json allowed) or GBNF."""
+    text: str
+    """The schema / regex / JSON list / grammar source."""
+    start_after: int | None = None
+    """A token id (the reasoning end, `</think>`): the output is free until it appears, then constrained.
+    None: constrained from the first token."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +73,8 @@ class SamplingParams:
     """Reserved; echo with logprobs needs it. Not supported yet."""
     skip_special_tokens: bool = True
     """Leave special tokens (e.g. <|endoftext|>) out of the text."""
+    structured: StructuredSpec | None = None
+    """The output must match this grammar (engine/structured.py); None: free."""
 
     def validate(self, max_logprobs: int = 20, vocab_size: int | None = None) -> None:
         """Raise RequestError naming the first bad field (vLLM's ranges); vocab_size bounds the token ids."""
