@@ -43,12 +43,12 @@ class ChatPlan:
     """For the chat template."""
     parse_tools: bool
     spec: StructuredSpec | None
-    named: str | None = None
 
 
 def plan_chat(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | None, parallel: bool | None,
               response_format: ResponseFormat | None, structured: StructuredOutputs | None,
-              opts: ChatOptions) -> ChatPlan:
+              opts: ChatOptions, tag_tokens: bool) -> ChatPlan:
+    """tag_tokens: the tokenizer has <tool_call> / </tool_call> tokens (see tool_call_grammar)."""
     try:
         spec = output_spec(response_format, structured)
     except ValueError as e:
@@ -70,12 +70,13 @@ def plan_chat(tools: list[Tool] | None, tool_choice: str | NamedToolChoice | Non
         raise ApiError(400, "a 'required' or named 'tool_choice' cannot be combined with 'response_format' or "
                        "'structured_outputs'")
     if choice == "required":
-        return ChatPlan(rendered, True, StructuredSpec("grammar", tool_call_grammar(tools, parallel is not False)))
+        grammar = tool_call_grammar(tools, parallel is not False, tag_tokens)
+        return ChatPlan(rendered, True, StructuredSpec("grammar", grammar))
     assert isinstance(choice, NamedToolChoice)
     named = [t for t in tools if t.function.name == choice.function.name]
     if not named:
         raise ApiError(400, f"tool_choice names function {choice.function.name!r}, which is not in 'tools'")
-    return ChatPlan(rendered, True, StructuredSpec("grammar", tool_call_grammar(named, False)), choice.function.name)
+    return ChatPlan(rendered, True, StructuredSpec("grammar", tool_call_grammar(named, False, tag_tokens)))
 
 
 def reasoning_spec(spec: StructuredSpec | None, state: ReasoningState | None, think_close: int | None

@@ -77,7 +77,9 @@ class Serving:
         self.engine, self.metrics = engine, metrics
         llm = engine.engine
         self.chat_opts = chat or ChatOptions()
-        self.think_close = think_close_id(llm.tokenizer.get_vocab()) if self.chat_opts.reasoning_parser else None
+        vocab = llm.tokenizer.get_vocab()
+        self.think_close = think_close_id(vocab) if self.chat_opts.reasoning_parser else None
+        self.tool_tags = "<tool_call>" in vocab and "</tool_call>" in vocab
         # Grammars compile here, never on the step thread or the event loop (llguidance drops the GIL).
         self._grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="xpulora-grammar")
         self.grammars = llm.grammar.compiler
@@ -132,7 +134,7 @@ class Serving:
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
         plan = plan_chat(req.tools, req.tool_choice, req.parallel_tool_calls, req.response_format,
-                         req.structured_outputs, self.chat_opts)
+                         req.structured_outputs, self.chat_opts, self.tool_tags)
         text, ids = await self._render(req)
         state = prompt_reasoning_state(text) if self.chat_opts.reasoning_parser else None
         spec = await self.compiled(reasoning_spec(plan.spec, state, self.think_close))

@@ -30,14 +30,16 @@ def _call_schema(tool: Tool) -> dict[str, Any]:
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
-def tool_call_grammar(tools: list[Tool], parallel: bool) -> str:
-    """Lark: one call (or, when parallel, one or more separated by newlines) to one of `tools`."""
+def tool_call_grammar(tools: list[Tool], parallel: bool, tag_tokens: bool) -> str:
+    """Lark: one call (or, when parallel, one or more separated by newlines) to one of `tools`. tag_tokens:
+    the tokenizer has `<tool_call>` and `</tool_call>` as tokens (Qwen's): llguidance takes added tokens as
+    special ones, which only a token reference (`<tool_call>` unquoted) matches, not their text."""
     schema: dict[str, Any] = (_call_schema(tools[0]) if len(tools) == 1
                               else {"anyOf": [_call_schema(t) for t in tools]})
     schema["x-guidance"] = JSON_OPTIONS
     more = ' ("\\n" call)*' if parallel else ""
-    return (f"start: call{more}\n"
-            f'call: "{OPEN}\\n" %json {json.dumps(schema)} "\\n{CLOSE}"\n')
+    open_, close = (OPEN, CLOSE) if tag_tokens else (json.dumps(OPEN), json.dumps(CLOSE))
+    return f'start: call{more}\ncall: {open_} "\\n" %json {json.dumps(schema)} "\\n" {close}\n'
 
 
 def _parse_call(block: str) -> tuple[str, str] | None:

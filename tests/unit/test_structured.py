@@ -163,15 +163,15 @@ def test_plan_chat_rules() -> None:
     tools = [Tool.model_validate({"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}})]
     off = ChatOptions()
     with pytest.raises(ApiError, match="enable-auto-tool-choice"):
-        plan_chat(tools, None, None, None, None, off)  # default tool_choice "auto" needs the flags
-    assert plan_chat(tools, "auto", None, None, None, ChatOptions(True, "hermes")).parse_tools
-    none = plan_chat(tools, "none", None, None, None, off)
+        plan_chat(tools, None, None, None, None, off, False)  # default tool_choice "auto" needs the flags
+    assert plan_chat(tools, "auto", None, None, None, ChatOptions(True, "hermes"), False).parse_tools
+    none = plan_chat(tools, "none", None, None, None, off, False)
     assert none.tools and not none.parse_tools and none.spec is None
     named = plan_chat(tools, NamedToolChoice.model_validate({"type": "function", "function": {"name": "f"}}),
-                      None, None, None, off)
+                      None, None, None, off, False)
     assert named.spec is not None and named.spec.kind == "grammar" and named.parse_tools
     with pytest.raises(ApiError, match="not in 'tools'"):
         plan_chat(tools, NamedToolChoice.model_validate({"type": "function", "function": {"name": "g"}}),
-                  None, None, None, off)
+                  None, None, None, off, False)
     with pytest.raises(ApiError, match="needs 'tools'"):
-        plan_chat(None, "required", None, None, None, off)
+        plan_chat(None, "required", None, None, None, off, False)
