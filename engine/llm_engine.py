@@ -112,7 +112,8 @@ class LLMEngine:
             for name, path in config.lora.lora_modules:
                 self.lora.load(name, path)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.lora, self.runner.num_state_slots)
-        self.grammar = GrammarMatchers(GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids))
+        self.grammar = GrammarMatchers(GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids),
+                                       parallel=self.device.kind != "cpu")
         """Structured output: a matcher per request that has one; rank 0's runner reads its bitmasks."""
         self.runner.grammar = self.grammar
         self.requests: dict[str, _Request] = {}

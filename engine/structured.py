@@ -124,8 +124,10 @@ class TokenBitmask:
 class GrammarMatchers:
     """The live matchers, by sequence id (owned by the engine, read by rank 0's model runner)."""
 
-    def __init__(self, compiler: GrammarCompiler) -> None:
-        self.compiler = compiler
+    def __init__(self, compiler: GrammarCompiler, parallel: bool = True) -> None:
+        """parallel: fill the rows on llguidance's thread pool (not when the model itself computes on the
+        host's cores: the pool's spinning threads would compete with it)."""
+        self.compiler, self.parallel = compiler, parallel
         self._tracks: dict[int, _Track] = {}
         self._executor: llguidance.LLExecutor | None = None
         self.words = (compiler.vocab_size + 31) // 32
@@ -169,9 +171,9 @@ class GrammarMatchers:
                 mask[k] = self._eos_only()
             else:
                 work.append((m, k))
-        if len(work) == 1:
-            m, k = work[0]
-            m.unsafe_compute_mask_ptr(mask[k].data_ptr(), self.words * 4)
+        if len(work) == 1 or not self.parallel:
+            for m, k in work:
+                m.unsafe_compute_mask_ptr(mask[k].data_ptr(), self.words * 4)
         elif work:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()

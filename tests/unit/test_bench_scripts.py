@@ -35,3 +35,13 @@ def test_profile_step_quick(tmp_path: Path) -> None:
     assert all(r["lm_head_ms"] > 0 and r["sampler_ms"] > 0 for r in steps)
     hosts = [r for r in rows if r["part"] == "host"]
     assert len(hosts) == 3 and all(r["top_self_ms_per_step"] for r in hosts)
+
+
+def test_bench_grammar_quick(tmp_path: Path) -> None:
+    out = _run("bench_grammar.py", tmp_path)
+    decode = [r for r in out if r["case"] == "decode"]
+    assert sorted(r["grammar"] for r in decode) == ["json_schema", "none"]
+    assert all(r["steps"] == 5 and r["ms_per_step"] > 0 for r in decode)  # every request decodes every step
+    (parts,) = [r for r in out if r["case"] == "parts"]
+    assert parts["fill_us"] > 0 and parts["apply_us"] > 0
+    assert len([r for r in out if r["case"] == "summary"]) == 1

@@ -175,3 +175,18 @@ def test_plan_chat_rules() -> None:
                   None, None, None, off, False)
     with pytest.raises(ApiError, match="needs 'tools'"):
         plan_chat(None, "required", None, None, None, off, False)
+
+
+def test_parallel_fill_equals_one_by_one(compiler, tok) -> None:
+    spec = StructuredSpec("json", json.dumps({"type": "array", "items": {"enum": ["ab", "cd"]}}))
+    masks = []
+    for parallel in (True, False):
+        m = GrammarMatchers(compiler, parallel)
+        for sid in range(6):
+            m.add(sid, spec)
+            for t in tok.encode('["ab", "cd"'[: 1 + 2 * sid]):
+                m.accept(sid, t)
+        bm = m.fill(list(range(6)))
+        assert bm is not None and bm.rows == list(range(6))
+        masks.append(bm.mask)
+    assert torch.equal(masks[0], masks[1]) and len({tuple(r.tolist()) for r in masks[0]}) > 1
