@@ -14,7 +14,8 @@ full (5 bytes x V per penalised sequence, nothing at all while no request uses a
 
 logit_bias goes to the device once per sequence and is cached; min_tokens masks (EOS ids unless
 ignore_eos, plus stop_token_ids) of the rows below their minimum with one index_put_. Only rank 0
-samples, so only rank 0 keeps this state; nothing here runs inside a captured graph.
+samples, so only rank 0 keeps this state; nothing here runs inside a captured graph. A structured-output
+bitmask (engine/structured.py) is applied last, to the rows that have a grammar.
 """
 
 from __future__ import annotations
