@@ -22,7 +22,15 @@ from engine.loader import CheckpointError
 from engine.lora.adapter import AdapterError, AdapterNotFoundError, AdapterPathForbiddenError, validate_name
 from engine.lora.adapter_files import resolve_under_roots
 from engine.lora.manager import AdapterNotLoadedError
-from engine.protocol import ErrorKind, ModelNotFoundError, RequestError, RequestOutput, SamplingParams, TokenLogprob
+from engine.protocol import (
+    ErrorKind,
+    ModelNotFoundError,
+    RequestError,
+    RequestOutput,
+    SamplingParams,
+    StructuredSpec,
+    TokenLogprob,
+)
 
 __all__ = [
     "DEVICE_CHOICES",
@@ -50,6 +58,7 @@ __all__ = [
     "RequestStream",
     "SamplingParams",
     "SchedulerConfig",
+    "StructuredSpec",
     "TokenLogprob",
     "resolve_under_roots",
     "validate_name",

@@ -35,6 +35,7 @@ from engine.protocol import (
 )
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.structured import GrammarCompiler, GrammarMatchers
 from engine.worker import make_executor
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,10 @@ class LLMEngine:
             for name, path in config.lora.lora_modules:
                 self.lora.load(name, path)
         self.scheduler = Scheduler(config.scheduler, self.blocks, self.lora, self.runner.num_state_slots)
+        self.grammar = GrammarMatchers(GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids),
+                                       parallel=self.device.kind != "cpu")
+        """Structured output: a matcher per request that has one; rank 0's runner reads its bitmasks."""
+        self.runner.grammar = self.grammar
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
@@ -166,6 +171,8 @@ class LLMEngine:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                f"max_model_len {self.max_model_len}")
         seq = Sequence(next(self._seq_ids), request_id, ids, params, lora_id)
+        if params.structured is not None:
+            self.grammar.add(seq.seq_id, params.structured)  # RequestError if invalid (the server compiled it)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         if lora_id is not None and self.lora is not None:
             self.lora.add_user(lora_id)
@@ -203,6 +210,7 @@ class LLMEngine:
     def _end(self, req: _Request) -> None:
         """Bookkeeping when a request leaves the engine (finished, aborted or failed)."""
         self.scheduler.finish(req.seq)
+        self.grammar.drop(req.seq.seq_id)
         del self.requests[req.seq.request_id]
         if req.seq.lora_id is not None and self.lora is not None:
             self.lora.remove_user(req.seq.lora_id)
@@ -246,6 +254,7 @@ class LLMEngine:
         req = self.requests[seq.request_id]
         p = seq.params
         seq.output_token_ids.append(tok)
+        grammar_done = self.grammar.accept(seq.seq_id, tok)
         if req.logprobs is not None and lp is not None:
             req.logprobs.append(lp)
         # As vLLM: the first min_tokens tokens cannot end the output (the sampler masks EOS and the stop ids,
@@ -257,7 +266,7 @@ class LLMEngine:
             req.detok.add(tok)
         text = req.detok.text
         reason: FinishReason | None = None
-        if stop_tok:
+        if stop_tok or grammar_done:  # a complete grammar allows nothing more (vLLM stops there too)
             reason = "stop"
         elif p.stop and checks:
             cut = find_stop(text, p.stop, req.emitted, req.stop_floor)

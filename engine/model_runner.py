@@ -27,6 +27,7 @@ from engine.lora.punica import build_mapping
 from engine.protocol import SamplingParams
 from engine.sampler import Sampler, SamplerOutput, make_generator
 from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.structured import GrammarMatchers
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.processors = LogitsProcessors(int(info.text_config["vocab_size"]), device.torch_device, eos_ids)
         self.generators: dict[int, torch.Generator] = {}
+        self.grammar: GrammarMatchers | None = None
+        """Rank 0: the engine's structured-output matchers (set by the engine)."""
         self.graphs: DecodeGraphs | None = None
         if self.use_graphs:
             bs = self.kv.block_size
@@ -222,9 +225,12 @@ class ModelRunner:
         logits = self.model.compute_logits(h if len(rows) == h.size(0) else h[torch.tensor(rows, device=h.device)])
         if not sampling_rank:
             return SamplerOutput([], [])
+        # Grammar bitmasks are filled on the host here, while a GPU still runs the launched step.
+        bitmask = self.grammar.fill([s.seq_id for s in sampled]) if self.grammar is not None else None
         gens = [self._generator(s.seq_id, s.params.seed) for s in sampled]
         logits = logits.float()
-        return self.sampler(self.processors.apply(logits, sampled), [s.params for s in sampled], gens, raw=logits)
+        return self.sampler(self.processors.apply(logits, sampled, bitmask), [s.params for s in sampled], gens,
+                            raw=logits)
 
     def _generator(self, seq_id: int, seed: int | None) -> torch.Generator | None:
         if seed is None:

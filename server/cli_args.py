@@ -271,6 +271,12 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="require Bearer KEY on /v1/*, /tokenize and /detokenize (default: $XPULORA_API_KEY)")
     serve.add_argument("--max-waiting-requests", type=int, default=None, help="503 beyond this many waiting")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='tool_choice "auto": parse the tool calls the model writes (needs --tool-call-parser)')
+    serve.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                       help="tool-call format: hermes (Qwen's <tool_call>{...}</tool_call>)")
+    serve.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
+                       help="put the <think>...</think> text in reasoning_content")
     engine_flags(serve)
     gen = sub.add_parser("generate", help="offline batch generation from a JSONL file", formatter_class=_Formatter)
     _model_args(gen)

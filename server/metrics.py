@@ -57,6 +57,10 @@ class _EngineCollector(Collector):
         yield gauge(P + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", s.kv_usage)
         yield counter(P + "num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions)
         yield gauge(P + "engine_healthy", "1 while the step loop is alive.", float(self.engine.healthy))
+        g = llm.grammar.compiler
+        yield counter(P + "grammar_compiles", "Structured-output grammars compiled (cache misses).", g.num_compiles)
+        yield counter(P + "grammar_compile_seconds", "Time spent compiling grammars.", g.compile_seconds)
+        yield counter(P + "grammar_cache_hits", "Requests whose grammar was already compiled.", g.num_cache_hits)
         lora = llm.lora
         if lora is None:
             return

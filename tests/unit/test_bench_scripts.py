@@ -48,3 +48,13 @@ def test_bench_serve_quick(tmp_path: Path) -> None:
         assert r["ttft_s"]["p50"] is not None and r["itl_s"]["p50"] is not None
         # float32 on the CPU: the server's greedy texts are the offline engine's
         assert r["text_mismatch"] == 0, r
+
+
+def test_bench_grammar_quick(tmp_path: Path) -> None:
+    out = _run("bench_grammar.py", tmp_path)
+    decode = [r for r in out if r["case"] == "decode"]
+    assert sorted(r["grammar"] for r in decode) == ["json_schema", "none"]
+    assert all(r["steps"] == 5 and r["ms_per_step"] > 0 for r in decode)  # every request decodes every step
+    (parts,) = [r for r in out if r["case"] == "parts"]
+    assert parts["fill_us"] > 0 and parts["apply_us"] > 0
+    assert len([r for r in out if r["case"] == "summary"]) == 1
