@@ -39,6 +39,9 @@ class CacheConfig:
     """KV blocks per layer; None sizes the cache from memory (GPU) or from max_num_seqs x max_model_len (CPU)."""
     gpu_memory_utilization: float = 0.90
     """Fraction of device memory the engine may use in total (weights + activations + KV)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of a prompt prefix already computed under the same adapter identity (hybrid
+    models skip it: their linear-attention state is not kept per block)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -100,7 +100,12 @@ class LLMEngine:
             raise ConfigError(f"the KV cache ({kv.num_blocks} blocks x {kv.block_size} tokens) cannot hold one "
                               f"sequence of max_model_len={self.max_model_len}; raise num_blocks or lower "
                               "max_model_len")
-        self.blocks = BlockManager(kv.num_blocks, kv.block_size)
+        caching = config.cache.enable_prefix_caching and not self.runner.num_state_slots
+        if config.cache.enable_prefix_caching and not caching:
+            log.info("prefix caching is off for this hybrid model: its linear-attention state is not kept per "
+                     "block, and a hit must never resume from a partial state")
+        self.blocks = BlockManager(kv.num_blocks, kv.block_size, caching)
+        self.runner.on_kv_overwrite = self.blocks.reset_cache
         self.lora: LoRAManager | None = None
         if config.lora.enable_lora:
             self.lora = LoRAManager(config.lora, self.executor.lora_target_shapes())
@@ -205,6 +210,10 @@ class LLMEngine:
         self._end(req)
         return True
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use stay; nothing is hit until computed again)."""
+        self.blocks.reset_cache()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -266,7 +275,8 @@ class LLMEngine:
             request_id=seq.request_id, new_token_ids=new_tokens, new_text=new_text,
             new_logprobs=req.logprobs[-len(new_tokens):] if req.logprobs is not None else None,
             finished=reason is not None, finish_reason=reason,
-            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=len(seq.output_token_ids))
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=len(seq.output_token_ids),
+            num_cached_tokens=seq.num_cached_tokens)
         if reason is not None:
             self._end(req)
         return out
@@ -286,6 +296,7 @@ class LLMEngine:
             return step, seqs, [], loads
         outputs = []
         keep = [(e, s) for e, s in zip(step.seqs, seqs) if e.lora_slot not in failed]
+        self.scheduler.unschedule([s for e, s in zip(step.seqs, seqs) if e.lora_slot in failed])
         for e, s in zip(step.seqs, seqs):
             if e.lora_slot in failed:
                 req = self.requests[s.request_id]

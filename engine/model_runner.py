@@ -4,7 +4,7 @@ device tensors for a step; everything above it deals in plain Python objects."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +70,9 @@ class ModelRunner:
                            and (not self.lora_layers or self.lora_backend == "triton"))
         self._allocate_state_pool()  # before the KV cache, which takes what memory is left
         self.kv = self._allocate_kv_cache()
+        self.on_kv_overwrite: Callable[[], None] | None = None
+        """Called when KV blocks are written outside a scheduled step (prompt_logits): the engine's prefix
+        cache forgets what those blocks held."""
         self.sampler = Sampler()
         self.generators: dict[int, torch.Generator] = {}
         self.graphs: DecodeGraphs | None = None
@@ -236,6 +239,8 @@ class ModelRunner:
             raise ValueError("prompt longer than the KV cache")
         step = SchedulerOutput([ScheduledSeq(-1, token_ids, 0, list(range(nblk)), False, SamplingParams(),
                                                 lora_slot, 0 if self.gdn_layers else -1)])
+        if self.on_kv_overwrite is not None:
+            self.on_kv_overwrite()
         self._reset_states(step)
         input_ids, positions, ctx, _ = self._prepare(step)
         with forward_context(ctx):

@@ -9,6 +9,13 @@ LoRA: a sequence takes its adapter's device slot when it starts running, so one 
 more distinct adapters than there are slots. A request whose adapter cannot get a slot waits; once
 one waits, later adapter requests are not admitted ahead of it (base-model requests still are), so
 the running adapters drain, a slot frees and no adapter starves.
+
+Prefix caching (when the block manager has it on): a sequence admitted with nothing computed (new, or
+preempted) first takes the cached blocks of its longest cached prefix under its own adapter identity and
+starts computing after them, like a prefill chunk whose earlier tokens are in the cache; at least its last
+token is computed, so it samples. Every full block a step computes is registered when it is scheduled,
+so a request admitted later in the same step (the copies of an n > 1 request) can share it: attention
+writes a step's K/V before it reads the cache, so the block is filled before the sharer reads it.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
+from engine.block_manager import ROOT_KEY, BlockManager, block_key
 from engine.config import SchedulerConfig
 from engine.lora.manager import LoRAManager
 from engine.protocol import SamplingParams
@@ -98,13 +105,33 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         self.blocks.free(seq.block_table)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_cached_blocks = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
+    def _keys(self, seq: Sequence, count: int) -> list[bytes]:
+        """The prefix-cache keys of the sequence's first `count` full blocks (hashed once each)."""
+        bs, keys = self.blocks.block_size, seq.block_keys
+        identity = seq.lora_id if seq.lora_id is not None else 0  # adapter ids start at 1
+        while len(keys) < count:
+            i = len(keys)
+            keys.append(block_key(keys[-1] if keys else ROOT_KEY, identity, seq.token_slice(i * bs, (i + 1) * bs)))
+        return keys[:count]
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks a sequence with nothing computed can start from (never its last token's block)."""
+        if not self.blocks.enable_caching or seq.num_computed_tokens or seq.block_table:
+            return []
+        return self.blocks.lookup(self._keys(seq, (seq.num_tokens - 1) // self.blocks.block_size))
+
     def _entry(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
+        full = (start + n) // self.blocks.block_size
+        if self.blocks.enable_caching and full > seq.num_cached_blocks:  # register the full blocks this step fills
+            for i, key in enumerate(self._keys(seq, full)[seq.num_cached_blocks:], seq.num_cached_blocks):
+                self.blocks.register(seq.block_table[i], key)
+            seq.num_cached_blocks = full
         return ScheduledSeq(seq.seq_id, seq.token_slice(start, start + n), start, list(seq.block_table),
                             start + n == seq.num_tokens, seq.params, seq.lora_slot, seq.state_slot)
 
@@ -138,8 +165,10 @@ class Scheduler:
                 break
             if seq.lora_id is not None and lora_blocked:
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
+            hit = self._cached_prefix(seq)
+            start = len(hit) * self.blocks.block_size
+            n = min(seq.num_tokens - start, budget)
+            if self.blocks.blocks_needed(hit, start + n) + self.blocks.num_reviving(hit) > self.blocks.num_free:
                 break
             if seq.lora_id is not None:
                 assert self.lora is not None
@@ -153,6 +182,8 @@ class Scheduler:
             if self.uses_state:  # one state slot per running sequence: the max_num_seqs check covers it
                 seq.state_slot = self._free_states.pop()
             self.waiting.remove(seq)
+            if self.blocks.enable_caching and not seq.num_computed_tokens:
+                self._take_prefix(seq, hit)
             self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -162,6 +193,24 @@ class Scheduler:
         # Ended ids travel with the next step that runs, so every rank drops their per-sequence state.
         ended, self._ended = (self._ended, []) if out else ([], self._ended)
         return SchedulerOutput(out, loads, ended, preempted)
+
+    def _take_prefix(self, seq: Sequence, hit: list[int]) -> None:
+        self.blocks.share(hit)
+        seq.block_table.extend(hit)
+        seq.num_computed_tokens = len(hit) * self.blocks.block_size
+        seq.num_cached_blocks = len(hit)
+        self.blocks.num_queries += seq.num_tokens
+        self.blocks.num_hits += seq.num_computed_tokens
+        if not seq.num_preemptions:
+            seq.num_cached_tokens = seq.num_computed_tokens
+
+    def unschedule(self, seqs: list[Sequence]) -> None:
+        """These sequences' part of the last step will not run: forget the keys of the blocks it was to fill."""
+        bs = self.blocks.block_size
+        for seq in seqs:
+            done = seq.num_computed_tokens // bs
+            self.blocks.uncache(seq.block_table[done:])
+            seq.num_cached_blocks = min(seq.num_cached_blocks, done)
 
     def keep_ended(self, seq_ids: list[int]) -> None:
         """A step that will not run after all hands its ended ids back for the next one."""
