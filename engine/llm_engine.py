@@ -62,6 +62,8 @@ class GenerationResult:
     num_prompt_tokens: int = 0
     error: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
 
 
 def _eos_ids(path: str, tokenizer: PreTrainedTokenizerBase, hf: dict) -> frozenset[int]:
@@ -335,4 +337,5 @@ class LLMEngine:
                 if out.finished:
                     r.finish_reason = out.finish_reason
                     r.error = out.error
+                    r.num_cached_tokens = out.num_cached_tokens
         return [results[rid] for rid in order]

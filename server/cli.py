@@ -55,6 +55,10 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of device memory to use")
+    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
+                   help="reuse the KV of prompt prefixes computed under the same adapter (on by default)")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn prefix caching off")
     g.add_argument("--seed", type=int, default=0, help="seed of the global RNG")
     g.add_argument("--served-model-name", default=None, help="name of the base model in the API")
     g.add_argument("--enforce-eager", action="store_true", help="disable graph capture")
@@ -166,7 +170,8 @@ def build_engine_config(a: argparse.Namespace) -> EngineConfig:
         model=ModelConfig(a.model, dtype=a.dtype, max_model_len=a.max_model_len,
                           served_model_name=a.served_model_name),
         cache=CacheConfig(block_size=a.block_size, num_blocks=a.num_kv_blocks,
-                          gpu_memory_utilization=a.gpu_memory_utilization),
+                          gpu_memory_utilization=a.gpu_memory_utilization,
+                          enable_prefix_caching=a.enable_prefix_caching),
         parallel=ParallelConfig(tensor_parallel_size=a.tensor_parallel_size, device=a.device),
         lora=LoRAConfig(enable_lora=a.enable_lora, max_loras=a.max_loras, max_lora_rank=a.max_lora_rank,
                         max_cpu_loras=a.max_cpu_loras, fully_sharded_loras=a.fully_sharded_loras,

@@ -33,6 +33,11 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily(P + "num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield GaugeMetricFamily(P + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", s.kv_usage)
         yield CounterMetricFamily(P + "num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions)
+        for prefix in (P, "vllm:"):  # vLLM's names too, for dashboards built on them
+            yield CounterMetricFamily(prefix + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      s.prefix_cache_queries)
+            yield CounterMetricFamily(prefix + "prefix_cache_hits", "Of those, tokens found in the prefix cache.",
+                                      s.prefix_cache_hits)
         yield GaugeMetricFamily(P + "engine_healthy", "1 while the step loop is alive.", float(self.engine.healthy))
         lora = llm.lora
         if lora is None:

@@ -48,6 +48,7 @@ class _Choice:
     finish_reason: str | None = None
     error: str | None = None
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
     started: bool = False  # streaming: the echo prefix was sent
     offset: int = 0  # completions text_offset of the next token
 
@@ -55,6 +56,7 @@ class _Choice:
         self.text += out.new_text
         self.logprobs.extend(out.new_logprobs or ())
         self.num_output_tokens = out.num_output_tokens or self.num_output_tokens
+        self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
         if out.finished:
             self.finish_reason, self.error = out.finish_reason, out.error
 
@@ -283,10 +285,12 @@ def _event(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
-def _usage(choices: list[_Choice]) -> dict[str, int]:
-    prompt = sum(len(c.ids) for c in choices if c.index == 0 or c.prompt_index != choices[c.index - 1].prompt_index)
+def _usage(choices: list[_Choice]) -> dict[str, Any]:
+    firsts = [c for c in choices if c.index == 0 or c.prompt_index != choices[c.index - 1].prompt_index]
+    prompt = sum(len(c.ids) for c in firsts)
     completion = sum(c.num_output_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in firsts)}}
 
 
 async def _wait_disconnect(raw: Request) -> None:
