@@ -35,3 +35,15 @@ def test_profile_step_quick(tmp_path: Path) -> None:
     assert all(r["lm_head_ms"] > 0 and r["sampler_ms"] > 0 for r in steps)
     hosts = [r for r in rows if r["part"] == "host"]
     assert len(hosts) == 3 and all(r["top_self_ms_per_step"] for r in hosts)
+
+
+def test_bench_prefix_quick(tmp_path: Path) -> None:
+    rows = {r["case"]: r for r in _run("bench_prefix.py", tmp_path)}
+    burst, single = rows["burst"], rows["single"]
+    assert burst["prefill_tokens_computed_off"] == burst["prompt_tokens"] and burst["cached_tokens_off"] == 0
+    # Each adapter's first request computes the shared prompt; the others compute only their user part.
+    assert burst["prefill_tokens_computed_on"] + burst["cached_tokens_on"] == burst["prompt_tokens"]
+    assert burst["cached_tokens_on"] > burst["prompt_tokens"] / 2
+    assert single["cached_tokens_on"] == single["requests"] * 256  # every system prompt still cached
+    assert burst["same_tokens_fraction"] == single["same_tokens_fraction"] == 1.0
+    assert burst["ttft_mean_ms_on"] > 0 and single["ttft_mean_ms_off"] > 0

@@ -49,11 +49,11 @@ PROMPT = list(range(1, 14))  # 13 tokens: 3 full blocks, the last token in a 4th
 def test_a_hit_starts_after_the_cached_blocks_and_keeps_the_last_token() -> None:
     s = _sched()
     assert _run(s, _seq(0, PROMPT)) == (0, 13)
-    b = _seq(1, PROMPT + [50, 51])
+    b = _seq(1, [*PROMPT, 50, 51])
     assert _run(s, b) == (12, 3) and b.num_cached_tokens == 12
     exact = _seq(2, PROMPT[:12])  # 3 full blocks: the third is recomputed, so that the step samples
     assert _run(s, exact) == (8, 4)
-    other = _seq(3, [7] + PROMPT[1:])  # the first token differs: the chain breaks at block 0
+    other = _seq(3, [7, *PROMPT[1:]])  # the first token differs: the chain breaks at block 0
     assert _run(s, other) == (0, 13)
     assert (s.blocks.num_queries, s.blocks.num_hits) == (13 + 15 + 12 + 13, 12 + 8)
 
