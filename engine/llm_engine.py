@@ -33,6 +33,7 @@ from engine.protocol import (
 )
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.state_snapshots import SnapshotPool
 from engine.worker import make_executor
 
 log = logging.getLogger(__name__)
@@ -102,18 +103,16 @@ class LLMEngine:
             raise ConfigError(f"the KV cache ({kv.num_blocks} blocks x {kv.block_size} tokens) cannot hold one "
                               f"sequence of max_model_len={self.max_model_len}; raise num_blocks or lower "
                               "max_model_len")
-        caching = config.cache.enable_prefix_caching and not self.runner.num_state_slots
-        if config.cache.enable_prefix_caching and not caching:
-            log.info("prefix caching is off for this hybrid model: its linear-attention state is not kept per "
-                     "block, and a hit must never resume from a partial state")
-        self.blocks = BlockManager(kv.num_blocks, kv.block_size, caching)
-        self.runner.on_kv_overwrite = self.blocks.reset_cache
+        self.blocks = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
         self.lora: LoRAManager | None = None
         if config.lora.enable_lora:
             self.lora = LoRAManager(config.lora, self.executor.lora_target_shapes())
             for name, path in config.lora.lora_modules:
                 self.lora.load(name, path)
-        self.scheduler = Scheduler(config.scheduler, self.blocks, self.lora, self.runner.num_state_slots)
+        snapshots = SnapshotPool(self.runner.num_state_snapshots) if self.runner.num_state_snapshots else None
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.lora, self.runner.num_state_slots, snapshots,
+                                   config.cache.hybrid_snapshot_interval)
+        self.runner.on_kv_overwrite = self.reset_prefix_cache
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
@@ -214,7 +213,7 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (blocks in use stay; nothing is hit until computed again)."""
-        self.blocks.reset_cache()
+        self.scheduler.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -234,6 +233,7 @@ class LLMEngine:
                 self.scheduler.keep_ended(step.finished_seq_ids)
                 return outputs
         sampled = self.executor.execute(step, loads)  # EngineDeadError once a rank is gone, at every later step too
+        self.scheduler.step_ran()
         k = 0
         for entry, seq in zip(step.seqs, seqs):
             seq.num_computed_tokens += len(entry.token_ids)

@@ -10,6 +10,7 @@ from engine.lora.manager import LoRAManager
 from engine.protocol import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence
+from engine.state_snapshots import SnapshotPool
 from tests.helpers import demo_shapes
 
 BS = 4
@@ -165,3 +166,64 @@ def test_chunked_prefill_registers_only_the_blocks_computed_so_far() -> None:
     s.add(b)
     assert _step(s) == {0: (10, 3), 1: (12, 1)}  # a completes block 2 in this step, b shares it
     assert s.blocks.lookup(keys) == a.block_table[:3] == b.block_table[:3]
+
+
+def _hybrid(snapshots: int, num_blocks: int = 64) -> Scheduler:
+    """A hybrid model's scheduler: state slots, snapshots every 8 tokens (2 blocks)."""
+    return Scheduler(SchedulerConfig(max_num_seqs=8), BlockManager(num_blocks, BS, enable_caching=True),
+                     num_state_slots=8, snapshots=SnapshotPool(snapshots), snapshot_interval=8)
+
+
+def _hybrid_step(s: Scheduler) -> dict[int, tuple[int, int, int, int]]:
+    """Like _step, then the step 'ran'; seq_id -> (start_pos, tokens, restore slot, save slot)."""
+    out = s.schedule()
+    for e, seq in zip(out.seqs, s.scheduled_sequences()):
+        seq.num_computed_tokens += len(e.token_ids)
+        if e.sample:
+            seq.output_token_ids.append(99)
+    s.step_ran()
+    return {e.seq_id: (e.start_pos, len(e.token_ids), e.state_restore, e.state_save) for e in out.seqs}
+
+
+def test_hybrid_chunks_end_on_snapshot_points_and_hits_restore_them() -> None:
+    s = _hybrid(snapshots=1)
+    a = _seq(0, PROMPT)
+    s.add(a)
+    assert _hybrid_step(s) == {0: (0, 8, -1, 0)}  # the chunk stops at 8, where the state is saved
+    assert _hybrid_step(s) == {0: (8, 5, -1, -1)}
+    s.finish(a)
+    b = _seq(1, PROMPT)
+    s.add(b)
+    # 3 full blocks are cached, but the state exists only at 8: the hit is cut back to it.
+    assert _hybrid_step(s) == {1: (8, 5, 0, -1)} and b.num_cached_tokens == 8
+    s.finish(b)
+    c = _seq(2, [50 + t for t in PROMPT])
+    s.add(c)
+    assert _hybrid_step(s) == {2: (0, 8, -1, 0)}  # the one snapshot slot goes to c (LRU)
+    _hybrid_step(s)
+    s.finish(c)
+    d = _seq(3, PROMPT)
+    s.add(d)
+    assert _hybrid_step(s) == {3: (0, 8, -1, 0)}  # PROMPT's KV is still cached, its state is not: no hit
+
+
+def test_hybrid_copies_in_one_step_do_not_share_a_state_not_saved_yet() -> None:
+    s = _hybrid(snapshots=4)
+    for i in range(2):
+        s.add(_seq(i, PROMPT))
+    assert _hybrid_step(s) == {0: (0, 8, -1, 0), 1: (0, 8, -1, -1)}  # one snapshot per key
+    s.add(_seq(2, PROMPT))
+    assert _hybrid_step(s) == {0: (8, 5, -1, -1), 1: (8, 5, -1, -1), 2: (8, 5, 0, -1)}
+
+
+def test_hybrid_snapshot_of_a_step_that_did_not_run_is_never_hit() -> None:
+    s = _hybrid(snapshots=2)
+    a = _seq(0, PROMPT)
+    s.add(a)
+    assert s.schedule().seqs[0].state_save == 0
+    s.unschedule([a])  # that step did not run
+    s.finish(a)
+    s.step_ran()
+    b = _seq(1, PROMPT)
+    s.add(b)
+    assert _hybrid_step(s) == {1: (0, 8, -1, 0)}  # no hit; the abandoned slot was free again
