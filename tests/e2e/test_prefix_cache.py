@@ -9,7 +9,16 @@ import random
 
 import pytest
 
-from engine import CacheConfig, EngineConfig, LLMEngine, LoRAConfig, ModelConfig, SamplingParams, SchedulerConfig
+from engine import (
+    CacheConfig,
+    EngineConfig,
+    LLMEngine,
+    LoRAConfig,
+    ModelConfig,
+    ParallelConfig,
+    SamplingParams,
+    SchedulerConfig,
+)
 from tests.helpers import ALL7, make_lora_engine
 from tools.tinymodels import make_peft_adapter, make_qwen35_model
 
@@ -129,15 +138,17 @@ def test_tp2_with_the_cache_equals_tp1_without(setup: dict) -> None:
     _assert_same(second, setup["ref"][1])
 
 
-def _hybrid_engine(model: str, adapters: dict[str, str], caching: bool, budget: int = 2048) -> LLMEngine:
+def _hybrid_engine(model: str, adapters: dict[str, str], caching: bool = True, budget: int = 2048, tp: int = 1,
+                   max_model_len: int = 256, num_blocks: int | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(
-        ModelConfig(model, dtype="float32", max_model_len=256),
-        cache=CacheConfig(enable_prefix_caching=caching, hybrid_snapshot_interval=32),
-        scheduler=SchedulerConfig(max_num_batched_tokens=budget),
+        ModelConfig(model, dtype="float32", max_model_len=max_model_len),
+        cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=caching, hybrid_snapshot_interval=32),
+        scheduler=SchedulerConfig(max_num_batched_tokens=budget), parallel=ParallelConfig(tensor_parallel_size=tp),
         lora=LoRAConfig(enable_lora=True, max_loras=4, lora_modules=tuple(adapters.items()))))
 
 
-def test_hybrid_hits_restore_the_state_snapshot(tmp_path_factory) -> None:
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("q35")
     model = make_qwen35_model(str(root / "m"), vision=False)
     targets = ["q_proj", "in_proj_qkv", "in_proj_z", "out_proj", "down_proj"]
@@ -146,9 +157,14 @@ def test_hybrid_hits_restore_the_state_snapshot(tmp_path_factory) -> None:
     rounds = [_batch(4), _batch(5)]
     with _hybrid_engine(model, adapters, caching=False) as off:
         want = [_generate(off, b) for b in rounds]
-    e = _hybrid_engine(model, adapters, caching=True)
+    return {"model": model, "adapters": adapters, "rounds": rounds, "want": want}
+
+
+def test_hybrid_hits_restore_the_state_snapshot(hybrid: dict) -> None:
+    model, adapters, rounds = hybrid["model"], hybrid["adapters"], hybrid["rounds"]
+    e = _hybrid_engine(model, adapters)
     got = [_generate(e, b) for b in rounds]
-    for g, w in zip(got, want):
+    for g, w in zip(got, hybrid["want"]):
         _assert_same(g, w)
     # Round 1 cannot share within its step (a state snapshot is findable once its step ran); round 2 hits
     # every shared prefix at the 32-token snapshot, under its own identity only.
@@ -160,9 +176,14 @@ def test_hybrid_hits_restore_the_state_snapshot(tmp_path_factory) -> None:
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, logprobs=2)
     with _hybrid_engine(model, adapters, caching=False, budget=24) as off:
         want2 = _generate(off, batch, params)
-    small = LLMEngine(EngineConfig(
-        ModelConfig(model, dtype="float32", max_model_len=128),
-        cache=CacheConfig(num_blocks=20, hybrid_snapshot_interval=32), scheduler=SchedulerConfig(max_num_batched_tokens=24),
-        lora=LoRAConfig(enable_lora=True, max_loras=4, lora_modules=tuple(adapters.items()))))
+    small = _hybrid_engine(model, adapters, budget=24, max_model_len=128, num_blocks=20)
     _assert_same(_generate(small, batch, params), want2)
     assert small.num_preemptions > 0 and small.blocks.num_hits > 0
+
+
+def test_hybrid_tp2_with_the_cache_equals_tp1_without(hybrid: dict) -> None:
+    with _hybrid_engine(hybrid["model"], hybrid["adapters"], tp=2) as e2:
+        got = [_generate(e2, b) for b in hybrid["rounds"]]
+        assert e2.blocks.num_hits > 0
+    for g, w in zip(got, hybrid["want"]):
+        _assert_same(g, w)
