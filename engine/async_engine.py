@@ -48,6 +48,8 @@ class EngineStats:
     num_waiting: int = 0
     kv_usage: float = 0.0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
     timestamp: float = field(default_factory=time.time)
@@ -345,7 +347,7 @@ class AsyncEngine:
         running = {n for s in e.scheduler.running if s.lora_id is not None and (n := name_of(s.lora_id))}
         waiting = {n for s in e.scheduler.waiting if s.lora_id is not None and (n := name_of(s.lora_id))}
         return EngineStats(len(e.scheduler.running), len(e.scheduler.waiting), e.blocks.usage, e.num_preemptions,
-                           tuple(sorted(running)), tuple(sorted(waiting)))
+                           e.blocks.num_queries, e.blocks.num_hits, tuple(sorted(running)), tuple(sorted(waiting)))
 
     def _publish(self, added: list[tuple[str, list[int] | BaseException]], outs: list[RequestOutput],
                  stats: EngineStats | None) -> None:

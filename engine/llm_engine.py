@@ -35,6 +35,7 @@ from engine.protocol import (
 )
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.state_snapshots import SnapshotPool
 from engine.structured import GrammarCompiler, GrammarMatchers
 from engine.worker import make_executor
 
@@ -67,6 +68,8 @@ class GenerationResult:
     num_prompt_tokens: int = 0
     error: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
 
 
 def _eos_ids(path: str, tokenizer: PreTrainedTokenizerBase, hf: dict) -> frozenset[int]:
@@ -107,13 +110,16 @@ class LLMEngine:
             raise ConfigError(f"the KV cache ({kv.num_blocks} blocks x {kv.block_size} tokens) cannot hold one "
                               f"sequence of max_model_len={self.max_model_len}; raise num_blocks or lower "
                               "max_model_len")
-        self.blocks = BlockManager(kv.num_blocks, kv.block_size)
+        self.blocks = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
         self.lora: LoRAManager | None = None
         if config.lora.enable_lora:
             self.lora = LoRAManager(config.lora, self.executor.lora_target_shapes())
             for name, path in config.lora.lora_modules:
                 self.lora.load(name, path)
-        self.scheduler = Scheduler(config.scheduler, self.blocks, self.lora, self.runner.num_state_slots)
+        snapshots = SnapshotPool(self.runner.num_state_snapshots) if self.runner.num_state_snapshots else None
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.lora, self.runner.num_state_slots, snapshots,
+                                   config.cache.hybrid_snapshot_interval)
+        self.runner.on_kv_overwrite = self.reset_prefix_cache
         self.grammar = GrammarMatchers(GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids),
                                        parallel=self.device.kind != "cpu")
         """Structured output: a matcher per request that has one; rank 0's runner reads its bitmasks."""
@@ -222,6 +228,10 @@ class LLMEngine:
         self._end(req)
         return True
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use stay; nothing is hit until computed again)."""
+        self.scheduler.reset_prefix_cache()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
 
@@ -240,6 +250,7 @@ class LLMEngine:
                 self.scheduler.keep_ended(step.finished_seq_ids)
                 return outputs
         sampled = self.executor.execute(step, loads)  # EngineDeadError once a rank is gone, at every later step too
+        self.scheduler.step_ran()
         k = 0
         for entry, seq in zip(step.seqs, seqs):
             seq.num_computed_tokens += len(entry.token_ids)
@@ -294,7 +305,8 @@ class LLMEngine:
             request_id=seq.request_id, new_token_ids=new_tokens, new_text=new_text,
             new_logprobs=req.logprobs[-len(new_tokens):] if req.logprobs is not None else None,
             finished=reason is not None, finish_reason=reason,
-            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=len(seq.output_token_ids))
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=len(seq.output_token_ids),
+            num_cached_tokens=seq.num_cached_tokens)
         if reason is not None:
             self._end(req)
         return out
@@ -318,6 +330,7 @@ class LLMEngine:
             return step, seqs, [], loads
         outputs = []
         keep = [(e, s) for e, s in zip(step.seqs, seqs) if e.lora_slot not in failed]
+        self.scheduler.unschedule([s for e, s in zip(step.seqs, seqs) if e.lora_slot in failed])
         for e, s in zip(step.seqs, seqs):
             if e.lora_slot in failed:
                 req = self.requests[s.request_id]
@@ -357,4 +370,5 @@ class LLMEngine:
                 if out.finished:
                     r.finish_reason = out.finish_reason
                     r.error = out.error
+                    r.num_cached_tokens = out.num_cached_tokens
         return [results[rid] for rid in order]

@@ -160,3 +160,5 @@ class RequestOutput:
     num_output_tokens: int = 0
     error: str | None = None
     error_kind: ErrorKind = "internal"
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens)."""

@@ -27,6 +27,7 @@ _E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 # Our series that vLLM exports too, under the same name after the prefix (vllm:<name>).
 VLLM_ALIASES = frozenset({
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions", "lora_requests_info",
+    "prefix_cache_queries", "prefix_cache_hits",
     "prompt_tokens", "generation_tokens", "request_success", "time_to_first_token_seconds",
     "inter_token_latency_seconds", "e2e_request_latency_seconds"})
 MODEL = "model_name"
@@ -56,6 +57,9 @@ class _EngineCollector(Collector):
         yield gauge(P + "num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield gauge(P + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", s.kv_usage)
         yield counter(P + "num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions)
+        yield counter(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)
+        yield counter(P + "prefix_cache_hits", "Of those, tokens found in the prefix cache.", s.prefix_cache_hits)
         yield gauge(P + "engine_healthy", "1 while the step loop is alive.", float(self.engine.healthy))
         g = llm.grammar.compiler
         yield counter(P + "grammar_compiles", "Structured-output grammars compiled (cache misses).", g.num_compiles)

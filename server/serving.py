@@ -62,6 +62,7 @@ class _Choice:
     error: str | None = None
     error_kind: ErrorKind = "internal"
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
     started: bool = False  # streaming: the echo prefix was sent
     offset: int = 0  # completions text_offset of the next token
     out: ChatOutput | None = None  # chat: the reply's reasoning / tool-call split
@@ -70,6 +71,7 @@ class _Choice:
         self.text += out.new_text
         self.logprobs.extend(out.new_logprobs or ())
         self.num_output_tokens = out.num_output_tokens or self.num_output_tokens
+        self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
         if out.finished:
             self.finish_reason, self.error, self.error_kind = out.finish_reason, out.error, out.error_kind
 
@@ -364,10 +366,12 @@ def _finish(c: _Choice, reason: str | None) -> str | None:
     return "tool_calls" if reason == "stop" and c.out is not None and c.out.called else reason
 
 
-def _usage(choices: list[_Choice]) -> dict[str, int]:
-    prompt = sum(len(c.ids) for c in choices if c.index == 0 or c.prompt_index != choices[c.index - 1].prompt_index)
+def _usage(choices: list[_Choice]) -> dict[str, Any]:
+    firsts = [c for c in choices if c.index == 0 or c.prompt_index != choices[c.index - 1].prompt_index]
+    prompt = sum(len(c.ids) for c in firsts)
     completion = sum(c.num_output_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in firsts)}}
 
 
 async def _wait_disconnect(raw: Request) -> None:

@@ -20,22 +20,23 @@ def prompts(n: int, seed: int = 0, min_words: int = 1, max_words: int = 30) -> l
 
 
 def make_engine(path: str, max_model_len: int = 256, num_blocks: int | None = None, max_num_seqs: int = 64,
-                max_num_batched_tokens: int = 2048) -> LLMEngine:
+                max_num_batched_tokens: int = 2048, prefix_caching: bool = True) -> LLMEngine:
     return LLMEngine(EngineConfig(
         ModelConfig(path, dtype="float32", max_model_len=max_model_len),
-        cache=CacheConfig(num_blocks=num_blocks),
+        cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)))
 
 
 def make_lora_engine(path: str, adapters: dict[str, str] | None = None, max_loras: int = 4, max_lora_rank: int = 64,
                      max_cpu_loras: int | None = None, max_model_len: int = 256, max_num_seqs: int = 64,
-                     num_blocks: int | None = None, tp: int = 1, fully_sharded: bool = False) -> LLMEngine:
+                     num_blocks: int | None = None, tp: int = 1, fully_sharded: bool = False,
+                     prefix_caching: bool = True, max_num_batched_tokens: int = 2048) -> LLMEngine:
     from engine import LoRAConfig, ParallelConfig
 
     return LLMEngine(EngineConfig(
         ModelConfig(path, dtype="float32", max_model_len=max_model_len),
-        cache=CacheConfig(num_blocks=num_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
+        cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         parallel=ParallelConfig(tensor_parallel_size=tp),
         lora=LoRAConfig(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
                         fully_sharded_loras=fully_sharded, lora_modules=tuple((adapters or {}).items()))))

@@ -58,3 +58,15 @@ def test_bench_grammar_quick(tmp_path: Path) -> None:
     (parts,) = [r for r in out if r["case"] == "parts"]
     assert parts["fill_us"] > 0 and parts["apply_us"] > 0
     assert len([r for r in out if r["case"] == "summary"]) == 1
+
+
+def test_bench_prefix_quick(tmp_path: Path) -> None:
+    rows = {r["case"]: r for r in _run("bench_prefix.py", tmp_path)}
+    burst, single = rows["burst"], rows["single"]
+    assert burst["prefill_tokens_computed_off"] == burst["prompt_tokens"] and burst["cached_tokens_off"] == 0
+    # Each adapter's first request computes the shared prompt; the others compute only their user part.
+    assert burst["prefill_tokens_computed_on"] + burst["cached_tokens_on"] == burst["prompt_tokens"]
+    assert burst["cached_tokens_on"] > burst["prompt_tokens"] / 2
+    assert single["cached_tokens_on"] == single["requests"] * 256  # every system prompt still cached
+    assert burst["same_tokens_fraction"] == single["same_tokens_fraction"] == 1.0
+    assert burst["ttft_mean_ms_on"] > 0 and single["ttft_mean_ms_off"] > 0
