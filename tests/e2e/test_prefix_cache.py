@@ -187,3 +187,18 @@ def test_hybrid_tp2_with_the_cache_equals_tp1_without(hybrid: dict) -> None:
         assert e2.blocks.num_hits > 0
     for g, w in zip(got, hybrid["want"]):
         _assert_same(g, w)
+
+
+def test_penalised_requests_equal_with_cache_on_and_off(setup: dict) -> None:
+    """The repetition penalty counts the prompt's tokens, which the sampler's history learns from the tokens
+    a step feeds: a penalised request after a cache-warming one must still see its whole prompt."""
+    batch = [(p, n) for p, n in setup["rounds"][0] if p[:40] == SYS_A][:4]
+    pen = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=2, repetition_penalty=1.8,
+                         frequency_penalty=0.5)
+    with make_lora_engine(setup["model"], setup["adapters"], prefix_caching=False) as off:
+        want = _generate(off, batch, pen)
+        plain = _generate(off, batch)
+    with make_lora_engine(setup["model"], setup["adapters"]) as on:
+        _generate(on, batch)  # warms the cache with every prompt of the batch
+        _assert_same(_generate(on, batch, pen), want)
+    assert any(w.token_ids != p.token_ids for w, p in zip(want, plain))  # the penalty changes the outputs
