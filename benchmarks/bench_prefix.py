@@ -45,7 +45,9 @@ def engine_config(a: argparse.Namespace, path: str, adapters: list[str], caching
     return EngineConfig(
         ModelConfig(path, dtype="bfloat16" if gpu else "float32",
                     max_model_len=a.system_tokens + a.user_tokens + a.max_tokens + 16),
-        cache=CacheConfig(enable_prefix_caching=caching),
+        # A fixed KV pool on GPUs (38 GB at the 8B shape): the cache-off engine's memory may not be back in
+        # the driver's free count when the cache-on engine sizes itself from it.
+        cache=CacheConfig(enable_prefix_caching=caching, num_blocks=16384 if gpu else None),
         parallel=ParallelConfig(device=a.device),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),
         lora=LoRAConfig(enable_lora=True, max_loras=min(len(adapters), a.max_loras), max_lora_rank=16,
