@@ -17,18 +17,17 @@ from dataclasses import dataclass, field
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.block_manager import BlockManager
-from engine.config import ConfigError, EngineConfig
+from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from engine.device import Device, detect
+from engine.errors import AdapterError, ConfigError, ModelNotFoundError, RequestError
 from engine.loader import inspect_checkpoint
-from engine.lora.adapter import AdapterError, LoRAAdapter
+from engine.lora.adapter import LoRAAdapter
 from engine.lora.manager import LoRAManager
 from engine.model_runner import ModelRunner
 from engine.protocol import (
     ErrorKind,
     FinishReason,
-    ModelNotFoundError,
-    RequestError,
     RequestOutput,
     SamplingParams,
     TokenLogprob,

@@ -39,7 +39,7 @@ class _EngineCollector(Collector):
         self.engine, self.model = engine, model
 
     def collect(self) -> Iterator[Metric]:
-        llm, m = self.engine.engine, [self.model]
+        m = [self.model]
         s = self.engine.stats()
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -57,17 +57,17 @@ class _EngineCollector(Collector):
         yield gauge(P + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", s.kv_usage)
         yield counter(P + "num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions)
         yield gauge(P + "engine_healthy", "1 while the step loop is alive.", float(self.engine.healthy))
-        lora = llm.lora
+        lora = self.engine.lora_stats()
         if lora is None:
             return
         yield counter(P + "lora_adapter_loads", "Adapters registered (loads).", lora.num_loads)
         yield counter(P + "lora_adapter_unloads", "Adapters unregistered.", lora.num_unloads)
         yield counter(P + "lora_slot_evictions", "Adapters evicted from a device slot.", lora.num_evictions)
-        yield gauge(P + "lora_adapters_loaded", "Registered adapters.", len(lora.list_adapters()))
+        yield gauge(P + "lora_adapters_loaded", "Registered adapters.", lora.num_loaded)
         info = GaugeMetricFamily(P + "lora_requests_info", "Running and waiting adapters (value: update time).",
                                  labels=[MODEL, "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
         info.add_metric([self.model, ",".join(s.running_adapters), ",".join(s.waiting_adapters),
-                         str(llm.config.lora.max_loras)], s.timestamp)
+                         str(lora.max_loras)], s.timestamp)
         yield info
 
 
@@ -91,7 +91,7 @@ class _VllmNames(Collector):
 class Metrics:
     def __init__(self, engine: AsyncEngine) -> None:
         self.registry = r = CollectorRegistry()
-        self.model = engine.engine.served_model_name
+        self.model = engine.served.name
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", [MODEL], registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", [MODEL], registry=r)
         self.request_success = Counter(P + "request_success", "Requests ended, by finish reason.",

@@ -11,11 +11,8 @@ import torch
 from torch import nn
 
 from engine.distributed import all_reduce, tp_rank, tp_size
+from engine.errors import WeightShapeError
 from engine.layers.quant import LinearMethod, ShardSpec, UnquantizedLinearMethod
-
-
-class WeightShapeError(ValueError):
-    """A checkpoint tensor does not have the shape the model expects."""
 
 
 def divide(a: int, b: int, what: str) -> int:

@@ -25,17 +25,14 @@ from typing import Any
 
 import torch
 
+from engine.errors import AdapterError, AdapterNotFoundError, AdapterPathForbiddenError, FileChangedError
 from engine.lora.adapter_files import (
     CONFIG_FILE,
     MAX_CONFIG_BYTES,
     MAX_HEADER_BYTES,
     PICKLE_FILE,
     WEIGHTS_FILE,
-    AdapterError,
     AdapterFiles,
-    AdapterNotFoundError,
-    AdapterPathForbiddenError,
-    FileChangedError,
     safe_open,
 )
 from engine.lora.adapter_files import checksum_bytes as _checksum_bytes

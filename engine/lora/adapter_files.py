@@ -30,6 +30,14 @@ from typing import Any, BinaryIO
 
 import torch
 
+from engine.errors import (
+    AdapterError,
+    AdapterNotFoundError,
+    AdapterPathForbiddenError,
+    FileChangedError,
+    JSONLimitError,
+)
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 PICKLE_FILE = "adapter_model.bin"
@@ -41,26 +49,6 @@ MAX_NUMBER_CHARS = 40  # an int64 has 19 digits; longer numbers are refused befo
 _TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 _ITEM_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 1, "I16": 2, "U16": 2,
                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
-
-
-class AdapterError(ValueError):
-    """Invalid adapter; message names the adapter, the module and the limit. (HTTP 400)"""
-
-
-class AdapterNotFoundError(AdapterError):
-    """Path missing / no adapter files there (HTTP 404)."""
-
-
-class AdapterPathForbiddenError(AdapterError):
-    """An adapter path outside every --lora-root, or runtime loads without a root (HTTP 403)."""
-
-
-class FileChangedError(AdapterError):
-    """A file changed between its header and its data being read, or while the folder was read."""
-
-
-class JSONLimitError(ValueError):
-    """JSON that is not valid, or outside the bounds above."""
 
 
 # ----------------------------------------------------------------------------------------------
