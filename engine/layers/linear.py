@@ -75,18 +75,6 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
 
-class ReplicatedLinear(LinearBase):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, method: LinearMethod | None = None,
-                 dtype: torch.dtype = torch.float32, prefix: str = "") -> None:
-        super().__init__(in_features, out_features, bias, method, dtype, prefix)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        _copy_checked(param.data, loaded, self.prefix)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.apply_base(x, self.bias)
-
-
 class ColumnParallelLinear(LinearBase):
     """Output features split over ranks; y stays sharded (no collective)."""
 
