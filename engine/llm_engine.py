@@ -8,13 +8,13 @@ reports per-request deltas.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers.utils import GENERATION_CONFIG_NAME
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -68,12 +68,11 @@ class GenerationResult:
 
 
 def _eos_ids(path: str, tokenizer: PreTrainedTokenizerBase, hf: dict) -> frozenset[int]:
+    """The union of config.json's, the tokenizer's and generation_config.json's eos ids."""
     ids: set[int] = set()
     sources: list[object] = [hf.get("eos_token_id"), tokenizer.eos_token_id]
-    gen = os.path.join(path, "generation_config.json")
-    if os.path.isfile(gen):
-        with open(gen) as f:
-            sources.append(json.load(f).get("eos_token_id"))
+    if os.path.isfile(os.path.join(path, GENERATION_CONFIG_NAME)):  # optional; the folder only, never a hub
+        sources.append(GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id)
     for s in sources:
         if isinstance(s, int):
             ids.add(s)
