@@ -132,7 +132,7 @@ def load_adapter(name: str, path: str, target_shapes: Mapping[str, tuple[int, in
 
 def _load(name: str, files: AdapterFiles, target_shapes: Mapping[str, tuple[int, int]], max_rank: int,
           expect: Fingerprint | None) -> LoRAAdapter:
-    snapshot: dict[str, bytearray] = {}
+    snapshot: dict[str, bytes] = {}
     source, size = files.weights, files.weights_size
     if expect is not None:
         if files.weights_size != expect.weights_size:
