@@ -12,7 +12,7 @@ while mapped kills the reading process with SIGBUS, and adapter folders are writ
 tools while the server runs. Only the header is read until every tensor's name, shape and dtype has
 been checked (and the header must describe exactly the file's size), so a file that declares huge
 shapes, or a huge sparse file, is refused before its data is read. The data is then read once; the
-checksum and the tensors come from those same bytes.
+checksum and the tensors (decoded by safetensors.torch.load) come from those same bytes.
 
 JSON (the config, the safetensors header) is parsed with bounds: nesting depth, digits per number.
 """
