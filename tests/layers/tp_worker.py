@@ -77,9 +77,8 @@ def _case(kind: str, quant: bool, mode: str | None, rank: int, size: int) -> flo
     x = torch.randn(24, parts[0][2], generator=g)
     slots = torch.tensor([-1, 0, 1, 2, 3, -1] * 4)[torch.randperm(24, generator=g)].tolist()
     ctx = ForwardContext(attn=None, lora=build_mapping(slots, x.device))
-    with as_tp_rank(0, 1):
+    with as_tp_rank(0, 1), forward_context(ctx):  # the tp=1 reference: built and run with no collective
         ref = _build(kind, quant, ckpt, adapters, mode)
-    with forward_context(ctx):
         y1 = ref(x)
     tp = _build(kind, quant, ckpt, adapters, mode)
     base = tp.base if mode else tp
