@@ -26,6 +26,7 @@ from engine.llm_engine import GenerationResult, LLMEngine
 from engine.lora.adapter import validate_name
 from engine.lora.adapter_files import resolve_under_roots
 from engine.protocol import ErrorKind, RequestOutput, SamplingParams, TokenLogprob
+from engine.served import LoRAStats, ServedModel
 
 __all__ = [
     "DEVICE_CHOICES",
@@ -44,6 +45,7 @@ __all__ = [
     "GenerationResult",
     "LLMEngine",
     "LoRAConfig",
+    "LoRAStats",
     "ModelConfig",
     "ModelNotFoundError",
     "OverloadedError",
@@ -53,6 +55,7 @@ __all__ = [
     "RequestStream",
     "SamplingParams",
     "SchedulerConfig",
+    "ServedModel",
     "TokenLogprob",
     "resolve_under_roots",
     "validate_name",

@@ -60,3 +60,18 @@ def test_server_uses_only_what_engine_exports() -> None:
     bad = {str(p.relative_to(_ROOT)): found for p in sorted((_ROOT / "server").rglob("*.py"))
            if (found := _server_reach_ins(p.read_text()))}
     assert not bad, f"server code must use only `from engine import ...` names: {bad}"
+
+
+def test_engine_errors_live_in_the_leaf_errors_module() -> None:
+    import engine.errors
+
+    elsewhere = [f"{p.relative_to(_ROOT)}:{node.lineno} {node.name}" for p in sorted((_ROOT / "engine").rglob("*.py"))
+                 if p.name != "errors.py" for node in ast.walk(ast.parse(p.read_text()))
+                 if isinstance(node, ast.ClassDef) and any(
+                     isinstance(b, ast.Name) and b.id.endswith(("Error", "Exception")) for b in node.bases)]
+    assert not elsewhere, f"engine error classes belong in engine/errors.py: {elsewhere}"
+    leaf = ast.parse((_ROOT / "engine" / "errors.py").read_text())
+    imports = [n for n in leaf.body if isinstance(n, ast.Import | ast.ImportFrom)]
+    assert all(isinstance(n, ast.ImportFrom) and n.module == "__future__" for n in imports)
+    classes = [c for c in vars(engine.errors).values() if isinstance(c, type) and issubclass(c, Exception)]
+    assert len(classes) >= 17
