@@ -1,15 +1,8 @@
 """xpulora engine: what the server and the CLI may use."""
 
-from engine.async_engine import (
-    AsyncEngine,
-    EngineFailedError,
-    EngineStats,
-    OverloadedError,
-    RequestStream,
-)
+from engine.async_engine import AsyncEngine, EngineStats, RequestStream
 from engine.config import (
     CacheConfig,
-    ConfigError,
     EngineConfig,
     LoRAConfig,
     ModelConfig,
@@ -17,20 +10,23 @@ from engine.config import (
     SchedulerConfig,
 )
 from engine.device import DEVICE_CHOICES
-from engine.llm_engine import GenerationResult, LLMEngine
-from engine.loader import CheckpointError
-from engine.lora.adapter import AdapterError, AdapterNotFoundError, AdapterPathForbiddenError, validate_name
-from engine.lora.adapter_files import resolve_under_roots
-from engine.lora.manager import AdapterNotLoadedError
-from engine.protocol import (
-    ErrorKind,
+from engine.errors import (
+    AdapterError,
+    AdapterNotFoundError,
+    AdapterNotLoadedError,
+    AdapterPathForbiddenError,
+    CheckpointError,
+    ConfigError,
+    EngineFailedError,
     ModelNotFoundError,
+    OverloadedError,
     RequestError,
-    RequestOutput,
-    SamplingParams,
-    StructuredSpec,
-    TokenLogprob,
 )
+from engine.llm_engine import GenerationResult, LLMEngine
+from engine.lora.adapter import validate_name
+from engine.lora.adapter_files import resolve_under_roots
+from engine.protocol import ErrorKind, RequestOutput, SamplingParams, StructuredSpec, TokenLogprob
+from engine.served import LoRAStats, ServedModel
 
 __all__ = [
     "DEVICE_CHOICES",
@@ -49,6 +45,7 @@ __all__ = [
     "GenerationResult",
     "LLMEngine",
     "LoRAConfig",
+    "LoRAStats",
     "ModelConfig",
     "ModelNotFoundError",
     "OverloadedError",
@@ -58,6 +55,7 @@ __all__ = [
     "RequestStream",
     "SamplingParams",
     "SchedulerConfig",
+    "ServedModel",
     "StructuredSpec",
     "TokenLogprob",
     "resolve_under_roots",

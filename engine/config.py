@@ -6,12 +6,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.device import DeviceName
+from engine.errors import ConfigError
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message says which field and why."""
 
 
 @dataclass(frozen=True)

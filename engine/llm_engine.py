@@ -8,27 +8,26 @@ reports per-request deltas.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers.utils import GENERATION_CONFIG_NAME
 
 from engine.block_manager import BlockManager
-from engine.config import ConfigError, EngineConfig
+from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from engine.device import Device, detect
+from engine.errors import AdapterError, ConfigError, ModelNotFoundError, RequestError
 from engine.loader import inspect_checkpoint
-from engine.lora.adapter import AdapterError, LoRAAdapter
+from engine.lora.adapter import LoRAAdapter
 from engine.lora.manager import LoRAManager
 from engine.model_runner import ModelRunner
 from engine.protocol import (
     ErrorKind,
     FinishReason,
-    ModelNotFoundError,
-    RequestError,
     RequestOutput,
     SamplingParams,
     TokenLogprob,
@@ -73,12 +72,11 @@ class GenerationResult:
 
 
 def _eos_ids(path: str, tokenizer: PreTrainedTokenizerBase, hf: dict) -> frozenset[int]:
+    """The union of config.json's, the tokenizer's and generation_config.json's eos ids."""
     ids: set[int] = set()
     sources: list[object] = [hf.get("eos_token_id"), tokenizer.eos_token_id]
-    gen = os.path.join(path, "generation_config.json")
-    if os.path.isfile(gen):
-        with open(gen) as f:
-            sources.append(json.load(f).get("eos_token_id"))
+    if os.path.isfile(os.path.join(path, GENERATION_CONFIG_NAME)):  # optional; the folder only, never a hub
+        sources.append(GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id)
     for s in sources:
         if isinstance(s, int):
             ids.add(s)

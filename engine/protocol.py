@@ -6,18 +6,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.errors import RequestError
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 ErrorKind = Literal["internal", "adapter"]
 """Why a request ended in "error": an engine fault, or its adapter's files (unreadable, changed on disk)."""
 StructuredKind = Literal["json", "regex", "choice", "grammar"]
-
-
-class RequestError(ValueError):
-    """A request the engine refuses; the message is meant for the client (HTTP 400)."""
-
-
-class ModelNotFoundError(RequestError):
-    """The request names a model that is neither the base nor a loaded adapter (HTTP 404)."""
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def _generate(engine: Any, a: argparse.Namespace) -> int:
-    from engine.protocol import RequestError
+    from engine import RequestError
 
     base_names = {*engine.base_names, a.model}
     lines: list[dict[str, Any]] = []

@@ -40,7 +40,7 @@ class _EngineCollector(Collector):
         self.engine, self.model = engine, model
 
     def collect(self) -> Iterator[Metric]:
-        llm, m = self.engine.engine, [self.model]
+        m = [self.model]
         s = self.engine.stats()
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -61,21 +61,21 @@ class _EngineCollector(Collector):
                       s.prefix_cache_queries)
         yield counter(P + "prefix_cache_hits", "Of those, tokens found in the prefix cache.", s.prefix_cache_hits)
         yield gauge(P + "engine_healthy", "1 while the step loop is alive.", float(self.engine.healthy))
-        g = llm.grammar.compiler
+        g = self.engine.served.grammar
         yield counter(P + "grammar_compiles", "Structured-output grammars compiled (cache misses).", g.num_compiles)
         yield counter(P + "grammar_compile_seconds", "Time spent compiling grammars.", g.compile_seconds)
         yield counter(P + "grammar_cache_hits", "Requests whose grammar was already compiled.", g.num_cache_hits)
-        lora = llm.lora
+        lora = self.engine.lora_stats()
         if lora is None:
             return
         yield counter(P + "lora_adapter_loads", "Adapters registered (loads).", lora.num_loads)
         yield counter(P + "lora_adapter_unloads", "Adapters unregistered.", lora.num_unloads)
         yield counter(P + "lora_slot_evictions", "Adapters evicted from a device slot.", lora.num_evictions)
-        yield gauge(P + "lora_adapters_loaded", "Registered adapters.", len(lora.list_adapters()))
+        yield gauge(P + "lora_adapters_loaded", "Registered adapters.", lora.num_loaded)
         info = GaugeMetricFamily(P + "lora_requests_info", "Running and waiting adapters (value: update time).",
                                  labels=[MODEL, "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
         info.add_metric([self.model, ",".join(s.running_adapters), ",".join(s.waiting_adapters),
-                         str(llm.config.lora.max_loras)], s.timestamp)
+                         str(lora.max_loras)], s.timestamp)
         yield info
 
 
@@ -99,7 +99,7 @@ class _VllmNames(Collector):
 class Metrics:
     def __init__(self, engine: AsyncEngine) -> None:
         self.registry = r = CollectorRegistry()
-        self.model = engine.engine.served_model_name
+        self.model = engine.served.name
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", [MODEL], registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", [MODEL], registry=r)
         self.request_success = Counter(P + "request_success", "Requests ended, by finish reason.",

@@ -79,22 +79,22 @@ class _Choice:
 class Serving:
     def __init__(self, engine: AsyncEngine, metrics: Metrics, chat: ChatOptions | None = None) -> None:
         self.engine, self.metrics = engine, metrics
-        llm = engine.engine
+        served = engine.served
         self.chat_opts = chat or ChatOptions()
-        vocab = llm.tokenizer.get_vocab()
+        vocab = served.tokenizer.get_vocab()
         self.think_close = think_close_id(vocab) if self.chat_opts.reasoning_parser else None
         self.tool_tags = "<tool_call>" in vocab and "</tool_call>" in vocab
         # Grammars compile here, never on the step thread or the event loop (llguidance drops the GIL).
         self._grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="xpulora-grammar")
-        self.grammars = llm.grammar.compiler
-        self.tok = copy.deepcopy(llm.tokenizer)  # event loop only
-        self.enc_tok = copy.deepcopy(llm.tokenizer)  # the tokenizer thread only
+        self.grammars = served.grammar
+        self.tok = copy.deepcopy(served.tokenizer)  # event loop only
+        self.enc_tok = copy.deepcopy(served.tokenizer)  # the tokenizer thread only
         self._enc_pool = ThreadPoolExecutor(1, thread_name_prefix="xpulora-tokenize")
         self.tokens = TokenText(self.tok)
-        self.base = llm.served_model_name
-        self.base_names = llm.base_names
-        self.max_model_len = llm.max_model_len
-        self.lora_enabled = llm.lora is not None
+        self.base = served.name
+        self.base_names = served.names
+        self.max_model_len = served.max_model_len
+        self.lora_enabled = served.lora_enabled
 
     def close(self) -> None:
         self._enc_pool.shutdown(wait=False, cancel_futures=True)
@@ -179,8 +179,7 @@ class Serving:
 
     def check_model(self, model: str) -> None:
         """404 unless `model` is a served base name or a loaded adapter (no load on first use)."""
-        lora = self.engine.engine.lora
-        if model not in self.base_names and (lora is None or model not in lora):
+        if model not in self.base_names and not self.engine.has_adapter(model):
             raise ApiError(404, f"model {model!r} does not exist (the base model is {self.base!r})")
 
     def _params(self, req: CompletionRequest | ChatCompletionRequest, ids: list[int], j: int,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 
-from engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig, SchedulerConfig
+from engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig, SchedulerConfig, distributed
 
 WORDS = ("the quick brown fox jumps over lazy dog hello world engine serving many adapters on one model "
          "numbers letters tensor parallel int4 café naïve 你好 世界 🚀").split()
@@ -48,3 +50,15 @@ def demo_shapes() -> dict[str, tuple[int, int]]:
             "self_attn.o_proj": (256, 256), "mlp.gate_proj": (256, 768), "mlp.up_proj": (256, 768),
             "mlp.down_proj": (768, 256)}
     return {f"model.layers.{i}.{m}": s for i in range(4) for m, s in mods.items()}
+
+
+@contextlib.contextmanager
+def as_tp_rank(rank: int, size: int) -> Iterator[None]:
+    """Layers built inside are built as tensor-parallel rank `rank` of `size`, with no process group
+    (nothing built here may communicate). The hook lives here so that the product code has none."""
+    saved = distributed._GROUP
+    distributed._GROUP = distributed.TPGroup(rank, size)
+    try:
+        yield
+    finally:
+        distributed._GROUP = saved

@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from engine.errors import UnsupportedModelError
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -17,10 +18,6 @@ from engine.layers.quant import QuantConfig
 from engine.layers.rotary import RotaryEmbedding, rope_theta_of
 
 SUPPORTED_ARCHS = ("qwen2", "qwen3")
-
-
-class UnsupportedModelError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from engine import SamplingParams
-from tests.e2e.serverlib import API_KEY, ServerProcess
 from tests.helpers import make_engine, prompts
+from tools.serverlib import API_KEY, ServerProcess
 from tools.tinymodels import make_qwen35_model, quantize
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from engine import SamplingParams
-from tests.e2e.serverlib import API_KEY, ServerProcess
 from tests.helpers import ALL7, make_lora_engine, prompts
+from tools.serverlib import API_KEY, ServerProcess
 from tools.tinymodels import make_peft_adapter
 
 MAX = 8

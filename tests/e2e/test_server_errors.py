@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from engine import SamplingParams
-from tests.e2e.serverlib import ServerProcess
 from tests.helpers import ALL7, make_lora_engine
+from tools.serverlib import ServerProcess
 from tools.tinymodels import make_peft_adapter
 
 PROMPT = "hello world engine"
