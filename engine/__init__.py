@@ -27,9 +27,11 @@ from engine.lora.adapter import validate_name
 from engine.lora.adapter_files import resolve_under_roots
 from engine.protocol import ErrorKind, RequestOutput, SamplingParams, StructuredSpec, TokenLogprob
 from engine.served import LoRAStats, ServedModel
+from engine.structured import JSON_OPTIONS
 
 __all__ = [
     "DEVICE_CHOICES",
+    "JSON_OPTIONS",
     "AdapterError",
     "AdapterNotFoundError",
     "AdapterNotLoadedError",

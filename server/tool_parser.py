@@ -17,7 +17,7 @@ import json
 import uuid
 from typing import Any
 
-from engine.structured import JSON_OPTIONS
+from engine import JSON_OPTIONS
 from server.reasoning import _partial_suffix
 from server.structured_protocol import Tool
 

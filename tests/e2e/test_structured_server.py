@@ -16,7 +16,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.e2e.serverlib import API_KEY, REPO, ServerProcess
+from tools.serverlib import API_KEY, REPO, ServerProcess
 
 # Qwen3's template, its tool-calling parts included (system + <tools>, assistant tool_calls, tool responses);
 # `think_open` makes the generation prompt open the think block, as Qwen3.5's does.
