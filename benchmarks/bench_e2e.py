@@ -105,13 +105,15 @@ def ours(e: LLMEngine, batch: int, n_adapters: int, new_tokens: int) -> dict:
 
 
 def time_decode(e: LLMEngine, prompts: list[list[int]], new_tokens: int,
-                names: list[str | None] | None = None) -> dict[str, float]:
-    """Warm up, prefill every prompt in one step, then time the decode steps until all finish."""
+                names: list[str | None] | None = None, params: list[SamplingParams] | None = None
+                ) -> dict[str, float]:
+    """Warm up, prefill every prompt in one step, then time the decode steps until all finish; params[i] is
+    request i's sampling (default: greedy, ignore_eos, new_tokens)."""
     names = names or [None] * len(prompts)
     e.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), names[:1])
-    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    for i, (p, n) in enumerate(zip(prompts, names)):
-        e.add_request(str(i), p, params, n)
+    params = params or [SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)] * len(prompts)
+    for i, (p, n, sp) in enumerate(zip(prompts, names, params)):
+        e.add_request(str(i), p, sp, n)
     e.step()  # prefill of every request
     e.device.synchronize()
     t0, steps = time.perf_counter(), 0

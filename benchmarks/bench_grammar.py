@@ -19,13 +19,12 @@ import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_e2e import emit, engine_config, requests
+from benchmarks.bench_e2e import emit, engine_config, requests, time_decode
 from benchmarks.timing import device_sync, time_us
 from engine import LLMEngine, SamplingParams, StructuredSpec
 from engine.structured import GrammarMatchers, apply_bitmask
@@ -42,17 +41,10 @@ def decode_ms(e: LLMEngine, batch: int, new_tokens: int, spec: StructuredSpec | 
     """Prefill every request in one step, then time the decode steps until all finish (sampled at
     temperature 1 with seeds: greedy on a random model repeats one token, which a grammar would not)."""
     prompts, _ = requests(batch, 0)
-    for i, p in enumerate(prompts):
-        e.add_request(f"{spec is not None}-{i}", p, SamplingParams(
-            max_tokens=new_tokens, temperature=1.0, seed=i, ignore_eos=True, structured=spec))
-    e.step()
-    e.device.synchronize()
-    t0, steps = time.perf_counter(), 0
-    while e.has_unfinished():
-        e.step()
-        steps += 1
-    e.device.synchronize()
-    return {"steps": steps, "ms_per_step": 1e3 * (time.perf_counter() - t0) / steps}
+    params = [SamplingParams(max_tokens=new_tokens, temperature=1.0, seed=i, ignore_eos=True, structured=spec)
+              for i in range(batch)]
+    r = time_decode(e, prompts, new_tokens, params=params)
+    return {"steps": r["steps"], "ms_per_step": r["ms_per_step"]}
 
 
 def parts_us(e: LLMEngine, batch: int, budget_s: float) -> dict[str, float]:
