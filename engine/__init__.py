@@ -17,6 +17,7 @@ from engine.config import (
     SchedulerConfig,
 )
 from engine.device import DEVICE_CHOICES
+from engine.kernel_check import check_device
 from engine.llm_engine import GenerationResult, LLMEngine
 from engine.loader import CheckpointError
 from engine.lora.adapter import AdapterError, AdapterNotFoundError, AdapterPathForbiddenError, validate_name
@@ -51,6 +52,7 @@ __all__ = [
     "SamplingParams",
     "SchedulerConfig",
     "TokenLogprob",
+    "check_device",
     "resolve_under_roots",
     "validate_name",
 ]

@@ -8,6 +8,7 @@ from typing import Literal
 from engine.device import DeviceName
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+LoRAKernelName = Literal["auto", "triton", "reference"]
 
 
 class ConfigError(ValueError):
@@ -85,6 +86,10 @@ class LoRAConfig:
     """Folders runtime loads may read from; none means runtime loads are refused."""
     lora_autoload: bool = True
     """Load an adapter named after a folder under a lora root on its first request."""
+    lora_kernel: LoRAKernelName = "auto"
+    """Batched LoRA kernels: auto (Triton on GPUs, the torch reference on the CPU), triton (also on the CPU,
+    under TRITON_INTERPRET=1) or reference. A Triton choice is checked against the reference at start-up
+    and replaced by it, with a warning, if it fails (kernels/registry.py)."""
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -92,6 +97,8 @@ class LoRAConfig:
         if self.max_lora_rank not in (1, 8, 16, 32, 64, 128, 256, 320, 512):
             raise ConfigError(f"max_lora_rank must be one of 1, 8, 16, 32, 64, 128, 256, 320, 512, "
                               f"got {self.max_lora_rank}")
+        if self.lora_kernel not in ("auto", "triton", "reference"):
+            raise ConfigError(f"lora_kernel must be auto, triton or reference, got {self.lora_kernel!r}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 

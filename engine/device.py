@@ -153,12 +153,19 @@ class Device:
             return "reference"
         return "fla"
 
-    def lora_backend(self) -> str:
-        """Name of the LoRA shrink/expand backend (kernels.lora) for this device."""
-        forced = os.environ.get("XPULORA_LORA_BACKEND")
-        if forced:
-            return forced
-        return "reference" if self.kind == "cpu" else "triton"
+    def describe(self) -> str:
+        """The device and, for a GPU, its product name (check-device reports)."""
+        if self.kind == "cuda":
+            return f"cuda:{self.index} ({torch.cuda.get_device_name(self.index)})"
+        if self.kind == "xpu":
+            return f"xpu:{self.index} ({torch.xpu.get_device_name(self.index)})"
+        return "cpu"
+
+    def lora_candidates(self, requested: str) -> list[str]:
+        """LoRA implementations (engine.lora.punica.LORA_IMPLS) to try in order, ending with the reference."""
+        if requested == "reference" or (requested == "auto" and (self.kind == "cpu" or not triton_env.usable())):
+            return ["reference"]
+        return ["triton", "reference"]
 
 
 def rank_device(kind: DeviceKind, local_rank: int) -> Device:

@@ -23,10 +23,11 @@ from engine.loader import CheckpointInfo, build_model, load_weights
 from engine.logits_processors import LogitsProcessors
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.layers import BaseLayerWithLoRA, wrap_model
-from engine.lora.punica import build_mapping
+from engine.lora.punica import LoRABatch, ReferenceLoRABatch, TritonLoRABatch, build_mapping, choose_impl
 from engine.protocol import SamplingParams
 from engine.sampler import Sampler, SamplerOutput, make_generator
 from engine.scheduler import ScheduledSeq, SchedulerOutput
+from kernels.registry import Choice
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +65,16 @@ class ModelRunner:
         if config.lora.enable_lora:
             self.lora_layers = wrap_model(self.model, self.model.lora_targets, config.lora.max_loras,
                                           config.lora.max_lora_rank, self.dtype, config.lora.fully_sharded_loras)
-        self.lora_backend = device.lora_backend()
+        self.lora_impl: type[LoRABatch] = ReferenceLoRABatch
+        self.kernel_choices: list[Choice] = []
+        """What the start-up checks chose per op (log, /metrics, xpulora check-device)."""
+        if self.lora_layers:
+            self.lora_impl = self._choose_lora_impl()
         self.gdn_layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
         self.num_state_slots = config.scheduler.max_num_seqs if self.gdn_layers else 0
         self.use_graphs = (device.supports_graphs and not config.enforce_eager
                            and device.attention_backend() == "triton"
-                           and (not self.lora_layers or self.lora_backend == "triton"))
+                           and (not self.lora_layers or self.lora_impl is TritonLoRABatch))
         self._allocate_state_pool()  # before the KV cache, which takes what memory is left
         self.kv = self._allocate_kv_cache()
         self.sampler = Sampler()
@@ -134,6 +139,14 @@ class ModelRunner:
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, bs, n * self._block_bytes() / 2**20)
         return KVCacheSpec(n, bs)
 
+    def _choose_lora_impl(self) -> type[LoRABatch]:
+        """Check the device's LoRA candidates on the first wrapped layer's real shapes (few tokens)."""
+        w, lc = self.lora_layers[0], self.config.lora
+        impl, choice = choose_impl(self.device.lora_candidates(lc.lora_kernel), w.base.in_features, w.b_sizes(),
+                                   w.max_rank, lc.max_loras, self.dtype, self.device.torch_device)
+        self.kernel_choices.append(choice)
+        return impl
+
     # -- LoRA slots ------------------------------------------------------------------------------------
     def lora_target_shapes(self) -> dict[str, tuple[int, int]]:
         """Every module an adapter may target -> unsharded (in, out)."""
@@ -177,8 +190,7 @@ class ModelRunner:
             cu_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             cu_q_list=cu, context_lens_list=ctx_lens,
             max_q_len=max(len(s.token_ids) for s in step.seqs))
-        lora = (build_mapping(lora_slots, dev, self.lora_backend, self.config.lora.max_loras)
-                if self.lora_layers else None)
+        lora = build_mapping(lora_slots, dev, self.lora_impl, self.config.lora.max_loras) if self.lora_layers else None
         states = [s.state_slot for s in step.seqs] if self.gdn_layers else None
         index = torch.tensor(states, dtype=torch.long, device=dev) if states is not None else None
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),

@@ -1,4 +1,4 @@
-"""The `xpulora` command: serve, generate, quantize.
+"""The `xpulora` command: serve, generate, quantize, check-device.
 
 The command line is parsed first (server/cli_args.py, no heavy imports), so `--help`, `--version` and
 bad flags answer without importing torch; the engine is imported once the command is known to run.
@@ -44,6 +44,7 @@ def build_engine_config(a: argparse.Namespace) -> EngineConfig:
         parallel=ParallelConfig(tensor_parallel_size=a.tensor_parallel_size, device=a.device),
         lora=LoRAConfig(enable_lora=a.enable_lora, max_loras=a.max_loras, max_lora_rank=a.max_lora_rank,
                         max_cpu_loras=a.max_cpu_loras, fully_sharded_loras=a.fully_sharded_loras,
+                        lora_kernel=a.lora_kernel,
                         lora_modules=tuple((name, path) for name, path in a.lora_modules),
                         lora_roots=tuple(a.lora_root), lora_autoload=not a.no_lora_autoload),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),
@@ -185,6 +186,12 @@ def main(argv: list[str] | None = None) -> int:
             from server.app import run_server
 
             return run_server(a, build_engine_config(a))
+        if a.command == "check-device":
+            from engine import check_device
+
+            report = check_device(a.device, a.dtype, a.lora_kernel)
+            print(report.table())
+            return 0 if report.ok else 1
         from server.quantize import run_quantize
 
         return run_quantize(a)

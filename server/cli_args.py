@@ -125,6 +125,9 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
     g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters cached in host memory")
     g.add_argument("--fully-sharded-loras", action="store_true", help="shard LoRA A/B over TP ranks too")
+    g.add_argument("--lora-kernel", choices=("auto", "triton", "reference"), default="auto",
+                   help="batched LoRA kernels: auto (Triton on GPUs, torch on the CPU), triton or reference; "
+                        "Triton is checked against the reference at start-up and replaced by it if it fails")
     g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH|JSON",
                    help='adapters to load at start: NAME=PATH or {"name": ..., "path": ..., "base_model_name": ...}')
     g.add_argument("--lora-root", action="append", default=[], metavar="DIR",
@@ -278,6 +281,13 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     gen.add_argument("--output", default=None, help="output JSONL (default: stdout)")
     engine_flags(gen)
     _quantize_parser(sub)
+    chk = sub.add_parser("check-device", help="check the fast kernels against their torch references on this device "
+                         "and print the table (exit 1 if one fails)", formatter_class=_Formatter)
+    chk.add_argument("--device", choices=DEVICE_CHOICES, default="auto", help="device to check")
+    chk.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                     help="compute dtype (auto: bfloat16 on GPUs, float32 on the CPU)")
+    chk.add_argument("--lora-kernel", choices=("auto", "triton", "reference"), default="auto",
+                     help="LoRA candidates: auto (the device's), triton (also on the CPU under TRITON_INTERPRET=1)")
     if len(argv) >= 1 and argv[0] in ("serve", "generate"):
         apply_config_file(serve if argv[0] == "serve" else gen, argv[1:])
     return p

@@ -57,6 +57,12 @@ class _EngineCollector(Collector):
         yield gauge(P + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", s.kv_usage)
         yield counter(P + "num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions)
         yield gauge(P + "engine_healthy", "1 while the step loop is alive.", float(self.engine.healthy))
+        kernels = GaugeMetricFamily(P + "kernel_info", "Kernel implementation chosen per op by the start-up checks "
+                                    "(value 1); rejected: faster candidates that failed their check.",
+                                    labels=[MODEL, "op", "implementation", "rejected"])
+        for c in llm.runner.kernel_choices:
+            kernels.add_metric([self.model, c.op, c.chosen, ",".join(n for n, _ in c.rejected)], 1.0)
+        yield kernels
         lora = llm.lora
         if lora is None:
             return
