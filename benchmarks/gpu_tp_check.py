@@ -4,7 +4,7 @@
    dense model and a Qwen3.6-27B-shaped hybrid (few layers), float32 (greedy ids and logits).
 2. Decode tokens/s at batch 1 and 32, bf16, TP=1 and TP=2 for both shapes.
 3. The cost of the collectives: all-reduce of [B, hidden] bf16 timed on NCCL, times the number per token.
-One JSON line per result.
+One JSON line per result; exits 1 if an equality check fails (benchmarks/checks.py).
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_e2e import time_decode
+from benchmarks.checks import Checks, exit_with
 from engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig, ParallelConfig, SamplingParams
 from tools.random_int4 import QWEN3_8B, QWEN36_27B, write_random_int4
 
 T0 = time.perf_counter()
+CHECKS = Checks("gpu_tp_check")
 
 
 def emit(**kw: object) -> None:
@@ -57,8 +59,9 @@ def equality(name: str, path: str) -> None:
         with engine(path, tp, "float32", eager=True) as e:
             res[tp] = [r.token_ids for r in e.generate(ps, greedy)]
     os.environ.pop("XPULORA_GDN_BACKEND")
-    emit(check=f"{name} TP=2 vs TP=1 float32", greedy_equal=res[1] == res[2],
-         prompts_equal=sum(a == b for a, b in zip(res[1], res[2])), of=len(ps))
+    CHECKS.expect(f"{name} TP=2 vs TP=1 float32", res[1] == res[2],
+                  prompts_equal=sum(a == b for a, b in zip(res[1], res[2])), of=len(ps),
+                  elapsed_s=round(time.perf_counter() - T0, 1))
 
 
 def decode_speed(name: str, path: str, tp: int, batches: list[int]) -> None:
@@ -134,6 +137,8 @@ def main() -> None:
             for tp in (2, 1):
                 decode_speed(f"{name} ({layers} layers)", path, tp, [1, 32])
             shutil.rmtree(path)
+    if "equal" not in a.skip:
+        exit_with(CHECKS)
 
 
 if __name__ == "__main__":
