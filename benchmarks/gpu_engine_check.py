@@ -25,6 +25,7 @@ from benchmarks.checks import Checks, exit_with
 from engine import (
     CacheConfig,
     EngineConfig,
+    KernelConfig,
     LLMEngine,
     LoRAConfig,
     ModelConfig,
@@ -34,29 +35,20 @@ from engine import (
 )
 from tools.random_int4 import Shape, write_random_int4
 
-REFERENCE = {"XPULORA_ATTENTION_BACKEND": "reference", "XPULORA_INT4_BACKEND": "reference",
-             "XPULORA_FUSED_BACKEND": "reference"}
 CHECKS = Checks("gpu_engine_check")
 ARGS = argparse.Namespace(device="cuda", lora_kernel="auto")
 
 
 def run(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]], eager: bool, reference: bool,
         dtype: str, gdn: str | None = None) -> tuple[list[list[int]], float]:
-    for k, v in REFERENCE.items():
-        if reference:
-            os.environ[k] = v
-        else:
-            os.environ.pop(k, None)
-    if gdn:
-        os.environ["XPULORA_GDN_BACKEND"] = gdn
-    else:
-        os.environ.pop("XPULORA_GDN_BACKEND", None)
+    ref = "reference" if reference else "auto"
+    kernels = KernelConfig(lora="reference" if reference else ARGS.lora_kernel, attention=ref, fused=ref, int4=ref,
+                           gdn=gdn or "auto")  # type: ignore[arg-type]
     lora = LoRAConfig(enable_lora=True, max_loras=4, max_lora_rank=16,
-                      lora_modules=tuple((f"a{i}", p) for i, p in enumerate(adapters)),
-                      lora_kernel="reference" if reference else ARGS.lora_kernel)
+                      lora_modules=tuple((f"a{i}", p) for i, p in enumerate(adapters)))
     cfg = EngineConfig(ModelConfig(path, dtype=dtype, max_model_len=512), cache=CacheConfig(num_blocks=2048),
                        scheduler=SchedulerConfig(max_num_seqs=64), lora=lora, enforce_eager=eager,
-                       parallel=ParallelConfig(device=ARGS.device))
+                       parallel=ParallelConfig(device=ARGS.device), kernels=kernels)
     with LLMEngine(cfg) as e:
         for c in e.runner.kernel_choices:
             if c.rejected:  # the engine fell back to a slower kernel: the fast one computes wrong here

@@ -33,13 +33,15 @@ def emit(**kw: object) -> None:
     print(json.dumps({**kw, "elapsed_s": round(time.perf_counter() - T0, 1)}), flush=True)
 
 
-def engine(path: str, tp: int, dtype: str, max_num_seqs: int = 64, eager: bool = False) -> LLMEngine:
-    from engine import SchedulerConfig
+def engine(path: str, tp: int, dtype: str, max_num_seqs: int = 64, eager: bool = False,
+           gdn: str = "auto") -> LLMEngine:
+    from engine import KernelConfig, SchedulerConfig
 
     return LLMEngine(EngineConfig(ModelConfig(path, dtype=dtype, max_model_len=1024),
                                   cache=CacheConfig(num_blocks=4096),
                                   parallel=ParallelConfig(tensor_parallel_size=tp),
-                                  scheduler=SchedulerConfig(max_num_seqs=max_num_seqs), enforce_eager=eager))
+                                  scheduler=SchedulerConfig(max_num_seqs=max_num_seqs), enforce_eager=eager,
+                                  kernels=KernelConfig(gdn=gdn)))  # type: ignore[arg-type]
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -52,13 +54,11 @@ def equality(name: str, path: str) -> None:
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     res = {}
     # fla-core computes in bf16 even for a float32 model: the comparison runs the float32 torch reference.
-    os.environ["XPULORA_GDN_BACKEND"] = "reference"
     for tp in (1, 2):  # (prompt_logits runs on rank 0 alone, so only generate is compared under TP)
         # Eager: capturing every graph size in float32 costs minutes of compilation; graphs are checked
         # against the reference separately (benchmarks/gpu_engine_check.py).
-        with engine(path, tp, "float32", eager=True) as e:
+        with engine(path, tp, "float32", eager=True, gdn="reference") as e:
             res[tp] = [r.token_ids for r in e.generate(ps, greedy)]
-    os.environ.pop("XPULORA_GDN_BACKEND")
     CHECKS.expect(f"{name} TP=2 vs TP=1 float32", res[1] == res[2],
                   prompts_equal=sum(a == b for a, b in zip(res[1], res[2])), of=len(ps),
                   elapsed_s=round(time.perf_counter() - T0, 1))

@@ -122,29 +122,28 @@ class Device:
             return hasattr(torch.xpu, "XPUGraph")
         return False
 
-    def int4_backend(self) -> str:
-        """Name of the int4 matmul backend in kernels.int4 to use on this device."""
-        forced = os.environ.get("XPULORA_INT4_BACKEND")
-        if forced:
-            return forced
+    def int4_backend(self, requested: str = "auto") -> str:
+        """int4 matmul backend in kernels.int4 (KernelConfig.int4); auto: the device's per-row-count dispatch."""
+        if requested != "auto":
+            return requested
         return {"cpu": "reference", "cuda": "auto:native_cuda", "xpu": "auto:native_xpu"}[self.kind]
 
-    def attention_backend(self) -> str:
+    def attention_backend(self, requested: str = "auto") -> str:
         """Paged attention kernels (kernels.attention): Triton on GPUs, the torch reference on the CPU."""
-        return os.environ.get("XPULORA_ATTENTION_BACKEND") or ("reference" if self.kind == "cpu" else "triton")
+        if requested != "auto":
+            return requested
+        return "reference" if self.kind == "cpu" else "triton"
 
-    def fused_backend(self) -> str:
+    def fused_backend(self, requested: str = "auto") -> str:
         """Small per-layer ops (kernels.fused: norms, rotary, silu-and-mul): Triton on GPUs where it runs."""
-        forced = os.environ.get("XPULORA_FUSED_BACKEND")
-        if forced:
-            return forced
+        if requested != "auto":
+            return requested
         return "triton" if self.kind != "cpu" and triton_env.usable() else "reference"
 
-    def gdn_backend(self) -> str:
+    def gdn_backend(self, requested: str = "auto") -> str:
         """Gated-delta-rule kernels: fla-core's Triton kernels on GPUs when installed, else the torch reference."""
-        forced = os.environ.get("XPULORA_GDN_BACKEND")
-        if forced:
-            return forced
+        if requested != "auto":
+            return requested
         if self.kind == "cpu":
             return "reference"
         if importlib.util.find_spec("fla") is None:

@@ -53,10 +53,10 @@ class ModelRunner:
         self.config, self.device = config, device
         self.dtype = resolve_dtype(config.model.dtype, device)
         self.max_model_len = max_model_len
-        self.model = build_model(info, self.dtype, device.torch_device, device.int4_backend())
+        self.model = build_model(info, self.dtype, device.torch_device, device.int4_backend(config.kernels.int4))
         load_weights(self.model, info, progress=progress)
         self.model.eval()
-        fused = device.fused_backend()
+        fused = device.fused_backend(config.kernels.fused)
         for m in self.model.modules():
             if isinstance(m, (RMSNorm, RotaryEmbedding, SiluAndMul)):
                 m.backend = fused
@@ -73,7 +73,7 @@ class ModelRunner:
         self.gdn_layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
         self.num_state_slots = config.scheduler.max_num_seqs if self.gdn_layers else 0
         self.use_graphs = (device.supports_graphs and not config.enforce_eager
-                           and device.attention_backend() == "triton"
+                           and device.attention_backend(config.kernels.attention) == "triton"
                            and (not self.lora_layers or self.lora_impl is TritonLoRABatch))
         self._allocate_state_pool()  # before the KV cache, which takes what memory is left
         self.kv = self._allocate_kv_cache()
@@ -116,7 +116,8 @@ class ModelRunner:
         """Per GDN layer: conv state [slots, conv_dim, K-1] and fp32 recurrent state [slots, Hv, Dk, Dv]."""
         dev, n = self.device.torch_device, self.num_state_slots
         n += 1 if self.use_graphs else 0  # a scratch slot for the padding rows of graph replays
-        backend = self.device.gdn_backend() if self.gdn_layers else "reference"  # once: it may log a warning
+        # Once: it may log a warning.
+        backend = self.device.gdn_backend(self.config.kernels.gdn) if self.gdn_layers else "reference"
         for m in self.gdn_layers:
             m.backend = backend
             m.conv_state = torch.zeros(n, m.conv_dim, m.kernel - 1, dtype=self.dtype, device=dev)
@@ -130,7 +131,7 @@ class ModelRunner:
         # Every rank must agree on the block count (the scheduler's block ids index all of them).
         n, bs = all_reduce_min(self._num_blocks(), self.device.torch_device), self.config.cache.block_size
         extra = 1 if self.use_graphs else 0  # a scratch block for the padding rows of graph replays
-        backend = self.device.attention_backend()
+        backend = self.device.attention_backend(self.config.kernels.attention)
         for a in self.attn_layers:
             a.backend = backend
             shape = (n + extra, bs, a.num_kv_heads, a.head_dim)
@@ -141,9 +142,9 @@ class ModelRunner:
 
     def _choose_lora_impl(self) -> type[LoRABatch]:
         """Check the device's LoRA candidates on the first wrapped layer's real shapes (few tokens)."""
-        w, lc = self.lora_layers[0], self.config.lora
-        impl, choice = choose_impl(self.device.lora_candidates(lc.lora_kernel), w.base.in_features, w.b_sizes(),
-                                   w.max_rank, lc.max_loras, self.dtype, self.device.torch_device)
+        w, candidates = self.lora_layers[0], self.device.lora_candidates(self.config.kernels.lora)
+        impl, choice = choose_impl(candidates, w.base.in_features, w.b_sizes(), w.max_rank, self.config.lora.max_loras,
+                                   self.dtype, self.device.torch_device)
         self.kernel_choices.append(choice)
         return impl
 

@@ -26,7 +26,16 @@ __all__ = ["DEMO_ADAPTERS", "DEMO_MODEL", "REPO_ROOT", "build_engine_config", "b
 
 
 def build_engine_config(a: argparse.Namespace) -> EngineConfig:
-    from engine import CacheConfig, ConfigError, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig
+    from engine import (
+        CacheConfig,
+        ConfigError,
+        EngineConfig,
+        KernelConfig,
+        LoRAConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+    )
 
     names = list(a.served_model_name or [])
     base_names = names or [os.path.basename(os.path.normpath(a.model))]
@@ -44,10 +53,11 @@ def build_engine_config(a: argparse.Namespace) -> EngineConfig:
         parallel=ParallelConfig(tensor_parallel_size=a.tensor_parallel_size, device=a.device),
         lora=LoRAConfig(enable_lora=a.enable_lora, max_loras=a.max_loras, max_lora_rank=a.max_lora_rank,
                         max_cpu_loras=a.max_cpu_loras, fully_sharded_loras=a.fully_sharded_loras,
-                        lora_kernel=a.lora_kernel,
                         lora_modules=tuple((name, path) for name, path in a.lora_modules),
                         lora_roots=tuple(a.lora_root), lora_autoload=not a.no_lora_autoload),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),
+        kernels=KernelConfig(lora=a.lora_kernel, attention=a.attention_kernel, fused=a.fused_kernel, gdn=a.gdn_kernel,
+                             int4=a.int4_kernel),
         seed=a.seed, enforce_eager=a.enforce_eager)
 
 

@@ -125,15 +125,30 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")
     g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters cached in host memory")
     g.add_argument("--fully-sharded-loras", action="store_true", help="shard LoRA A/B over TP ranks too")
-    g.add_argument("--lora-kernel", choices=("auto", "triton", "reference"), default="auto",
-                   help="batched LoRA kernels: auto (Triton on GPUs, torch on the CPU), triton or reference; "
-                        "Triton is checked against the reference at start-up and replaced by it if it fails")
     g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH|JSON",
                    help='adapters to load at start: NAME=PATH or {"name": ..., "path": ..., "base_model_name": ...}')
     g.add_argument("--lora-root", action="append", default=[], metavar="DIR",
                    help="a folder runtime adapter loads may read from (repeat the flag for several)")
     g.add_argument("--no-lora-autoload", action="store_true",
                    help="do not load an adapter from a lora root on its first request")
+    _kernel_flags(g)
+
+
+def _kernel_flags(g: Any) -> None:
+    """engine.config.KernelConfig, one flag per op (docs/kernels.md)."""
+    g.add_argument("--lora-kernel", choices=("auto", "triton", "reference"), default="auto",
+                   help="batched LoRA kernels: auto (Triton on GPUs, torch on the CPU), triton or reference; "
+                        "Triton is checked against the reference at start-up and replaced by it if it fails")
+    g.add_argument("--attention-kernel", choices=("auto", "triton", "reference"), default="auto",
+                   help="paged attention and KV write: auto (Triton on GPUs, torch on the CPU)")
+    g.add_argument("--fused-kernel", choices=("auto", "triton", "reference"), default="auto",
+                   help="norms, rotary, silu-and-mul: auto (Triton on GPUs, torch on the CPU)")
+    g.add_argument("--gdn-kernel", choices=("auto", "fla", "reference"), default="auto",
+                   help="Gated DeltaNet (Qwen3.5 hybrids): auto (fla-core on GPUs when installed, else torch)")
+    g.add_argument("--int4-kernel", default="auto",
+                   choices=("auto", "reference", "triton", "native_cpu", "native_cuda", "native_xpu",
+                            "auto:native_cuda", "auto:native_xpu"),
+                   help="int4 GEMM: auto (the device's dispatch by row count) or one backend for every row count")
 
 
 def apply_config_file(p: argparse.ArgumentParser, argv: list[str]) -> None:

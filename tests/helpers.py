@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig, SchedulerConfig
+from engine import CacheConfig, EngineConfig, KernelConfig, LLMEngine, ModelConfig, SchedulerConfig
 
 WORDS = ("the quick brown fox jumps over lazy dog hello world engine serving many adapters on one model "
          "numbers letters tensor parallel int4 café naïve 你好 世界 🚀").split()
@@ -20,11 +20,12 @@ def prompts(n: int, seed: int = 0, min_words: int = 1, max_words: int = 30) -> l
 
 
 def make_engine(path: str, max_model_len: int = 256, num_blocks: int | None = None, max_num_seqs: int = 64,
-                max_num_batched_tokens: int = 2048) -> LLMEngine:
+                max_num_batched_tokens: int = 2048, kernels: KernelConfig | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(
         ModelConfig(path, dtype="float32", max_model_len=max_model_len),
         cache=CacheConfig(num_blocks=num_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)))
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        kernels=kernels or KernelConfig()))
 
 
 def make_lora_engine(path: str, adapters: dict[str, str] | None = None, max_loras: int = 4, max_lora_rank: int = 64,

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from openai import AsyncOpenAI
 
-from engine import EngineConfig, LLMEngine, LoRAConfig, ModelConfig, SamplingParams
+from engine import EngineConfig, KernelConfig, LLMEngine, LoRAConfig, ModelConfig, SamplingParams
 from tests.e2e.serverlib import API_KEY, REPO, ServerProcess
 
 DEMO = REPO / "demo"
@@ -33,9 +33,10 @@ needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, re
 
 def _demo_engine(lora_kernel: str = "auto") -> LLMEngine:
     return LLMEngine(EngineConfig(ModelConfig(str(DEMO / "model"), dtype="float32", max_model_len=256),
-                                  lora=LoRAConfig(enable_lora=True, max_loras=4, max_lora_rank=64, lora_kernel=lora_kernel,
+                                  lora=LoRAConfig(enable_lora=True, max_loras=4, max_lora_rank=64,
                                                   lora_modules=tuple((n, str(DEMO / "adapters" / n))
-                                                                     for n in ADAPTERS))))
+                                                                     for n in ADAPTERS)),
+                                  kernels=KernelConfig(lora=lora_kernel)))  # type: ignore[arg-type]
 
 
 def _requests() -> list[tuple[str, str | None]]:
