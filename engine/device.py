@@ -58,6 +58,17 @@ def detect(requested: str = "auto") -> DeviceKind:
 
 
 @dataclass(frozen=True)
+class Kernels:
+    """Each op's implementation, chosen once per engine (Device.kernels); every layer receives its own when
+    the model is built. Names as kernels.attention, kernels.fused, kernels.gdn and kernels.int4 take them."""
+
+    attention: str = "reference"
+    fused: str = "reference"
+    gdn: str = "reference"
+    int4: str = "reference"
+
+
+@dataclass(frozen=True)
 class Device:
     """One rank's device: kind plus local index."""
 
@@ -121,6 +132,11 @@ class Device:
         if self.kind == "xpu":
             return hasattr(torch.xpu, "XPUGraph")
         return False
+
+    def kernels(self, attention: str, fused: str, gdn: str, int4: str, hybrid: bool) -> Kernels:
+        """Resolve each op's configured name ("auto": this device's choice); gdn only for hybrid models."""
+        return Kernels(self.attention_backend(attention), self.fused_backend(fused),
+                       self.gdn_backend(gdn) if hybrid else "reference", self.int4_backend(int4))
 
     def int4_backend(self, requested: str = "auto") -> str:
         """int4 matmul backend in kernels.int4 (KernelConfig.int4); auto: the device's per-row-count dispatch."""

@@ -14,12 +14,9 @@ from engine.device import Device
 from engine.distributed import all_reduce_min, tp_rank
 from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from engine.graph_runner import DecodeGraphs
-from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.gdn import GatedDeltaNet
-from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
-from engine.loader import CheckpointInfo, build_model, load_weights
+from engine.loader import CheckpointInfo, build_model, is_hybrid, load_weights
 from engine.logits_processors import LogitsProcessors
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.layers import BaseLayerWithLoRA, wrap_model
@@ -53,13 +50,11 @@ class ModelRunner:
         self.config, self.device = config, device
         self.dtype = resolve_dtype(config.model.dtype, device)
         self.max_model_len = max_model_len
-        self.model = build_model(info, self.dtype, device.torch_device, device.int4_backend(config.kernels.int4))
+        kc = config.kernels
+        self.kernels = device.kernels(kc.attention, kc.fused, kc.gdn, kc.int4, is_hybrid(info))
+        self.model = build_model(info, self.dtype, device.torch_device, self.kernels)
         load_weights(self.model, info, progress=progress)
         self.model.eval()
-        fused = device.fused_backend(config.kernels.fused)
-        for m in self.model.modules():
-            if isinstance(m, (RMSNorm, RotaryEmbedding, SiluAndMul)):
-                m.backend = fused
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.lora_layers: list[BaseLayerWithLoRA] = []
         if config.lora.enable_lora:
@@ -73,7 +68,7 @@ class ModelRunner:
         self.gdn_layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
         self.num_state_slots = config.scheduler.max_num_seqs if self.gdn_layers else 0
         self.use_graphs = (device.supports_graphs and not config.enforce_eager
-                           and device.attention_backend(config.kernels.attention) == "triton"
+                           and self.kernels.attention == "triton"
                            and (not self.lora_layers or self.lora_impl is TritonLoRABatch))
         self._allocate_state_pool()  # before the KV cache, which takes what memory is left
         self.kv = self._allocate_kv_cache()
@@ -116,10 +111,7 @@ class ModelRunner:
         """Per GDN layer: conv state [slots, conv_dim, K-1] and fp32 recurrent state [slots, Hv, Dk, Dv]."""
         dev, n = self.device.torch_device, self.num_state_slots
         n += 1 if self.use_graphs else 0  # a scratch slot for the padding rows of graph replays
-        # Once: it may log a warning.
-        backend = self.device.gdn_backend(self.config.kernels.gdn) if self.gdn_layers else "reference"
         for m in self.gdn_layers:
-            m.backend = backend
             m.conv_state = torch.zeros(n, m.conv_dim, m.kernel - 1, dtype=self.dtype, device=dev)
             m.ssm_state = torch.zeros(n, m.hv, m.dk, m.dv, dtype=torch.float32, device=dev)
         if self.gdn_layers:
@@ -131,9 +123,7 @@ class ModelRunner:
         # Every rank must agree on the block count (the scheduler's block ids index all of them).
         n, bs = all_reduce_min(self._num_blocks(), self.device.torch_device), self.config.cache.block_size
         extra = 1 if self.use_graphs else 0  # a scratch block for the padding rows of graph replays
-        backend = self.device.attention_backend(self.config.kernels.attention)
         for a in self.attn_layers:
-            a.backend = backend
             shape = (n + extra, bs, a.num_kv_heads, a.head_dim)
             a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device.torch_device)
             a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device.torch_device)
