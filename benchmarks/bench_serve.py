@@ -29,9 +29,9 @@ import httpx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_e2e import emit, engine_config, model_args, write_model
-from benchmarks.load import _pct
 from engine import LLMEngine, SamplingParams
-from tests.e2e.serverlib import REPO, ServerProcess
+from tools.loadgen import percentile
+from tools.serverlib import REPO, ServerProcess
 
 
 @dataclass(frozen=True)
@@ -137,8 +137,8 @@ async def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: in
     ttft = [s.ttft for s in streams if s.ttft is not None]
     gaps = [g for s in streams for g in s.gaps]
     return {"server_tokens_per_s": sum(s.tokens for s in streams) / dt,
-            "ttft_s": {"p50": _pct(ttft, 50), "p99": _pct(ttft, 99)},
-            "itl_s": {"p50": _pct(gaps, 50), "p99": _pct(gaps, 99)},
+            "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
+            "itl_s": {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99)},
             "errors": len(errors), "wrong_length": wrong,
             "text_mismatch": None if texts is None else sum(s.text != t for s, t in zip(streams, texts)),
             "first_error": errors[0] if errors else None}

@@ -2,7 +2,7 @@
 the Qwen3.6-27B per-rank head counts at TP=2 (8 key heads, 24 value heads, head dim 128).
 One JSON line per case with the max differences of outputs and final states, relative to their scale;
 fla-core computes in bf16, so a case passes within 2e-2 of the scale (a wrong kernel is off by O(1)).
-Exits 1 if any case fails (benchmarks/checks.py)."""
+Exits 1 if any case fails (tools/checks.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.checks import Checks, exit_with
 from kernels.gdn import delta_rule_varlen
+from tools.checks import Checks, exit_with
 
 TOL = 2e-2
 

@@ -5,7 +5,7 @@ Then a Qwen3.5-shaped hybrid: decode graphs equal eager with the same Gated Delt
 reference, and fla-core, which computes in bf16 and is reported against the reference only as a count).
 A fast kernel that fails its start-up check against the reference (the engine then serves with the
 reference, so the comparison alone would pass) also fails this script. One JSON line per check, one
-PASS/FAIL line, exit 1 on any failure (benchmarks/checks.py). `--quick --device cpu` runs the same logic
+PASS/FAIL line, exit 1 on any failure (tools/checks.py). `--quick --device cpu` runs the same logic
 with tiny shapes on the CPU (where the fast kernels are the references), so the script cannot rot."""
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_e2e import write_adapter
-from benchmarks.checks import Checks, exit_with
 from engine import (
     CacheConfig,
     EngineConfig,
@@ -33,6 +32,7 @@ from engine import (
     SamplingParams,
     SchedulerConfig,
 )
+from tools.checks import Checks, exit_with
 from tools.random_int4 import Shape, write_random_int4
 
 CHECKS = Checks("gpu_engine_check")

@@ -4,7 +4,7 @@
    dense model and a Qwen3.6-27B-shaped hybrid (few layers), float32 (greedy ids and logits).
 2. Decode tokens/s at batch 1 and 32, bf16, TP=1 and TP=2 for both shapes.
 3. The cost of the collectives: all-reduce of [B, hidden] bf16 timed on NCCL, times the number per token.
-One JSON line per result; exits 1 if an equality check fails (benchmarks/checks.py).
+One JSON line per result; exits 1 if an equality check fails (tools/checks.py).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_e2e import time_decode
-from benchmarks.checks import Checks, exit_with
 from engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig, ParallelConfig, SamplingParams
+from tools.checks import Checks, exit_with
 from tools.random_int4 import QWEN3_8B, QWEN36_27B, write_random_int4
 
 T0 = time.perf_counter()

@@ -1,15 +1,8 @@
 """xpulora engine: what the server and the CLI may use."""
 
-from engine.async_engine import (
-    AsyncEngine,
-    EngineFailedError,
-    EngineStats,
-    OverloadedError,
-    RequestStream,
-)
+from engine.async_engine import AsyncEngine, EngineStats, RequestStream
 from engine.config import (
     CacheConfig,
-    ConfigError,
     EngineConfig,
     KernelConfig,
     LoRAConfig,
@@ -18,16 +11,29 @@ from engine.config import (
     SchedulerConfig,
 )
 from engine.device import DEVICE_CHOICES
+from engine.errors import (
+    AdapterError,
+    AdapterNotFoundError,
+    AdapterNotLoadedError,
+    AdapterPathForbiddenError,
+    CheckpointError,
+    ConfigError,
+    EngineFailedError,
+    ModelNotFoundError,
+    OverloadedError,
+    RequestError,
+)
 from engine.kernel_check import check_device
 from engine.llm_engine import GenerationResult, LLMEngine
-from engine.loader import CheckpointError
-from engine.lora.adapter import AdapterError, AdapterNotFoundError, AdapterPathForbiddenError, validate_name
+from engine.lora.adapter import validate_name
 from engine.lora.adapter_files import resolve_under_roots
-from engine.lora.manager import AdapterNotLoadedError
-from engine.protocol import ErrorKind, ModelNotFoundError, RequestError, RequestOutput, SamplingParams, TokenLogprob
+from engine.protocol import ErrorKind, RequestOutput, SamplingParams, StructuredSpec, TokenLogprob
+from engine.served import LoRAStats, ServedModel
+from engine.structured import JSON_OPTIONS
 
 __all__ = [
     "DEVICE_CHOICES",
+    "JSON_OPTIONS",
     "AdapterError",
     "AdapterNotFoundError",
     "AdapterNotLoadedError",
@@ -44,6 +50,7 @@ __all__ = [
     "KernelConfig",
     "LLMEngine",
     "LoRAConfig",
+    "LoRAStats",
     "ModelConfig",
     "ModelNotFoundError",
     "OverloadedError",
@@ -53,6 +60,8 @@ __all__ = [
     "RequestStream",
     "SamplingParams",
     "SchedulerConfig",
+    "ServedModel",
+    "StructuredSpec",
     "TokenLogprob",
     "check_device",
     "resolve_under_roots",

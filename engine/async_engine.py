@@ -22,22 +22,15 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
+from engine.errors import AdapterError, EngineDeadError, EngineFailedError, OverloadedError, RequestError
 from engine.llm_engine import LLMEngine
-from engine.lora.adapter import AdapterError, validate_name
+from engine.lora.adapter import validate_name
 from engine.lora.adapter_files import resolve_under_roots
-from engine.protocol import RequestError, RequestOutput, SamplingParams
-from engine.worker import EngineDeadError
+from engine.protocol import RequestOutput, SamplingParams
+from engine.served import LoRAStats, ServedModel, served_model
 
 log = logging.getLogger(__name__)
 IDLE_CHECK_S = 0.5  # how often an idle step thread checks that the tensor-parallel workers live
-
-
-class OverloadedError(RuntimeError):
-    """The server cannot take the request now: waiting queue full, shutting down (HTTP 503)."""
-
-
-class EngineFailedError(OverloadedError):
-    """The step loop failed; the engine serves nothing more (HTTP 503, /health unhealthy)."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +41,8 @@ class EngineStats:
     num_waiting: int = 0
     kv_usage: float = 0.0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
     running_adapters: tuple[str, ...] = ()
     waiting_adapters: tuple[str, ...] = ()
     timestamp: float = field(default_factory=time.time)
@@ -104,7 +99,8 @@ class RequestStream:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None,
                  on_failure: Callable[[BaseException], None] | None = None) -> None:
-        self.engine = engine
+        self.engine = engine  # the server uses `served` and the methods below, never this
+        self.served: ServedModel = served_model(engine)
         self.max_waiting_requests = max_waiting_requests
         self.on_failure = on_failure
         self.lock = threading.Lock()  # everything that touches scheduler / request state
@@ -166,6 +162,23 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         with self._cv:
             return self._stats
+
+    def lora_stats(self) -> LoRAStats | None:
+        """The adapter manager's counters now (None with LoRA off)."""
+        lora = self.engine.lora
+        if lora is None:
+            return None
+        return LoRAStats(lora.num_loads, lora.num_unloads, lora.num_evictions, len(lora.list_adapters()),
+                         self.served.lora.max_loras)
+
+    def list_adapters(self) -> list[tuple[str, str]]:
+        """(name, path) of every registered adapter."""
+        lora = self.engine.lora
+        return [] if lora is None else [(name, path) for name, path, _ in lora.list_adapters()]
+
+    def has_adapter(self, name: str) -> bool:
+        lora = self.engine.lora
+        return lora is not None and name in lora
 
     # -- requests ------------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -345,7 +358,7 @@ class AsyncEngine:
         running = {n for s in e.scheduler.running if s.lora_id is not None and (n := name_of(s.lora_id))}
         waiting = {n for s in e.scheduler.waiting if s.lora_id is not None and (n := name_of(s.lora_id))}
         return EngineStats(len(e.scheduler.running), len(e.scheduler.waiting), e.blocks.usage, e.num_preemptions,
-                           tuple(sorted(running)), tuple(sorted(waiting)))
+                           e.blocks.num_queries, e.blocks.num_hits, tuple(sorted(running)), tuple(sorted(waiting)))
 
     def _publish(self, added: list[tuple[str, list[int] | BaseException]], outs: list[RequestOutput],
                  stats: EngineStats | None) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from engine.device import DeviceName
+from engine.errors import ConfigError
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 LoRAKernelName = Literal["auto", "triton", "reference"]
@@ -14,10 +15,6 @@ FusedKernelName = Literal["auto", "triton", "reference"]
 GDNKernelName = Literal["auto", "fla", "reference"]
 Int4KernelName = Literal["auto", "reference", "triton", "native_cpu", "native_cuda", "native_xpu", "auto:native_cuda",
                          "auto:native_xpu"]
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message says which field and why."""
 
 
 @dataclass(frozen=True)
@@ -52,10 +49,18 @@ class CacheConfig:
     """KV blocks per layer; None sizes the cache from memory (GPU) or from max_num_seqs x max_model_len (CPU)."""
     gpu_memory_utilization: float = 0.90
     """Fraction of device memory the engine may use in total (weights + activations + KV)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of a prompt prefix already computed under the same adapter identity."""
+    hybrid_snapshot_interval: int = 512
+    """Hybrid models: tokens between the linear-attention state snapshots that prefix caching needs (a
+    multiple of block_size; prompt chunks end on these points; a hit reuses up to the last one)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ConfigError(f"block_size must be a power of two, got {self.block_size}")
+        if self.hybrid_snapshot_interval < self.block_size or self.hybrid_snapshot_interval % self.block_size:
+            raise ConfigError(f"hybrid_snapshot_interval must be a positive multiple of block_size "
+                              f"({self.block_size}), got {self.hybrid_snapshot_interval}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1, got {self.num_blocks}")
         if not 0.05 <= self.gpu_memory_utilization <= 1.0:

@@ -1,18 +1,18 @@
 """Turn generated token ids into text one token at a time, plus stop-string helpers.
 
-Incremental detokenization (the idea serving engines share, e.g. vLLM's and TGI's): keep two offsets
-into the token list. ``prefix_offset..read_offset`` is a short window of tokens whose text was
-already emitted; ``prefix_offset..end`` is that window plus the tokens not emitted yet. Decode both;
-the new text is what the longer one adds. A byte-level BPE token may hold only part of a UTF-8
-character, which decodes to U+FFFD; while the longer text ends with U+FFFD, emit nothing and wait for
-the bytes that complete it. Decoding a few tokens of context (instead of one token alone) also keeps
-decoders that depend on neighbours (SentencePiece's leading space) right.
+Incremental detokenization is the tokenizers library's ``DecodeStream``: it decodes a short window of
+tokens and emits only what the newest token adds, holding text back while it ends inside a UTF-8
+character (a byte-level or byte-fallback token can carry part of one). The stream starts from the last
+few prompt tokens as context, so decoders that depend on neighbours (SentencePiece's leading space)
+give the first output token its right text. ``flush`` (the stream's end) is ours: DecodeStream has none.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+
+from tokenizers.decoders import DecodeStream
+from transformers import PreTrainedTokenizerFast
 
 _REPLACEMENT = "\ufffd"
 # Prompt tokens decoded as context before the first output token.
@@ -22,60 +22,40 @@ _CONTEXT_TOKENS = 5
 class IncrementalDetokenizer:
     """Text deltas for one sequence's output tokens; ``text`` is everything emitted so far."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], skip_special_tokens: bool = True) -> None:
-        self._decode = _make_decoder(tokenizer, skip_special_tokens)
-        self._ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
-        self._prefix_text = self._decode(self._ids)
-        if self._prefix_text.endswith(_REPLACEMENT):
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, prompt_token_ids: list[int],
+                 skip_special_tokens: bool = True) -> None:
+        self._backend = tokenizer.backend_tokenizer
+        self._skip = skip_special_tokens
+        self._context = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self._context_text = self._decode(self._context)
+        if self._context_text.endswith(_REPLACEMENT):
             # The prompt ends inside a character: its tail cannot serve as context, since the first
             # output bytes would change how it decodes.
-            self._ids, self._read_offset, self._prefix_text = [], 0, ""
+            self._context, self._context_text = [], ""
+        self._stream = DecodeStream(self._context, skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []
         self._text = ""
 
     @property
     def text(self) -> str:
         return self._text
 
+    def _decode(self, ids: list[int]) -> str:
+        return self._backend.decode(ids, skip_special_tokens=self._skip)
+
     def add(self, token_id: int) -> str:
         """Feed one output token; return the text it completes ("" while a character is partial)."""
         self._ids.append(token_id)
-        new_text = self._decode(self._ids[self._prefix_offset :])
-        if len(new_text) <= len(self._prefix_text) or new_text.endswith(_REPLACEMENT):
-            # Nothing visible yet (a skipped special token) or a character still incomplete.
-            return ""
-        delta = new_text[len(self._prefix_text) :]
-        # Slide the window: what was unread becomes the context for the next token.
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        self._prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        delta = self._stream.step(self._backend, token_id) or ""
         self._text += delta
         return delta
 
     def flush(self) -> str:
         """At the end of the stream: emit whatever is held back, invalid bytes as U+FFFD."""
-        if self._read_offset == len(self._ids):
-            return ""
-        new_text = self._decode(self._ids[self._prefix_offset :])
-        delta = new_text[len(self._prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        self._prefix_text = self._decode(self._ids[self._prefix_offset :])
-        if delta:
-            self._text += delta
+        full = self._decode(self._context + self._ids)[len(self._context_text):]
+        delta = full[len(self._text):]
+        self._text += delta
         return delta
-
-
-def _make_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        # The Rust decoder directly: what tokenizer.decode does for a fast tokenizer, minus the
-        # Python overhead and the whole-text space clean-up (wrong on windows).
-        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
-    return lambda ids: tokenizer.decode(
-        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
-    )
 
 
 def find_stop(text: str, stops: Sequence[str], start: int, floor: int = 0) -> int | None:

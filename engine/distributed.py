@@ -32,12 +32,6 @@ def init_tp(rank: int, size: int, backend: str, init_method: str, device_id: tor
     _GROUP = TPGroup(rank, size)
 
 
-def set_tp_for_testing(rank: int, size: int) -> None:
-    """Set the coordinates without a process group (a layer built as if it were rank `rank`)."""
-    global _GROUP
-    _GROUP = TPGroup(rank, size)
-
-
 def destroy_tp() -> None:
     global _GROUP
     if dist.is_available() and dist.is_initialized():

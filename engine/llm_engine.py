@@ -8,33 +8,34 @@ reports per-request deltas.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
+from transformers.utils import GENERATION_CONFIG_NAME
 
 from engine.block_manager import BlockManager
-from engine.config import ConfigError, EngineConfig
+from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from engine.device import Device, detect
+from engine.errors import AdapterError, ConfigError, ModelNotFoundError, RequestError
 from engine.loader import inspect_checkpoint
-from engine.lora.adapter import AdapterError, LoRAAdapter
+from engine.lora.adapter import LoRAAdapter
 from engine.lora.manager import LoRAManager
 from engine.model_runner import ModelRunner
 from engine.protocol import (
     ErrorKind,
     FinishReason,
-    ModelNotFoundError,
-    RequestError,
     RequestOutput,
     SamplingParams,
     TokenLogprob,
 )
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
+from engine.state_snapshots import SnapshotPool
+from engine.structured import GrammarCompiler, GrammarMatchers
 from engine.worker import make_executor
 
 log = logging.getLogger(__name__)
@@ -66,15 +67,16 @@ class GenerationResult:
     num_prompt_tokens: int = 0
     error: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
 
 
 def _eos_ids(path: str, tokenizer: PreTrainedTokenizerBase, hf: dict) -> frozenset[int]:
+    """The union of config.json's, the tokenizer's and generation_config.json's eos ids."""
     ids: set[int] = set()
     sources: list[object] = [hf.get("eos_token_id"), tokenizer.eos_token_id]
-    gen = os.path.join(path, "generation_config.json")
-    if os.path.isfile(gen):
-        with open(gen) as f:
-            sources.append(json.load(f).get("eos_token_id"))
+    if os.path.isfile(os.path.join(path, GENERATION_CONFIG_NAME)):  # optional; the folder only, never a hub
+        sources.append(GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id)
     for s in sources:
         if isinstance(s, int):
             ids.add(s)
@@ -106,13 +108,20 @@ class LLMEngine:
             raise ConfigError(f"the KV cache ({kv.num_blocks} blocks x {kv.block_size} tokens) cannot hold one "
                               f"sequence of max_model_len={self.max_model_len}; raise num_blocks or lower "
                               "max_model_len")
-        self.blocks = BlockManager(kv.num_blocks, kv.block_size)
+        self.blocks = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
         self.lora: LoRAManager | None = None
         if config.lora.enable_lora:
             self.lora = LoRAManager(config.lora, self.executor.lora_target_shapes())
             for name, path in config.lora.lora_modules:
                 self.lora.load(name, path)
-        self.scheduler = Scheduler(config.scheduler, self.blocks, self.lora, self.runner.num_state_slots)
+        snapshots = SnapshotPool(self.runner.num_state_snapshots) if self.runner.num_state_snapshots else None
+        self.scheduler = Scheduler(config.scheduler, self.blocks, self.lora, self.runner.num_state_slots, snapshots,
+                                   config.cache.hybrid_snapshot_interval)
+        self.runner.on_kv_overwrite = self.reset_prefix_cache
+        self.grammar = GrammarMatchers(GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids),
+                                       parallel=self.device.kind != "cpu")
+        """Structured output: a matcher per request that has one; rank 0's runner reads its bitmasks."""
+        self.runner.grammar = self.grammar
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
@@ -166,6 +175,8 @@ class LLMEngine:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                f"max_model_len {self.max_model_len}")
         seq = Sequence(next(self._seq_ids), request_id, ids, params, lora_id)
+        if params.structured is not None:
+            self.grammar.add(seq.seq_id, params.structured)  # RequestError if invalid (the server compiled it)
         detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         if lora_id is not None and self.lora is not None:
             self.lora.add_user(lora_id)
@@ -203,6 +214,7 @@ class LLMEngine:
     def _end(self, req: _Request) -> None:
         """Bookkeeping when a request leaves the engine (finished, aborted or failed)."""
         self.scheduler.finish(req.seq)
+        self.grammar.drop(req.seq.seq_id)
         del self.requests[req.seq.request_id]
         if req.seq.lora_id is not None and self.lora is not None:
             self.lora.remove_user(req.seq.lora_id)
@@ -213,6 +225,10 @@ class LLMEngine:
             return False
         self._end(req)
         return True
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (blocks in use stay; nothing is hit until computed again)."""
+        self.scheduler.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -232,6 +248,7 @@ class LLMEngine:
                 self.scheduler.keep_ended(step.finished_seq_ids)
                 return outputs
         sampled = self.executor.execute(step, loads)  # EngineDeadError once a rank is gone, at every later step too
+        self.scheduler.step_ran()
         k = 0
         for entry, seq in zip(step.seqs, seqs):
             seq.num_computed_tokens += len(entry.token_ids)
@@ -246,6 +263,7 @@ class LLMEngine:
         req = self.requests[seq.request_id]
         p = seq.params
         seq.output_token_ids.append(tok)
+        grammar_done = self.grammar.accept(seq.seq_id, tok)
         if req.logprobs is not None and lp is not None:
             req.logprobs.append(lp)
         # As vLLM: the first min_tokens tokens cannot end the output (the sampler masks EOS and the stop ids,
@@ -257,7 +275,7 @@ class LLMEngine:
             req.detok.add(tok)
         text = req.detok.text
         reason: FinishReason | None = None
-        if stop_tok:
+        if stop_tok or grammar_done:  # a complete grammar allows nothing more (vLLM stops there too)
             reason = "stop"
         elif p.stop and checks:
             cut = find_stop(text, p.stop, req.emitted, req.stop_floor)
@@ -285,7 +303,8 @@ class LLMEngine:
             request_id=seq.request_id, new_token_ids=new_tokens, new_text=new_text,
             new_logprobs=req.logprobs[-len(new_tokens):] if req.logprobs is not None else None,
             finished=reason is not None, finish_reason=reason,
-            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=len(seq.output_token_ids))
+            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=len(seq.output_token_ids),
+            num_cached_tokens=seq.num_cached_tokens)
         if reason is not None:
             self._end(req)
         return out
@@ -309,6 +328,7 @@ class LLMEngine:
             return step, seqs, [], loads
         outputs = []
         keep = [(e, s) for e, s in zip(step.seqs, seqs) if e.lora_slot not in failed]
+        self.scheduler.unschedule([s for e, s in zip(step.seqs, seqs) if e.lora_slot in failed])
         for e, s in zip(step.seqs, seqs):
             if e.lora_slot in failed:
                 req = self.requests[s.request_id]
@@ -348,4 +368,5 @@ class LLMEngine:
                 if out.finished:
                     r.finish_reason = out.finish_reason
                     r.error = out.error
+                    r.num_cached_tokens = out.num_cached_tokens
         return [results[rid] for rid in order]

@@ -20,6 +20,7 @@ from torch import nn
 from tqdm import tqdm
 
 from engine.device import Kernels
+from engine.errors import CheckpointError
 from engine.layers.linear import LinearBase
 from engine.layers.quant import QuantConfig
 from engine.models.qwen import QwenArgs, QwenForCausalLM
@@ -28,10 +29,6 @@ from engine.models.qwen3_5 import HYBRID_ARCHS, Qwen35Args, Qwen35ForCausalLM, t
 log = logging.getLogger(__name__)
 SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class CheckpointError(ValueError):
-    """The checkpoint folder cannot be served as it is; the message names the file and tensor."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ full (5 bytes x V per penalised sequence, nothing at all while no request uses a
 
 logit_bias goes to the device once per sequence and is cached; min_tokens masks (EOS ids unless
 ignore_eos, plus stop_token_ids) of the rows below their minimum with one index_put_. Only rank 0
-samples, so only rank 0 keeps this state; nothing here runs inside a captured graph.
+samples, so only rank 0 keeps this state; nothing here runs inside a captured graph. A structured-output
+bitmask (engine/structured.py) is applied last, to the rows that have a grammar.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from engine.scheduler import ScheduledSeq
+from engine.structured import TokenBitmask, apply_bitmask
 
 
 def output_len(s: ScheduledSeq) -> int:
@@ -92,10 +94,13 @@ class LogitsProcessors:
             self.output_counts.index_put_(where, torch.ones(len(o_ids), dtype=torch.int32, device=dev),
                                           accumulate=True)
 
-    def apply(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, seqs: Sequence[ScheduledSeq], bitmask: TokenBitmask | None = None
+              ) -> torch.Tensor:
         """The processed float32 logits of the sampled rows (row i is seqs[i]); `logits` is left as is.
-        Returns `logits` itself when no row uses a processor (the fast path does no work)."""
-        if not any(s.params.uses_processors for s in seqs):
+        bitmask: the grammar rows' allowed tokens (engine/structured.py), applied last (-inf stays -inf
+        through the penalties and the bias, so the order does not matter). Returns `logits` itself when no
+        row uses a processor or a grammar (the fast path does no work)."""
+        if bitmask is None and not any(s.params.uses_processors for s in seqs):
             return logits
         out = logits.clone()
         dev = out.device
@@ -125,6 +130,8 @@ class LogitsProcessors:
             out.index_put_((rows, ids), torch.cat([v for _, v in b_parts]), accumulate=True)
         if h_batch:
             self._penalize(out, h_batch, [seqs[i] for i in h_batch])
+        if bitmask is not None:
+            apply_bitmask(out, bitmask)
         return out
 
     def _bias_of(self, s: ScheduledSeq) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,7 @@ device tensors for a step; everything above it deals in plain Python objects."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +24,7 @@ from engine.lora.punica import LoRABatch, ReferenceLoRABatch, TritonLoRABatch, b
 from engine.protocol import SamplingParams
 from engine.sampler import Sampler, SamplerOutput, make_generator
 from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.structured import GrammarMatchers
 from kernels.registry import Choice
 
 log = logging.getLogger(__name__)
@@ -67,14 +68,22 @@ class ModelRunner:
             self.lora_impl = self._choose_lora_impl()
         self.gdn_layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
         self.num_state_slots = config.scheduler.max_num_seqs if self.gdn_layers else 0
+        self.num_state_snapshots = self.num_state_slots if config.cache.enable_prefix_caching else 0
+        """Hybrid models: snapshot slots for prefix caching (engine.state_snapshots), as many as state slots."""
+        self._snapshots: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.use_graphs = (device.supports_graphs and not config.enforce_eager
                            and self.kernels.attention == "triton"
                            and (not self.lora_layers or self.lora_impl is TritonLoRABatch))
         self._allocate_state_pool()  # before the KV cache, which takes what memory is left
         self.kv = self._allocate_kv_cache()
+        self.on_kv_overwrite: Callable[[], None] | None = None
+        """Called when KV blocks are written outside a scheduled step (prompt_logits): the engine's prefix
+        cache forgets what those blocks held."""
         self.sampler = Sampler()
         self.processors = LogitsProcessors(int(info.text_config["vocab_size"]), device.torch_device, eos_ids)
         self.generators: dict[int, torch.Generator] = {}
+        self.grammar: GrammarMatchers | None = None
+        """Rank 0: the engine's structured-output matchers (set by the engine)."""
         self.graphs: DecodeGraphs | None = None
         if self.use_graphs:
             bs = self.kv.block_size
@@ -118,6 +127,10 @@ class ModelRunner:
             per_seq = sum(m.conv_state[0].numel() * m.conv_state.element_size() + m.ssm_state[0].numel() * 4
                           for m in self.gdn_layers)
             log.info("linear-attention state pool: %d slots x %.1f MiB", n, per_seq / 2**20)
+        self._snapshots = [(torch.zeros_like(m.conv_state[:self.num_state_snapshots]),
+                            torch.zeros_like(m.ssm_state[:self.num_state_snapshots])) for m in self.gdn_layers]
+        if self.num_state_snapshots:
+            log.info("prefix-cache state snapshots: %d slots x %.1f MiB", self.num_state_snapshots, per_seq / 2**20)
 
     def _allocate_kv_cache(self) -> KVCacheSpec:
         # Every rank must agree on the block count (the scheduler's block ids index all of them).
@@ -197,6 +210,21 @@ class ModelRunner:
             m.conv_state.index_fill_(0, index, 0)
             m.ssm_state.index_fill_(0, index, 0)
 
+    def _copy_states(self, step: SchedulerOutput, restore: bool) -> None:
+        """Prefix caching on hybrid models: snapshot -> state slot before a step (a hit), state slot ->
+        snapshot after it."""
+        pairs = [(s.state_restore, s.state_slot) if restore else (s.state_slot, s.state_save)
+                 for s in step.seqs if (s.state_restore if restore else s.state_save) >= 0]
+        if not pairs or not self._snapshots:
+            return
+        src, dst = (torch.tensor(x, dtype=torch.long, device=self.device.torch_device) for x in zip(*pairs))
+        for m, (conv, ssm) in zip(self.gdn_layers, self._snapshots):
+            for state, snap in ((m.conv_state, conv), (m.ssm_state, ssm)):
+                if restore:
+                    state.index_copy_(0, dst, snap.index_select(0, src))
+                else:
+                    snap.index_copy_(0, dst, state.index_select(0, src))
+
     @torch.inference_mode()
     def execute(self, step: SchedulerOutput, lora_loads: Iterable[tuple[int, LoRAAdapter]] = ()) -> SamplerOutput:
         """Copy the step's new adapters into their slots, run the step on this rank; only rank 0 samples
@@ -206,6 +234,7 @@ class ModelRunner:
         for sid in step.finished_seq_ids:
             self.generators.pop(sid, None)
         self._reset_states(step)
+        self._copy_states(step, restore=True)
         sampling_rank = tp_rank() == 0
         if sampling_rank:
             self.processors.release(step.finished_seq_ids)
@@ -218,6 +247,7 @@ class ModelRunner:
             input_ids, positions, ctx, rows = self._prepare(step)
             with forward_context(ctx):
                 h = self.model(input_ids, positions)
+        self._copy_states(step, restore=False)
         sampled = [s for s in step.seqs if s.sample]
         if not sampled:
             return SamplerOutput([], [])
@@ -225,9 +255,12 @@ class ModelRunner:
         logits = self.model.compute_logits(h if len(rows) == h.size(0) else h[torch.tensor(rows, device=h.device)])
         if not sampling_rank:
             return SamplerOutput([], [])
+        # Grammar bitmasks are filled on the host here, while a GPU still runs the launched step.
+        bitmask = self.grammar.fill([s.seq_id for s in sampled]) if self.grammar is not None else None
         gens = [self._generator(s.seq_id, s.params.seed) for s in sampled]
         logits = logits.float()
-        return self.sampler(self.processors.apply(logits, sampled), [s.params for s in sampled], gens, raw=logits)
+        return self.sampler(self.processors.apply(logits, sampled, bitmask), [s.params for s in sampled], gens,
+                            raw=logits)
 
     def _generator(self, seq_id: int, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -247,6 +280,8 @@ class ModelRunner:
             raise ValueError("prompt longer than the KV cache")
         step = SchedulerOutput([ScheduledSeq(-1, token_ids, 0, list(range(nblk)), False, SamplingParams(),
                                                 lora_slot, 0 if self.gdn_layers else -1)])
+        if self.on_kv_overwrite is not None:
+            self.on_kv_overwrite()
         self._reset_states(step)
         input_ids, positions, ctx, _ = self._prepare(step)
         with forward_context(ctx):

@@ -6,17 +6,26 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.errors import RequestError
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 ErrorKind = Literal["internal", "adapter"]
 """Why a request ended in "error": an engine fault, or its adapter's files (unreadable, changed on disk)."""
+StructuredKind = Literal["json", "regex", "choice", "grammar"]
 
 
-class RequestError(ValueError):
-    """A request the engine refuses; the message is meant for the client (HTTP 400)."""
+@dataclass(frozen=True)
+class StructuredSpec:
+    """What a request's output must match (a plain value: it travels in SamplingParams)."""
 
-
-class ModelNotFoundError(RequestError):
-    """The request names a model that is neither the base nor a loaded adapter (HTTP 404)."""
+    kind: StructuredKind
+    """json: a JSON schema; regex; choice: one of a JSON list of strings; grammar: Lark (llguidance's
+    dialect, %json allowed) or GBNF."""
+    text: str
+    """The schema / regex / JSON list / grammar source."""
+    start_after: int | None = None
+    """A token id (the reasoning end, `</think>`): the output is free until it appears, then constrained.
+    None: constrained from the first token."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,8 @@ class SamplingParams:
     """Reserved; echo with logprobs needs it. Not supported yet."""
     skip_special_tokens: bool = True
     """Leave special tokens (e.g. <|endoftext|>) out of the text."""
+    structured: StructuredSpec | None = None
+    """The output must match this grammar (engine/structured.py); None: free."""
 
     def validate(self, max_logprobs: int = 20, vocab_size: int | None = None) -> None:
         """Raise RequestError naming the first bad field (vLLM's ranges); vocab_size bounds the token ids."""
@@ -81,6 +92,10 @@ class SamplingParams:
                 raise RequestError(f"{name} must be in [-2, 2], got {v!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise RequestError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens!r}")
+        if self.min_tokens and self.structured is not None:
+            # A grammar that completes before min_tokens would leave no allowed token (EOS masked).
+            raise RequestError("min_tokens cannot be combined with structured output (response_format, "
+                               "structured_outputs, or a forced tool call)")
         if self.min_tokens > self.max_tokens:
             raise RequestError(f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
                                f"got {self.min_tokens}")
@@ -139,3 +154,5 @@ class RequestOutput:
     num_output_tokens: int = 0
     error: str | None = None
     error_kind: ErrorKind = "internal"
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (OpenAI's usage.prompt_tokens_details.cached_tokens)."""

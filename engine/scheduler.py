@@ -9,6 +9,16 @@ LoRA: a sequence takes its adapter's device slot when it starts running, so one 
 more distinct adapters than there are slots. A request whose adapter cannot get a slot waits; once
 one waits, later adapter requests are not admitted ahead of it (base-model requests still are), so
 the running adapters drain, a slot frees and no adapter starves.
+
+Prefix caching (when the block manager has it on): a sequence admitted with nothing computed (new, or
+preempted) first takes the cached blocks of its longest cached prefix under its own adapter identity and
+starts computing after them, like a prefill chunk whose earlier tokens are in the cache; at least its last
+token is computed, so it samples. Every full block a step computes is registered when it is scheduled,
+so a request admitted later in the same step (the copies of an n > 1 request) can share it: attention
+writes a step's K/V before it reads the cache, so the block is filled before the sharer reads it.
+Hybrid models also need the linear-attention state at the hit's end: their prompt chunks end on
+multiples of the snapshot interval, where the state is kept (engine.state_snapshots), and a hit is cut
+back to the last point that has a snapshot (no snapshot: no hit, never a partial state).
 """
 
 from __future__ import annotations
@@ -16,11 +26,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
+from engine.block_manager import ROOT_KEY, BlockManager, block_key
 from engine.config import SchedulerConfig
 from engine.lora.manager import LoRAManager
 from engine.protocol import SamplingParams
 from engine.sequence import SeqStatus, Sequence
+from engine.state_snapshots import SnapshotPool
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,10 @@ class ScheduledSeq:
     """Linear-attention state slot (hybrid models); zeroed by the runner when start_pos is 0."""
     num_prompt_tokens: int = 0
     """Positions below this are prompt, the rest output (the penalties and min_tokens tell them apart)."""
+    state_restore: int = -1
+    """Snapshot slot the runner copies into state_slot before this step (a prefix-cache hit; -1: none)."""
+    state_save: int = -1
+    """Snapshot slot the runner copies state_slot into after this step (-1: none)."""
 
 
 @dataclass(frozen=True)
@@ -58,8 +73,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, lora: LoRAManager | None = None,
-                 num_state_slots: int = 0) -> None:
+                 num_state_slots: int = 0, snapshots: SnapshotPool | None = None, snapshot_interval: int = 0) -> None:
         self.config = config
+        self.snapshots, self.snapshot_interval = snapshots, snapshot_interval
         self.lora = lora
         self.uses_state = num_state_slots > 0
         self._free_states: list[int] = list(range(num_state_slots - 1, -1, -1))
@@ -100,16 +116,58 @@ class Scheduler:
         self.running.remove(seq)
         self._release(seq)
         self.blocks.free(seq.block_table)
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_cached_blocks = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
 
-    def _entry(self, seq: Sequence, n: int) -> ScheduledSeq:
+    def _keys(self, seq: Sequence, count: int) -> list[bytes]:
+        """The prefix-cache keys of the sequence's first `count` full blocks (hashed once each)."""
+        bs, keys = self.blocks.block_size, seq.block_keys
+        identity = seq.lora_id if seq.lora_id is not None else 0  # adapter ids start at 1
+        while len(keys) < count:
+            i = len(keys)
+            keys.append(block_key(keys[-1] if keys else ROOT_KEY, identity, seq.token_slice(i * bs, (i + 1) * bs)))
+        return keys[:count]
+
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], int]:
+        """Cached blocks a sequence with nothing computed can start from (never its last token's block), and
+        the state snapshot at their end (hybrid models; -1: none)."""
+        if not self.blocks.enable_caching or seq.num_computed_tokens or seq.block_table:
+            return [], -1
+        if seq.params.uses_history:  # the penalties' token history is built from the tokens steps feed
+            return [], -1
+        keys = self._keys(seq, (seq.num_tokens - 1) // self.blocks.block_size)
+        hit = self.blocks.lookup(keys)
+        if self.snapshots is None:
+            return hit, -1
+        per = self.snapshot_interval // self.blocks.block_size
+        for j in range(len(hit) // per * per, 0, -per):
+            slot = self.snapshots.find(keys[j - 1])
+            if slot is not None:
+                return hit[:j], slot
+        return [], -1
+
+    def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
+        """Tokens to compute from start; a hybrid model's chunk stops at the next snapshot point."""
+        n = min(seq.num_tokens - start, budget)
+        if self.snapshots is not None:
+            n = min(n, (start // self.snapshot_interval + 1) * self.snapshot_interval - start)
+        return n
+
+    def _entry(self, seq: Sequence, n: int, restore: int = -1) -> ScheduledSeq:
         start = seq.num_computed_tokens
+        full = (start + n) // self.blocks.block_size
+        if self.blocks.enable_caching and full > seq.num_cached_blocks:  # register the full blocks this step fills
+            for i, key in enumerate(self._keys(seq, full)[seq.num_cached_blocks:], seq.num_cached_blocks):
+                self.blocks.register(seq.block_table[i], key)
+            seq.num_cached_blocks = full
+        save = -1
+        if self.snapshots is not None and (start + n) % self.snapshot_interval == 0:
+            save = self.snapshots.reserve(seq.block_keys[full - 1], seq.seq_id)
         return ScheduledSeq(seq.seq_id, seq.token_slice(start, start + n), start, list(seq.block_table),
                             start + n == seq.num_tokens, seq.params, seq.lora_slot, seq.state_slot,
-                            seq.num_prompt_tokens)
+                            seq.num_prompt_tokens, restore, save)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -119,7 +177,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._chunk(seq, seq.num_computed_tokens, budget)
             while not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -141,8 +199,10 @@ class Scheduler:
                 break
             if seq.lora_id is not None and lora_blocked:
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
+            hit, restore = self._cached_prefix(seq)
+            start = len(hit) * self.blocks.block_size
+            n = self._chunk(seq, start, budget)
+            if self.blocks.blocks_needed(hit, start + n) + self.blocks.num_reviving(hit) > self.blocks.num_free:
                 break
             if seq.lora_id is not None:
                 assert self.lora is not None
@@ -156,15 +216,48 @@ class Scheduler:
             if self.uses_state:  # one state slot per running sequence: the max_num_seqs check covers it
                 seq.state_slot = self._free_states.pop()
             self.waiting.remove(seq)
+            if self.blocks.enable_caching and not seq.num_computed_tokens:
+                self._take_prefix(seq, hit)
             self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            out.append(self._entry(seq, n))
+            out.append(self._entry(seq, n, restore))
             self._scheduled.append(seq)
             budget -= n
         # Ended ids travel with the next step that runs, so every rank drops their per-sequence state.
         ended, self._ended = (self._ended, []) if out else ([], self._ended)
         return SchedulerOutput(out, loads, ended, preempted)
+
+    def _take_prefix(self, seq: Sequence, hit: list[int]) -> None:
+        self.blocks.share(hit)
+        seq.block_table.extend(hit)
+        seq.num_computed_tokens = len(hit) * self.blocks.block_size
+        seq.num_cached_blocks = len(hit)
+        self.blocks.num_queries += seq.num_tokens
+        self.blocks.num_hits += seq.num_computed_tokens
+        if not seq.num_preemptions:
+            seq.num_cached_tokens = seq.num_computed_tokens
+
+    def unschedule(self, seqs: list[Sequence]) -> None:
+        """These sequences' part of the last step will not run: forget the keys of the blocks it was to fill
+        (and the snapshots it was to take)."""
+        if self.snapshots is not None:
+            self.snapshots.abandon({s.seq_id for s in seqs})
+        bs = self.blocks.block_size
+        for seq in seqs:
+            done = seq.num_computed_tokens // bs
+            self.blocks.uncache(seq.block_table[done:])
+            seq.num_cached_blocks = min(seq.num_cached_blocks, done)
+
+    def step_ran(self) -> None:
+        """The last scheduled step ran: its state snapshots can be hit from now on."""
+        if self.snapshots is not None:
+            self.snapshots.commit()
+
+    def reset_prefix_cache(self) -> None:
+        self.blocks.reset_cache()
+        if self.snapshots is not None:
+            self.snapshots.clear()
 
     def keep_ended(self, seq_ids: list[int]) -> None:
         """A step that will not run after all hands its ended ids back for the next one."""

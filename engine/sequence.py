@@ -32,6 +32,12 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
+    block_keys: list[bytes] = field(default_factory=list)
+    """Prefix-cache keys of the full blocks hashed so far (they stay valid across preemption)."""
+    num_cached_blocks: int = 0
+    """Leading blocks of block_table that are registered in (or were hit from) the prefix cache."""
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache at first admission (usage.prompt_tokens_details)."""
 
     @property
     def num_tokens(self) -> int:

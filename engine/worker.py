@@ -23,6 +23,7 @@ import torch
 from engine.config import EngineConfig
 from engine.device import DeviceKind, detect, dist_backend, rank_device, worker_env
 from engine.distributed import destroy_tp, init_tp
+from engine.errors import EngineDeadError
 from engine.loader import CheckpointInfo, inspect_checkpoint
 from engine.lora.adapter import LoRAAdapter
 from engine.model_runner import KVCacheSpec, ModelRunner
@@ -31,10 +32,6 @@ from engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 TP_TIMEOUT_S = float(os.environ.get("XPULORA_TP_TIMEOUT", "120"))
-
-
-class EngineDeadError(RuntimeError):
-    """A tensor-parallel rank died or failed; the engine cannot continue."""
 
 
 # -- messages (rank 0 -> workers, workers -> rank 0) ------------------------------------------------------

@@ -29,17 +29,15 @@ def _engine(request: Request) -> AsyncEngine:
 
 
 def list_models(engine: AsyncEngine) -> dict[str, Any]:
-    llm = engine.engine
-    base = llm.served_model_name
+    served = engine.served
 
     def card(name: str, root: str, parent: str | None) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": _CREATED, "owned_by": "xpulora", "root": root,
-                "parent": parent, "max_model_len": llm.max_model_len}
+                "parent": parent, "max_model_len": served.max_model_len}
 
     # Every served name is a card (as vLLM lists them); the first is the one adapters name as parent.
-    data = [card(name, llm.config.model.path, None) for name in (base, *llm.config.model.extra_served_model_names)]
-    if llm.lora is not None:
-        data += [card(name, path, base) for name, path, _ in llm.lora.list_adapters()]
+    data = [card(name, served.path, None) for name in served.names]
+    data += [card(name, path, served.name) for name, path in engine.list_adapters()]
     return {"object": "list", "data": data}
 
 
@@ -51,11 +49,11 @@ async def models(request: Request) -> dict[str, Any]:
 @router.post("/v1/load_lora_adapter")
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> dict[str, Any]:
     engine = _engine(request)
-    cfg = engine.engine.config.lora
+    cfg = engine.served.lora
     if not cfg.enable_lora:
         raise ApiError(400, "LoRA is not enabled on this server (start it with --enable-lora)")
     name = validate_name(body.lora_name)
-    if name in engine.engine.base_names:
+    if name in engine.served.names:
         raise ApiError(400, f"adapter name {name!r} is the base model's name")
     path = resolve_under_roots(body.lora_path, cfg.lora_roots)  # 403 outside every root
     # roots: 403 also if the folder moved out since it was resolved
@@ -67,7 +65,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> d
 @router.post("/v1/unload_lora_adapter")
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> dict[str, Any]:
     engine = _engine(request)
-    if engine.engine.lora is None:
+    if not engine.served.lora_enabled:
         raise ApiError(400, "LoRA is not enabled on this server (start it with --enable-lora)")
     await engine.unload_adapter(body.lora_name)  # unknown name: AdapterNotLoadedError -> 404
     log.info("unloaded adapter %r", body.lora_name)

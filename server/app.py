@@ -31,6 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine import AsyncEngine, CheckpointError, EngineConfig, LLMEngine
 from server.adapters import router as adapters_router
+from server.chat_tools import ChatOptions, think_close_id
 from server.cli_args import VERSION
 from server.errors import ERROR_TYPES, error_body, error_response, install_error_handlers
 from server.http_limits import uvicorn_limits
@@ -121,7 +122,8 @@ class BodyLimit:
 def create_app(engine_config: EngineConfig, *, engine: LLMEngine | None = None, api_key: str | None = None,
                max_waiting_requests: int | None = None, progress: bool = False,
                max_request_bytes: int = MAX_REQUEST_BYTES,
-               on_engine_failure: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_engine_failure: Callable[[BaseException], None] | None = None,
+               chat: ChatOptions | None = None) -> FastAPI:
     """The app; its lifespan builds the engine (unless one is given) and starts/stops the step thread.
     on_engine_failure is called on the event loop once if the step loop dies (run_server exits then)."""
 
@@ -132,7 +134,7 @@ def create_app(engine_config: EngineConfig, *, engine: LLMEngine | None = None, 
         async_engine = AsyncEngine(llm, limit, on_failure=on_engine_failure)
         metrics = Metrics(async_engine)
         app.state.engine, app.state.metrics = async_engine, metrics
-        app.state.serving = Serving(async_engine, metrics)
+        app.state.serving = Serving(async_engine, metrics, chat)
         await async_engine.start()
         try:
             yield
@@ -261,8 +263,14 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
                   "`PYTHONPATH=. .venv/bin/python demo/make_demo.py --out demo` or pass a MODEL folder")
             return 2
         engine_config = demo_config(engine_config)
+    chat = ChatOptions(args.enable_auto_tool_choice, args.tool_call_parser, args.reasoning_parser)
+    if chat.enable_auto_tool_choice and chat.tool_call_parser is None:
+        print("xpulora: --enable-auto-tool-choice needs --tool-call-parser (hermes)")
+        return 2
     try:
         llm = LLMEngine(engine_config, progress=True)
+        if chat.reasoning_parser is not None:
+            think_close_id(llm.tokenizer.get_vocab())
     except (CheckpointError, OSError, ValueError) as e:  # ConfigError, AdapterError are ValueErrors
         print(f"xpulora: cannot start: {e}")
         return 2
@@ -277,7 +285,7 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
 
     app = create_app(engine_config, engine=llm, api_key=args.api_key,
                      max_waiting_requests=args.max_waiting_requests,
-                     on_engine_failure=engine_failed)
+                     on_engine_failure=engine_failed, chat=chat)
     ready = _ready_lines(args.host, args.port, llm, demo, bool(args.api_key))
 
     class _Server(uvicorn.Server):

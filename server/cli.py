@@ -49,7 +49,8 @@ def build_engine_config(a: argparse.Namespace) -> EngineConfig:
                           served_model_name=names[0] if names else None,
                           extra_served_model_names=tuple(names[1:])),
         cache=CacheConfig(block_size=a.block_size, num_blocks=a.num_kv_blocks,
-                          gpu_memory_utilization=a.gpu_memory_utilization),
+                          gpu_memory_utilization=a.gpu_memory_utilization,
+                          enable_prefix_caching=a.enable_prefix_caching),
         parallel=ParallelConfig(tensor_parallel_size=a.tensor_parallel_size, device=a.device),
         lora=LoRAConfig(enable_lora=a.enable_lora, max_loras=a.max_loras, max_lora_rank=a.max_lora_rank,
                         max_cpu_loras=a.max_cpu_loras, fully_sharded_loras=a.fully_sharded_loras,
@@ -124,7 +125,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
 
 def _generate(engine: Any, a: argparse.Namespace) -> int:
-    from engine.protocol import RequestError
+    from engine import RequestError
 
     base_names = {*engine.base_names, a.model}
     lines: list[dict[str, Any]] = []

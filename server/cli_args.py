@@ -115,6 +115,10 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of device memory to use")
+    g.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action="store_true", default=True,
+                   help="reuse the KV of prompt prefixes computed under the same adapter")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn prefix caching off%(default).0s")  # (no default shown: it is the same dest)
     g.add_argument("--seed", type=int, default=0, help="seed of the global RNG")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="names of the base model in the API: the first is reported, all are accepted "
@@ -289,6 +293,12 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="require Bearer KEY on /v1/*, /tokenize and /detokenize (default: $XPULORA_API_KEY)")
     serve.add_argument("--max-waiting-requests", type=int, default=None, help="503 beyond this many waiting")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='tool_choice "auto": parse the tool calls the model writes (needs --tool-call-parser)')
+    serve.add_argument("--tool-call-parser", choices=["hermes"], default=None,
+                       help="tool-call format: hermes (Qwen's <tool_call>{...}</tool_call>)")
+    serve.add_argument("--reasoning-parser", choices=["qwen3"], default=None,
+                       help="put the <think>...</think> text in reasoning_content")
     engine_flags(serve)
     gen = sub.add_parser("generate", help="offline batch generation from a JSONL file", formatter_class=_Formatter)
     _model_args(gen)

@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from tokenizers import decoders
+from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte <-> character table
 
 from engine import TokenLogprob
 
@@ -16,19 +17,6 @@ def _lp(v: float) -> float:
     return v if math.isfinite(v) else _FLOOR
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table, used by every byte-level BPE (Qwen's included)."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = list(bs)
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
 class TokenText:
     """Per-token strings and bytes for one tokenizer (cached; used on the event loop thread only)."""
 
@@ -36,7 +24,7 @@ class TokenText:
         self.tok = tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)
         byte_level = backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
-        self._byte_of = {c: b for b, c in _bytes_to_unicode().items()} if byte_level else None
+        self._byte_of = {c: b for b, c in bytes_to_unicode().items()} if byte_level else None
         self._special = set(getattr(tokenizer, "all_special_tokens", ()))
         self._str: dict[int, str] = {}
         self._bytes: dict[int, list[int]] = {}

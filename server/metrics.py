@@ -27,6 +27,7 @@ _E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 # Our series that vLLM exports too, under the same name after the prefix (vllm:<name>).
 VLLM_ALIASES = frozenset({
     "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions", "lora_requests_info",
+    "prefix_cache_queries", "prefix_cache_hits",
     "prompt_tokens", "generation_tokens", "request_success", "time_to_first_token_seconds",
     "inter_token_latency_seconds", "e2e_request_latency_seconds"})
 MODEL = "model_name"
@@ -39,7 +40,7 @@ class _EngineCollector(Collector):
         self.engine, self.model = engine, model
 
     def collect(self) -> Iterator[Metric]:
-        llm, m = self.engine.engine, [self.model]
+        m = [self.model]
         s = self.engine.stats()
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -56,24 +57,31 @@ class _EngineCollector(Collector):
         yield gauge(P + "num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield gauge(P + "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", s.kv_usage)
         yield counter(P + "num_preemptions", "Sequences preempted (recomputed later).", s.num_preemptions)
+        yield counter(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      s.prefix_cache_queries)
+        yield counter(P + "prefix_cache_hits", "Of those, tokens found in the prefix cache.", s.prefix_cache_hits)
         yield gauge(P + "engine_healthy", "1 while the step loop is alive.", float(self.engine.healthy))
+        g = self.engine.served.grammar
+        yield counter(P + "grammar_compiles", "Structured-output grammars compiled (cache misses).", g.num_compiles)
+        yield counter(P + "grammar_compile_seconds", "Time spent compiling grammars.", g.compile_seconds)
+        yield counter(P + "grammar_cache_hits", "Requests whose grammar was already compiled.", g.num_cache_hits)
         kernels = GaugeMetricFamily(P + "kernel_info", "Kernel implementation chosen per op by the start-up checks "
                                     "(value 1); rejected: faster candidates that failed their check.",
                                     labels=[MODEL, "op", "implementation", "rejected"])
-        for c in llm.runner.kernel_choices:
+        for c in self.engine.served.kernels:
             kernels.add_metric([self.model, c.op, c.chosen, ",".join(n for n, _ in c.rejected)], 1.0)
         yield kernels
-        lora = llm.lora
+        lora = self.engine.lora_stats()
         if lora is None:
             return
         yield counter(P + "lora_adapter_loads", "Adapters registered (loads).", lora.num_loads)
         yield counter(P + "lora_adapter_unloads", "Adapters unregistered.", lora.num_unloads)
         yield counter(P + "lora_slot_evictions", "Adapters evicted from a device slot.", lora.num_evictions)
-        yield gauge(P + "lora_adapters_loaded", "Registered adapters.", len(lora.list_adapters()))
+        yield gauge(P + "lora_adapters_loaded", "Registered adapters.", lora.num_loaded)
         info = GaugeMetricFamily(P + "lora_requests_info", "Running and waiting adapters (value: update time).",
                                  labels=[MODEL, "running_lora_adapters", "waiting_lora_adapters", "max_lora"])
         info.add_metric([self.model, ",".join(s.running_adapters), ",".join(s.waiting_adapters),
-                         str(llm.config.lora.max_loras)], s.timestamp)
+                         str(lora.max_loras)], s.timestamp)
         yield info
 
 
@@ -97,7 +105,7 @@ class _VllmNames(Collector):
 class Metrics:
     def __init__(self, engine: AsyncEngine) -> None:
         self.registry = r = CollectorRegistry()
-        self.model = engine.engine.served_model_name
+        self.model = engine.served.name
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", [MODEL], registry=r)
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", [MODEL], registry=r)
         self.request_success = Counter(P + "request_success", "Requests ended, by finish reason.",

@@ -24,6 +24,8 @@ from pydantic import (
     model_validator,
 )
 
+from server.structured_protocol import NamedToolChoice, ResponseFormat, StructuredOutputs, Tool, ToolCall
+
 MAX_CHOICES = 256
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
@@ -131,6 +133,9 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # token ids that end the output
     skip_special_tokens: bool = True  # leave special tokens out of the text
     include_stop_str_in_output: bool = False  # keep the matched stop string / stop token text
+    # Structured output (server/structured_protocol.py): OpenAI's response_format, vLLM's structured_outputs.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     # Defined by OpenAI, not implemented here: only their neutral values pass.
     best_of: Any = None
 
@@ -211,9 +216,12 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = Field(None, json_schema_extra=_CONTENT_SCHEMA)
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: the call this message answers
+    reasoning_content: str | None = None  # assistant: its reasoning (the template decides whether to show it)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -249,6 +257,7 @@ class ChatTemplateOptions(_Strict):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # template variables, e.g. {"enable_thinking": false}
+    tools: list[Tool] | None = None  # rendered by the template (server/chat_tools.py)
 
     @field_validator("chat_template_kwargs")
     @classmethod
@@ -272,12 +281,10 @@ class ChatCompletionRequest(_Sampling, ChatTemplateOptions):
     max_completion_tokens: int | None = Field(None, json_schema_extra={"minimum": 1})
     logprobs: bool = False
     top_logprobs: int | None = Field(None, json_schema_extra={"minimum": 0, "maximum": 20})
-    tools: Any = None
-    tool_choice: Any = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None
@@ -287,12 +294,11 @@ class ChatCompletionRequest(_Sampling, ChatTemplateOptions):
     store: Any = None
     metadata: Any = None
 
-    @field_validator("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
-                     "audio", "modalities", "prediction", "reasoning_effort", "web_search_options", "service_tier",
-                     "store", "metadata", mode="before")
+    @field_validator("functions", "function_call", "audio", "modalities", "prediction", "reasoning_effort",
+                     "web_search_options", "service_tier", "store", "metadata", mode="before")
     @classmethod
     def _unsupported_chat(cls, v: Any, info: ValidationInfo) -> Any:
-        if info.field_name in ("parallel_tool_calls", "store") and v is False:
+        if info.field_name == "store" and v is False:
             return v
         return _neutral(v, info)
 

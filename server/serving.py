@@ -25,11 +25,23 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from engine import AsyncEngine, ErrorKind, OverloadedError, RequestError, RequestOutput, RequestStream, SamplingParams
+from engine import (
+    AsyncEngine,
+    ErrorKind,
+    OverloadedError,
+    RequestError,
+    RequestOutput,
+    RequestStream,
+    SamplingParams,
+    StructuredSpec,
+)
+from server.chat_tools import ChatOptions, ChatOutput, plan_chat, reasoning_spec, template_message, think_close_id
 from server.errors import ApiError, error_body, error_response, output_error_status, status_of
 from server.logprobs import TokenText
 from server.metrics import Metrics, RequestTracker
 from server.openai_protocol import ChatCompletionRequest, CompletionRequest, TokenizeChatRequest
+from server.reasoning import prompt_reasoning_state
+from server.structured_protocol import output_spec
 
 T = TypeVar("T")
 
@@ -50,36 +62,53 @@ class _Choice:
     error: str | None = None
     error_kind: ErrorKind = "internal"
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
     started: bool = False  # streaming: the echo prefix was sent
     offset: int = 0  # completions text_offset of the next token
+    out: ChatOutput | None = None  # chat: the reply's reasoning / tool-call split
 
     def apply(self, out: RequestOutput) -> None:
         self.text += out.new_text
         self.logprobs.extend(out.new_logprobs or ())
         self.num_output_tokens = out.num_output_tokens or self.num_output_tokens
+        self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
         if out.finished:
             self.finish_reason, self.error, self.error_kind = out.finish_reason, out.error, out.error_kind
 
 
 class Serving:
-    def __init__(self, engine: AsyncEngine, metrics: Metrics) -> None:
+    def __init__(self, engine: AsyncEngine, metrics: Metrics, chat: ChatOptions | None = None) -> None:
         self.engine, self.metrics = engine, metrics
-        llm = engine.engine
-        self.tok = copy.deepcopy(llm.tokenizer)  # event loop only
-        self.enc_tok = copy.deepcopy(llm.tokenizer)  # the tokenizer thread only
+        served = engine.served
+        self.chat_opts = chat or ChatOptions()
+        vocab = served.tokenizer.get_vocab()
+        self.think_close = think_close_id(vocab) if self.chat_opts.reasoning_parser else None
+        self.tool_tags = "<tool_call>" in vocab and "</tool_call>" in vocab
+        # Grammars compile here, never on the step thread or the event loop (llguidance drops the GIL).
+        self._grammar_pool = ThreadPoolExecutor(2, thread_name_prefix="xpulora-grammar")
+        self.grammars = served.grammar
+        self.tok = copy.deepcopy(served.tokenizer)  # event loop only
+        self.enc_tok = copy.deepcopy(served.tokenizer)  # the tokenizer thread only
         self._enc_pool = ThreadPoolExecutor(1, thread_name_prefix="xpulora-tokenize")
         self.tokens = TokenText(self.tok)
-        self.base = llm.served_model_name
-        self.base_names = llm.base_names
-        self.max_model_len = llm.max_model_len
-        self.lora_enabled = llm.lora is not None
+        self.base = served.name
+        self.base_names = served.names
+        self.max_model_len = served.max_model_len
+        self.lora_enabled = served.lora_enabled
 
     def close(self) -> None:
         self._enc_pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     async def on_tokenizer_thread(self, fn: Callable[[], T]) -> T:
         """Run fn on the tokenizer thread, the only one that may use `enc_tok`."""
         return await asyncio.get_running_loop().run_in_executor(self._enc_pool, fn)
+
+    async def compiled(self, spec: StructuredSpec | None) -> StructuredSpec | None:
+        """Compile spec into the engine's grammar cache off the event loop (RequestError: 400 if invalid)."""
+        if spec is not None:
+            await asyncio.get_running_loop().run_in_executor(self._grammar_pool, self.grammars.compile, spec)
+        return spec
 
     # -- endpoints -----------------------------------------------------------------------------------
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
@@ -95,54 +124,66 @@ class Serving:
                 out.append((ids, prefix))
             return out
 
+        try:
+            spec = await self.compiled(output_spec(req.response_format, req.structured_outputs))
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
         choices: list[_Choice] = []
         for pi, (ids, prefix) in enumerate(await self.on_tokenizer_thread(encode)):
             for j in range(req.n):
-                choices.append(_Choice(len(choices), pi, ids, self._params(req, ids, j, req.max_tokens, req.logprobs),
+                choices.append(_Choice(len(choices), pi, ids,
+                                       self._params(req, ids, j, req.max_tokens, req.logprobs, spec),
                                        prefix, offset=len(prefix)))
         return await self._respond("cmpl", req, raw, choices, chat=False)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        ids = await self.chat_prompt_ids(req)
+        plan = plan_chat(req.tools, req.tool_choice, req.parallel_tool_calls, req.response_format,
+                         req.structured_outputs, self.chat_opts, self.tool_tags)
+        text, ids = await self._render(req)
+        state = prompt_reasoning_state(text) if self.chat_opts.reasoning_parser else None
+        spec = await self.compiled(reasoning_spec(plan.spec, state, self.think_close))
         lp = (req.top_logprobs or 0) if req.logprobs else None
         # vLLM's rules: without a generation prompt the reply continues the last message's role, and
         # echo repeats the last message when it has that role.
         last = req.messages[-1]
         role = "assistant" if req.add_generation_prompt else last.role
         echo = last.text() if req.echo and last.role == role else ""
-        choices = [_Choice(j, 0, ids, self._params(req, ids, j, req.output_limit, lp), echo, role=role)
+        choices = [_Choice(j, 0, ids, self._params(req, ids, j, req.output_limit, lp, spec), echo, role=role,
+                           out=ChatOutput(state, plan.parse_tools) if state or plan.parse_tools else None)
                    for j in range(req.n)]
         return await self._respond("chatcmpl", req, raw, choices, chat=True)
 
     async def chat_prompt_ids(self, req: ChatCompletionRequest | TokenizeChatRequest) -> list[int]:
-        """The messages rendered by the tokenizer's chat template with the request's template options
-        (chat_template_kwargs are template variables, e.g. Qwen3's enable_thinking), as token ids."""
+        return (await self._render(req))[1]
+
+    async def _render(self, req: ChatCompletionRequest | TokenizeChatRequest) -> tuple[str, list[int]]:
+        """The messages (and tools) rendered by the tokenizer's chat template with the request's template
+        options (chat_template_kwargs are template variables, e.g. Qwen3's enable_thinking): text and ids."""
         if not self.tok.chat_template:
             raise ApiError(400, f"model {self.base!r} has no chat template; use /v1/completions")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-                     **({"name": m.name} if m.name else {})} for m in req.messages]
+        messages = [template_message(m) for m in req.messages]
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         tok = self.enc_tok
 
-        def encode() -> list[int]:
+        def encode() -> tuple[str, list[int]]:
             try:
-                text = tok.apply_chat_template(messages, tokenize=False,
+                text = tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                                add_generation_prompt=req.add_generation_prompt,
                                                continue_final_message=req.continue_final_message,
                                                **(req.chat_template_kwargs or {}))
             except Exception as e:  # jinja errors from a model-supplied template: the client's input
                 raise ApiError(400, f"the chat template failed on these messages: {e}") from e
-            return tok.encode(text, add_special_tokens=req.add_special_tokens)
+            return text, tok.encode(text, add_special_tokens=req.add_special_tokens)
 
         return await self.on_tokenizer_thread(encode)
 
     def check_model(self, model: str) -> None:
         """404 unless `model` is a served base name or a loaded adapter (no load on first use)."""
-        lora = self.engine.engine.lora
-        if model not in self.base_names and (lora is None or model not in lora):
+        if model not in self.base_names and not self.engine.has_adapter(model):
             raise ApiError(404, f"model {model!r} does not exist (the base model is {self.base!r})")
 
     def _params(self, req: CompletionRequest | ChatCompletionRequest, ids: list[int], j: int,
-                max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+                max_tokens: int | None, logprobs: int | None, structured: StructuredSpec | None) -> SamplingParams:
         return SamplingParams(
             # null max_tokens: whatever room the context leaves (>= 1 so a too-long prompt gets its own error)
             max_tokens=max_tokens if max_tokens is not None else max(1, self.max_model_len - len(ids)),
@@ -156,7 +197,7 @@ class Serving:
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             logit_bias=req.logit_bias_pairs, min_tokens=req.min_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output)
+            include_stop_str_in_output=req.include_stop_str_in_output, structured=structured)
 
     # -- running ---------------------------------------------------------------------------------------
     async def _respond(self, kind: str, req: CompletionRequest | ChatCompletionRequest, raw: Request,
@@ -249,8 +290,9 @@ class Serving:
         want = c.params.logprobs is not None
         if chat:
             lp = {"content": self.tokens.chat(c.logprobs)} if want else None
-            return {"index": c.index, "message": {"role": c.role, "content": c.prefix + c.text}, "logprobs": lp,
-                    "finish_reason": c.finish_reason}
+            text = c.prefix + c.text
+            msg = {"role": c.role, **(c.out.message(text) if c.out is not None else {"content": text})}
+            return {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": _finish(c, c.finish_reason)}
         lp = self.tokens.completion(c.logprobs, len(c.prefix))[0] if want else None
         return {"index": c.index, "text": c.prefix + c.text, "logprobs": lp, "finish_reason": c.finish_reason}
 
@@ -263,10 +305,13 @@ class Serving:
             text = out.new_text
             if not c.started:
                 text, c.started = c.prefix + text, True
-            if not text and lp is None and finish is None:
+            if c.out is not None:
+                delta = c.out.delta(text, out.finished)
+            else:
+                delta = {"content": text} if text else {}
+            if not delta and lp is None and finish is None:
                 return None
-            delta = {"content": text} if text else {}
-            return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": _finish(c, finish)}
         text = out.new_text
         if not c.started:
             text, c.started = c.prefix + text, True
@@ -315,10 +360,17 @@ def _event(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
-def _usage(choices: list[_Choice]) -> dict[str, int]:
-    prompt = sum(len(c.ids) for c in choices if c.index == 0 or c.prompt_index != choices[c.index - 1].prompt_index)
+def _finish(c: _Choice, reason: str | None) -> str | None:
+    """A reply that ends with tool calls reports "tool_calls" (OpenAI's and vLLM's reason)."""
+    return "tool_calls" if reason == "stop" and c.out is not None and c.out.called else reason
+
+
+def _usage(choices: list[_Choice]) -> dict[str, Any]:
+    firsts = [c for c in choices if c.index == 0 or c.prompt_index != choices[c.index - 1].prompt_index]
+    prompt = sum(len(c.ids) for c in firsts)
     completion = sum(c.num_output_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in firsts)}}
 
 
 async def _wait_disconnect(raw: Request) -> None:

@@ -41,7 +41,7 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     serving: Serving = request.app.state.serving
     if body.model is not None:
         serving.check_model(body.model)
-    vocab = serving.engine.engine.vocab_size
+    vocab = serving.engine.served.vocab_size
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab})")

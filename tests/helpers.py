@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 
-from engine import CacheConfig, EngineConfig, KernelConfig, LLMEngine, ModelConfig, SchedulerConfig
+from engine import CacheConfig, EngineConfig, KernelConfig, LLMEngine, ModelConfig, SchedulerConfig, distributed
 
 WORDS = ("the quick brown fox jumps over lazy dog hello world engine serving many adapters on one model "
          "numbers letters tensor parallel int4 café naïve 你好 世界 🚀").split()
@@ -20,23 +22,25 @@ def prompts(n: int, seed: int = 0, min_words: int = 1, max_words: int = 30) -> l
 
 
 def make_engine(path: str, max_model_len: int = 256, num_blocks: int | None = None, max_num_seqs: int = 64,
-                max_num_batched_tokens: int = 2048, kernels: KernelConfig | None = None) -> LLMEngine:
+                max_num_batched_tokens: int = 2048, prefix_caching: bool = True,
+                kernels: KernelConfig | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(
         ModelConfig(path, dtype="float32", max_model_len=max_model_len),
-        cache=CacheConfig(num_blocks=num_blocks),
+        cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         kernels=kernels or KernelConfig()))
 
 
 def make_lora_engine(path: str, adapters: dict[str, str] | None = None, max_loras: int = 4, max_lora_rank: int = 64,
                      max_cpu_loras: int | None = None, max_model_len: int = 256, max_num_seqs: int = 64,
-                     num_blocks: int | None = None, tp: int = 1, fully_sharded: bool = False) -> LLMEngine:
+                     num_blocks: int | None = None, tp: int = 1, fully_sharded: bool = False,
+                     prefix_caching: bool = True, max_num_batched_tokens: int = 2048) -> LLMEngine:
     from engine import LoRAConfig, ParallelConfig
 
     return LLMEngine(EngineConfig(
         ModelConfig(path, dtype="float32", max_model_len=max_model_len),
-        cache=CacheConfig(num_blocks=num_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs),
+        cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         parallel=ParallelConfig(tensor_parallel_size=tp),
         lora=LoRAConfig(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
                         fully_sharded_loras=fully_sharded, lora_modules=tuple((adapters or {}).items()))))
@@ -48,3 +52,15 @@ def demo_shapes() -> dict[str, tuple[int, int]]:
             "self_attn.o_proj": (256, 256), "mlp.gate_proj": (256, 768), "mlp.up_proj": (256, 768),
             "mlp.down_proj": (768, 256)}
     return {f"model.layers.{i}.{m}": s for i in range(4) for m, s in mods.items()}
+
+
+@contextlib.contextmanager
+def as_tp_rank(rank: int, size: int) -> Iterator[None]:
+    """Layers built inside are built as tensor-parallel rank `rank` of `size`, with no process group
+    (nothing built here may communicate). The hook lives here so that the product code has none."""
+    saved = distributed._GROUP
+    distributed._GROUP = distributed.TPGroup(rank, size)
+    try:
+        yield
+    finally:
+        distributed._GROUP = saved

@@ -11,11 +11,8 @@ import torch
 from torch import nn
 
 from engine.distributed import all_reduce, tp_rank, tp_size
+from engine.errors import WeightShapeError
 from engine.layers.quant import LinearMethod, ShardSpec, UnquantizedLinearMethod
-
-
-class WeightShapeError(ValueError):
-    """A checkpoint tensor does not have the shape the model expects."""
 
 
 def divide(a: int, b: int, what: str) -> int:
@@ -76,18 +73,6 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
         raise NotImplementedError
-
-
-class ReplicatedLinear(LinearBase):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, method: LinearMethod | None = None,
-                 dtype: torch.dtype = torch.float32, prefix: str = "") -> None:
-        super().__init__(in_features, out_features, bias, method, dtype, prefix)
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        _copy_checked(param.data, loaded, self.prefix)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.apply_base(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):

@@ -14,6 +14,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
+from engine.errors import QuantConfigError
 from kernels.int4 import Int4Layout, PreparedInt4, dequant_triton, int4_mm, native_supported, prepare_int4
 
 SUPPORTED_FORMATS = ("auto_round:auto_gptq", "auto_round", "auto_round:gptqmodel")
@@ -21,10 +22,6 @@ SMALL_M = {"native": 4, "triton": 64}
 """Rows up to which GPUs use each memory-bound int4 kernel: torch's native op (fastest at M = 1, but its
 time grows about linearly with M), then our split-K Triton kernel; above, dequantize once and run a
 dense GEMM. Measured on an H200 (benchmarks/bench_int4.py --sweep, docs/PERFORMANCE.md)."""
-
-
-class QuantConfigError(ValueError):
-    """The checkpoint's quantization_config is one we cannot serve."""
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.errors import RopeConfigError
 from engine.layers.norm import RMSNorm
 from kernels.fused import norm_rope
-
-
-class RopeConfigError(ValueError):
-    pass
 
 
 def rope_theta_of(hf: dict[str, Any]) -> float:

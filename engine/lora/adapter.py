@@ -25,17 +25,14 @@ from typing import Any
 
 import torch
 
+from engine.errors import AdapterError, AdapterNotFoundError, AdapterPathForbiddenError, FileChangedError
 from engine.lora.adapter_files import (
     CONFIG_FILE,
     MAX_CONFIG_BYTES,
     MAX_HEADER_BYTES,
     PICKLE_FILE,
     WEIGHTS_FILE,
-    AdapterError,
     AdapterFiles,
-    AdapterNotFoundError,
-    AdapterPathForbiddenError,
-    FileChangedError,
     safe_open,
 )
 from engine.lora.adapter_files import checksum_bytes as _checksum_bytes
@@ -135,7 +132,7 @@ def load_adapter(name: str, path: str, target_shapes: Mapping[str, tuple[int, in
 
 def _load(name: str, files: AdapterFiles, target_shapes: Mapping[str, tuple[int, int]], max_rank: int,
           expect: Fingerprint | None) -> LoRAAdapter:
-    snapshot: dict[str, bytearray] = {}
+    snapshot: dict[str, bytes] = {}
     source, size = files.weights, files.weights_size
     if expect is not None:
         if files.weights_size != expect.weights_size:

@@ -12,7 +12,7 @@ while mapped kills the reading process with SIGBUS, and adapter folders are writ
 tools while the server runs. Only the header is read until every tensor's name, shape and dtype has
 been checked (and the header must describe exactly the file's size), so a file that declares huge
 shapes, or a huge sparse file, is refused before its data is read. The data is then read once; the
-checksum and the tensors come from those same bytes.
+checksum and the tensors (decoded by safetensors.torch.load) come from those same bytes.
 
 JSON (the config, the safetensors header) is parsed with bounds: nesting depth, digits per number.
 """
@@ -28,7 +28,16 @@ import sys
 from collections.abc import Sequence
 from typing import Any, BinaryIO
 
+import safetensors.torch
 import torch
+
+from engine.errors import (
+    AdapterError,
+    AdapterNotFoundError,
+    AdapterPathForbiddenError,
+    FileChangedError,
+    JSONLimitError,
+)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -38,29 +47,8 @@ MAX_HEADER_BYTES = 16 << 20  # safetensors' own limit is 100 MB; ~150 bytes per 
 MAX_JSON_DEPTH = 32  # peft configs nest 3 levels deep
 MAX_NUMBER_CHARS = 40  # an int64 has 19 digits; longer numbers are refused before int()/float() see them
 
-_TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
 _ITEM_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 1, "I16": 2, "U16": 2,
                "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
-
-
-class AdapterError(ValueError):
-    """Invalid adapter; message names the adapter, the module and the limit. (HTTP 400)"""
-
-
-class AdapterNotFoundError(AdapterError):
-    """Path missing / no adapter files there (HTTP 404)."""
-
-
-class AdapterPathForbiddenError(AdapterError):
-    """An adapter path outside every --lora-root, or runtime loads without a root (HTTP 403)."""
-
-
-class FileChangedError(AdapterError):
-    """A file changed between its header and its data being read, or while the folder was read."""
-
-
-class JSONLimitError(ValueError):
-    """JSON that is not valid, or outside the bounds above."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,12 +268,13 @@ class _Slice:
 class SafetensorsFile:
     """The subset of safetensors.safe_open's API that the adapter reader uses, over plain reads of an open
     file of `size` bytes (see the module docstring). Opening reads and checks the header only; the first
-    get_tensor reads the whole file once into memory and stores it in `snapshot["bytes"]`."""
+    get_tensor reads the whole file once into memory, stores it in `snapshot["bytes"]` and decodes every
+    tensor from those bytes with safetensors.torch.load."""
 
-    def __init__(self, fh: BinaryIO, size: int, snapshot: dict[str, bytearray] | None = None) -> None:
+    def __init__(self, fh: BinaryIO, size: int, snapshot: dict[str, bytes] | None = None) -> None:
         self._fh, self._size = fh, size
         self._header_raw = self._read_header()
-        self._data: bytearray | None = None
+        self._tensors: dict[str, torch.Tensor] | None = None
         self._snapshot = snapshot if snapshot is not None else {}
 
     def _read_header(self) -> bytes:
@@ -325,7 +314,7 @@ class SafetensorsFile:
         if 8 + n + end != self._size:
             raise ValueError(f"the header describes {8 + n + end} bytes but the file has {self._size} "
                              "(truncated, or data after the tensors)")
-        self._header, self._base = header, 8 + n
+        self._header = header
         return head + raw
 
     def __enter__(self) -> SafetensorsFile:
@@ -341,23 +330,18 @@ class SafetensorsFile:
         return _Slice(self._header[key])
 
     def get_tensor(self, key: str) -> torch.Tensor:
-        if self._data is None:
-            data = bytearray(self._size)
+        if self._tensors is None:
             self._fh.seek(0)
-            got = self._fh.readinto(data)
-            if got != self._size or self._fh.read(1) or bytes(data[: len(self._header_raw)]) != self._header_raw:
+            data = self._fh.read(self._size)
+            if len(data) != self._size or self._fh.read(1) or data[: len(self._header_raw)] != self._header_raw:
                 raise FileChangedError("the file changed while being loaded; retry")
-            self._data = self._snapshot["bytes"] = data
-        meta = self._header[key]
-        dtype = _TORCH_DTYPES[meta["dtype"]]
-        b, e = meta["data_offsets"]
-        count = (e - b) // _ITEM_SIZES[meta["dtype"]]
-        return torch.frombuffer(self._data, dtype=dtype, count=count, offset=self._base + b).reshape(
-            meta["shape"]).clone()
+            self._snapshot["bytes"] = data
+            self._tensors = safetensors.torch.load(data)
+        return self._tensors[key]
 
 
 def safe_open(fh: BinaryIO, size: int, framework: str = "pt",
-              snapshot: dict[str, bytearray] | None = None) -> SafetensorsFile:
+              snapshot: dict[str, bytes] | None = None) -> SafetensorsFile:
     """Stand-in for safetensors.safe_open (framework "pt" only) over an open file, without mmap."""
     if framework != "pt":
         raise ValueError(f"framework {framework!r} is not supported")

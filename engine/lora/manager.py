@@ -20,15 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.config import LoRAConfig
-from engine.lora.adapter import AdapterError, Fingerprint, LoRAAdapter, load_adapter
-from engine.protocol import ModelNotFoundError
-
-
-class AdapterNotLoadedError(KeyError):
-    """No adapter of that name is registered (HTTP 404)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else "adapter not loaded"
+from engine.errors import AdapterError, AdapterNotLoadedError, ModelNotFoundError
+from engine.lora.adapter import Fingerprint, LoRAAdapter, load_adapter
 
 
 @dataclass

@@ -32,7 +32,8 @@ from typing import Any
 
 import re2
 
-from engine.lora.adapter_files import CONFIG_FILE, AdapterError, JSONLimitError, loads_bounded
+from engine.errors import AdapterError, JSONLimitError
+from engine.lora.adapter_files import CONFIG_FILE, loads_bounded
 
 MAX_PATTERN_KEYS = 1024  # per rank_pattern / alpha_pattern; peft's EVA init writes one per module
 MAX_PATTERN_CHARS = 1024

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from engine.device import Kernels
+from engine.errors import UnsupportedModelError
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -18,10 +19,6 @@ from engine.layers.quant import QuantConfig
 from engine.layers.rotary import RotaryEmbedding, rope_theta_of
 
 SUPPORTED_ARCHS = ("qwen2", "qwen3")
-
-
-class UnsupportedModelError(ValueError):
-    pass
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.device import Kernels
 from engine.distributed import tp_size
+from engine.errors import UnsupportedModelError
 from engine.layers.attention import Attention
 from engine.layers.embedding import VocabParallelEmbedding
 from engine.layers.gdn import GatedDeltaNet
@@ -22,7 +23,7 @@ from engine.layers.linear import QKVParallelLinear, RowParallelLinear, divide
 from engine.layers.norm import RMSNorm
 from engine.layers.quant import QuantConfig
 from engine.layers.rotary import RotaryEmbedding, rope_theta_of
-from engine.models.qwen import QwenDecoderLayer, QwenForCausalLM, QwenMLP, QwenModel, UnsupportedModelError
+from engine.models.qwen import QwenDecoderLayer, QwenForCausalLM, QwenMLP, QwenModel
 
 HYBRID_ARCHS = ("qwen3_5", "qwen3_5_text")
 

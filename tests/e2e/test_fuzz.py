@@ -21,8 +21,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from benchmarks.load import DEMO
-from tests.e2e.serverlib import API_KEY, ServerProcess
+from tools.loadgen import DEMO
+from tools.serverlib import API_KEY, ServerProcess
 
 # Per operation (8 operations). Derandomized, so `make test` sends the same cases every run; a longer random
 # hunt: XPULORA_FUZZ_EXAMPLES=2000 pytest tests/e2e/test_fuzz.py (docs/RELIABILITY.md).

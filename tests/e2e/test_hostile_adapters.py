@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from benchmarks.load import DEMO, make_adapters
-from tests.e2e.serverlib import ServerProcess
+from tools.loadgen import DEMO, make_adapters
+from tools.serverlib import ServerProcess
 
 PROMPT = "words: cat ant moon fox =>"
 HEADER_TIMEOUT_S, BODY_TIMEOUT_S = 1.0, 2.0

@@ -23,7 +23,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from engine import EngineConfig, KernelConfig, LLMEngine, LoRAConfig, ModelConfig, SamplingParams
-from tests.e2e.serverlib import API_KEY, REPO, ServerProcess
+from tools.serverlib import API_KEY, REPO, ServerProcess
 
 DEMO = REPO / "demo"
 ADAPTERS = ("reverse", "upper", "sort")

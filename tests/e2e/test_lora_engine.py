@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from engine import SamplingParams
+from engine.errors import ModelNotFoundError
 from engine.lora.adapter import AdapterError
 from engine.lora.manager import AdapterNotLoadedError
-from engine.protocol import ModelNotFoundError
 from tests.helpers import ALL7, make_lora_engine, prompts
 from tools.tinymodels import make_peft_adapter
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import SamplingParams
 from engine.lora.adapter import AdapterError
-from tests.helpers import make_engine, make_lora_engine, prompts
+from tests.helpers import as_tp_rank, make_engine, make_lora_engine, prompts
 from tests.oracle import hf_greedy, hf_logits, load_hf_dequantized
 from tools.tinymodels import load_transformers_fp32, make_peft_adapter, make_qwen35_model, quantize
 
@@ -166,7 +166,6 @@ def test_gated_attention_heads_must_split_evenly_over_tp() -> None:
     from dataclasses import replace
 
     from engine.device import Kernels
-    from engine.distributed import set_tp_for_testing
     from engine.layers.quant import QuantConfig
     from engine.models.qwen3_5 import GatedAttention, Qwen35Args
 
@@ -174,10 +173,7 @@ def test_gated_attention_heads_must_split_evenly_over_tp() -> None:
                    num_heads=4, num_kv_heads=2, head_dim=16, rotary_dim=4, rope_theta=1e4, rms_norm_eps=1e-6,
                    max_position_embeddings=64, tie_word_embeddings=False, attention_bias=False, lin_k_heads=2,
                    lin_v_heads=2, lin_k_dim=16, lin_v_dim=16, conv_kernel=4, ckpt_prefix="model")
-    set_tp_for_testing(0, 2)
-    try:
+    with as_tp_rank(0, 2):
         GatedAttention(a, QuantConfig("none"), Kernels(), torch.float32, "l.self_attn")  # 4 heads: fine
         with pytest.raises(ValueError, match=r"l\.self_attn attention heads: 3 is not divisible"):
             GatedAttention(replace(a, num_heads=3), QuantConfig("none"), Kernels(), torch.float32, "l.self_attn")
-    finally:
-        set_tp_for_testing(0, 1)

@@ -10,8 +10,8 @@ import openai
 import pytest
 
 from engine import SamplingParams
-from tests.e2e.serverlib import API_KEY, ServerProcess
 from tests.helpers import make_engine, prompts
+from tools.serverlib import API_KEY, ServerProcess
 from tools.tinymodels import make_qwen35_model, quantize
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -60,3 +60,32 @@ def test_aborted_requests_free_their_state_slots(srv: ServerProcess) -> None:
     for _ in range(3):
         r = client.completions.create(model=base, prompt="café", max_tokens=3, temperature=0)
         assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_structured_output_on_the_hybrid(srv: ServerProcess) -> None:
+    """json_schema and choice constrain the Qwen3.5 hybrid's output too (concurrent, sampled, n > 1)."""
+    import json
+    import re
+
+    import jsonschema
+
+    schema = {"type": "object", "additionalProperties": False, "required": ["id", "tags"],
+              "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                             "tags": {"type": "array", "maxItems": 3, "items": {"enum": ["x", "y"]}}}}
+    client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+    async def main() -> list:
+        base = (await client.models.list()).data[0].id
+        fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+        return await asyncio.gather(
+            *(client.completions.create(model=base, prompt=p, max_tokens=80, temperature=1.0, seed=i, n=2,
+                                        extra_body={"response_format": fmt}) for i, p in enumerate(prompts(3, seed=5))),
+            client.completions.create(model=base, prompt="pick", max_tokens=8, temperature=1.0, n=3,
+                                      extra_body={"structured_outputs": {"regex": "(red|blue)-[0-9]{2}"}}))
+
+    *docs, regex = asyncio.run(main())
+    for r in docs:
+        for c in r.choices:
+            assert c.finish_reason == "stop", c
+            jsonschema.validate(json.loads(c.text), schema)
+    assert all(re.fullmatch("(red|blue)-[0-9]{2}", c.text) for c in regex.choices)

@@ -3,7 +3,8 @@
 leak check, client disconnects, adapter files that are corrupt / truncated / huge / non-finite / changed
 while loading, hostile request bodies, tokenization off the event loop, SIGTERM under load, and a
 tensor-parallel worker killed mid-run or while idle. Each finding of docs/RELIABILITY.md has its test here
-or in test_fuzz.py. The long versions are benchmarks/load.py and benchmarks/churn.py."""
+or in test_fuzz.py. The long versions are benchmarks/load.py and benchmarks/churn.py, on the same
+tools/loadgen.py and tools/churn.py as these tests."""
 
 from __future__ import annotations
 
@@ -25,11 +26,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from benchmarks.churn import run_churn
-from benchmarks.load import DEMO, Spec, build_plan, run_load, run_one, run_sequential, start_demo_server, summarize
 from engine import ModelNotFoundError
-from tests.e2e.serverlib import REPO, ServerProcess
 from tests.helpers import demo_shapes
+from tools.churn import run_churn
+from tools.loadgen import DEMO, Spec, build_plan, run_load, run_one, run_sequential, start_demo_server, summarize
+from tools.serverlib import REPO, ServerProcess
 
 GRACE_S = 1  # short: 50 requests of 480 tokens cannot all finish in it, so the abort path runs
 MAX_BODY = 4 << 20  # the main server's limit (the default 1 MiB is checked in test_fuzz.py)

@@ -16,8 +16,8 @@ from peft import PeftModel
 from transformers import AutoTokenizer, GenerationConfig
 
 from engine.protocol import SamplingParams
-from tests.e2e.serverlib import API_KEY, ServerProcess
 from tests.oracle import inverse_cdf_pick, load_hf_dequantized, sampling_probs, sampling_processed
+from tools.serverlib import API_KEY, ServerProcess
 from tools.tinymodels import load_transformers_fp32
 
 DEMO = Path(__file__).resolve().parents[2] / "demo"

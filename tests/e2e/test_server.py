@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from engine import SamplingParams
-from tests.e2e.serverlib import API_KEY, ServerProcess
 from tests.helpers import ALL7, make_lora_engine, prompts
+from tools.serverlib import API_KEY, ServerProcess
 from tools.tinymodels import make_peft_adapter
 
 MAX = 8
@@ -277,3 +277,17 @@ def test_client_disconnect_frees_blocks(env: Env) -> None:
 def test_served_log_has_ready_line(env: Env) -> None:
     log = Path(env.srv.log_path).read_text()
     assert f"xpulora ready: {env.url}/v1" in log and "curl " in log
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(env: Env) -> None:
+    ids = list(range(50, 90))  # 40 tokens no other test sends: 2 full blocks of 16 can be hit
+    kw = dict(model="a1", prompt=ids, max_tokens=MAX, temperature=0)
+    first = env.client.completions.create(**kw)
+    before = env.srv.wait_idle()
+    second = env.client.completions.create(**kw)
+    after = env.srv.wait_idle()
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == 32 and second.choices[0].text == first.choices[0].text
+    for name in ("xpulora:prefix_cache_hits_total", "vllm:prefix_cache_hits_total"):
+        assert after[name] - before[name] == 32
+    assert after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"] == 40

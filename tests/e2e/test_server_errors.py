@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from engine import SamplingParams
-from tests.e2e.serverlib import ServerProcess
 from tests.helpers import ALL7, make_lora_engine
+from tools.serverlib import ServerProcess
 from tools.tinymodels import make_peft_adapter
 
 PROMPT = "hello world engine"
@@ -113,8 +113,11 @@ def _cases(root: Path, outside: Path) -> list[tuple[str, str, dict, int, str]]:
         ("/v1/completions", "json", cmpl(min_tokens=9, max_tokens=4), 400, "min_tokens must be less than or equal"),
         ("/v1/completions", "json", cmpl(suffix="x"), 400, "suffix"),
         ("/v1/completions", "json", cmpl(echo=True, logprobs=1), 400, "echo"),
-        ("/v1/chat/completions", "json", {**chat, "tools": [{"type": "function"}]}, 400, "tools"),
-        ("/v1/chat/completions", "json", {**chat, "response_format": {"type": "json_object"}}, 400, "response_format"),
+        ("/v1/chat/completions", "json", {**chat, "tools": [{"type": "function"}]}, 400, "tools.0.function"),
+        ("/v1/chat/completions", "json", {**chat, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+         '"auto" tool choice requires --enable-auto-tool-choice'),
+        ("/v1/chat/completions", "json", {**chat, "response_format": {"type": "xml"}}, 400, "response_format.type"),
+        ("/v1/completions", "json", cmpl(structured_outputs={"regex": "("}), 400, "invalid regex"),
         ("/v1/chat/completions", "json", {**chat, "top_logprobs": 2}, 400, "top_logprobs"),
         ("/v1/chat/completions", "json", {**chat, "stream_options": {"include_usage": True}}, 400, "stream_options"),
         ("/v1/chat/completions", "json",

@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from engine import SamplingParams
-from engine.distributed import set_tp_for_testing
 from engine.layers.linear import RowParallelLinear
 from engine.layers.quant import Int4LinearMethod
 from engine.worker import EngineDeadError
-from tests.helpers import ALL7, make_lora_engine, prompts
+from tests.helpers import ALL7, as_tp_rank, make_lora_engine, prompts
 from tools.tinymodels import make_peft_adapter
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -71,10 +70,7 @@ def test_killed_worker_fails_fast_and_leaves_no_process(setup: dict) -> None:
 
 
 def test_row_parallel_int4_shard_must_fit_the_group_size() -> None:
-    set_tp_for_testing(0, 4)
-    try:
-        with pytest.raises(ValueError, match=r"down_proj: 768 input features .* valid sizes for this layer: \[1, 2, 3, 6\]"):
-            RowParallelLinear(768, 256, method=Int4LinearMethod(128, 1), prefix="model.layers.0.mlp.down_proj")
-    finally:
-        set_tp_for_testing(0, 1)
+    with as_tp_rank(0, 4), pytest.raises(
+            ValueError, match=r"down_proj: 768 input features .* valid sizes for this layer: \[1, 2, 3, 6\]"):
+        RowParallelLinear(768, 256, method=Int4LinearMethod(128, 1), prefix="model.layers.0.mlp.down_proj")
     assert torch.distributed.is_initialized() is False

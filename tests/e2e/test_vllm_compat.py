@@ -16,8 +16,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from tests.e2e.serverlib import API_KEY, ServerProcess
 from tests.helpers import ALL7
+from tools.serverlib import API_KEY, ServerProcess
 from tools.tinymodels import make_peft_adapter
 
 # Qwen3's generation prompt: with enable_thinking false the template writes an empty think block, so the

@@ -10,8 +10,8 @@ import pytest
 import torch.multiprocessing as mp
 
 from engine.lora.layers import shrink_needs_gather
-from tests.e2e.serverlib import free_port
 from tests.layers import tp_worker
+from tools.serverlib import free_port
 
 CASES = [(k, q, m) for k in tp_worker.KINDS for q in (False, True) for m in (None, "default", "full")]
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 import engine.lora.layers as lora_layers
-from engine.distributed import destroy_tp, init_tp, set_tp_for_testing
+from engine.distributed import destroy_tp, init_tp
 from engine.forward_context import ForwardContext, forward_context
 from engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -19,6 +19,7 @@ from engine.lora.adapter import LoRAModule
 from engine.lora.layers import ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA
 from engine.lora.punica import build_mapping
 from kernels.reference import pack_int4_cols, pack_int4_rows
+from tests.helpers import as_tp_rank
 
 H, G = 256, 128
 # kind -> (checkpoint parts: (name, shard id, in, out), builder)
@@ -76,11 +77,9 @@ def _case(kind: str, quant: bool, mode: str | None, rank: int, size: int) -> flo
     x = torch.randn(24, parts[0][2], generator=g)
     slots = torch.tensor([-1, 0, 1, 2, 3, -1] * 4)[torch.randperm(24, generator=g)].tolist()
     ctx = ForwardContext(attn=None, lora=build_mapping(slots, x.device))
-    set_tp_for_testing(0, 1)
-    ref = _build(kind, quant, ckpt, adapters, mode)
-    with forward_context(ctx):
+    with as_tp_rank(0, 1), forward_context(ctx):  # the tp=1 reference: built and run with no collective
+        ref = _build(kind, quant, ckpt, adapters, mode)
         y1 = ref(x)
-    set_tp_for_testing(rank, size)
     tp = _build(kind, quant, ckpt, adapters, mode)
     base = tp.base if mode else tp
     if isinstance(base, RowParallelLinear):  # a row layer sees its shard of the input features
@@ -113,12 +112,11 @@ def _vocab_case(rank: int, size: int) -> float:
     vocab = 500  # not a multiple of 64 x tp: exercises the padded shard and masked pad logits
     w = torch.randn(vocab, H, generator=g)
     ids = torch.randint(0, vocab, (17,), generator=g)
-    set_tp_for_testing(0, 1)
-    e1, h1 = VocabParallelEmbedding(vocab, H), ParallelLMHead(vocab, H)
-    for m in (e1, h1):
-        m.weight.weight_loader(m.weight, w)
-    r1 = (e1(ids), h1(e1(ids)))
-    set_tp_for_testing(rank, size)
+    with as_tp_rank(0, 1):
+        e1, h1 = VocabParallelEmbedding(vocab, H), ParallelLMHead(vocab, H)
+        for m in (e1, h1):
+            m.weight.weight_loader(m.weight, w)
+        r1 = (e1(ids), h1(e1(ids)))
     e2, h2 = VocabParallelEmbedding(vocab, H), ParallelLMHead(vocab, H)
     for m in (e2, h2):
         m.weight.weight_loader(m.weight, w)

@@ -52,6 +52,28 @@ def test_bench_serve_quick(tmp_path: Path) -> None:
         assert r["text_mismatch"] == 0, r
 
 
+def test_bench_grammar_quick(tmp_path: Path) -> None:
+    out = _run("bench_grammar.py", tmp_path)
+    decode = [r for r in out if r["case"] == "decode"]
+    assert sorted(r["grammar"] for r in decode) == ["json_schema", "none"]
+    assert all(r["steps"] == 5 and r["ms_per_step"] > 0 for r in decode)  # every request decodes every step
+    (parts,) = [r for r in out if r["case"] == "parts"]
+    assert parts["fill_us"] > 0 and parts["apply_us"] > 0
+    assert len([r for r in out if r["case"] == "summary"]) == 1
+
+
+def test_bench_prefix_quick(tmp_path: Path) -> None:
+    rows = {r["case"]: r for r in _run("bench_prefix.py", tmp_path)}
+    burst, single = rows["burst"], rows["single"]
+    assert burst["prefill_tokens_computed_off"] == burst["prompt_tokens"] and burst["cached_tokens_off"] == 0
+    # Each adapter's first request computes the shared prompt; the others compute only their user part.
+    assert burst["prefill_tokens_computed_on"] + burst["cached_tokens_on"] == burst["prompt_tokens"]
+    assert burst["cached_tokens_on"] > burst["prompt_tokens"] / 2
+    assert single["cached_tokens_on"] == single["requests"] * 256  # every system prompt still cached
+    assert burst["same_tokens_fraction"] == single["same_tokens_fraction"] == 1.0
+    assert burst["ttft_mean_ms_on"] > 0 and single["ttft_mean_ms_off"] > 0
+
+
 def test_gpu_engine_check_passes_and_fails_on_the_cpu(tmp_path: Path) -> None:
     """The GPU check's exit logic: 0 with a PASS line when the fast engine equals the reference, 1 with a
     FAIL line when a fast kernel fails its start-up check (injected with the documented fault switch)."""
@@ -69,7 +91,7 @@ def test_gpu_engine_check_passes_and_fails_on_the_cpu(tmp_path: Path) -> None:
 
 
 def test_checks_summary() -> None:
-    from benchmarks.checks import Checks
+    from tools.checks import Checks
 
     c = Checks("x")
     assert c.finish() == 1  # nothing checked is not a pass

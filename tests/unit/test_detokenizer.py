@@ -185,3 +185,16 @@ def test_streaming_with_stops(tok) -> None:
         sent = max(sent, safe)
         assert "#" not in streamed
     assert streamed == "Answer: 42 你好 "
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_token_bytes_join_into_the_text(tok, text: str) -> None:
+    # The logprobs' `bytes` per token (server/logprobs.py): a token holding part of a character has
+    # only that part's bytes, and all of them together are exactly the text's UTF-8.
+    from server.logprobs import TokenText
+
+    ids = tok.encode(text)
+    per_token = TokenText(tok)
+    assert b"".join(bytes(per_token.bytes(i)) for i in ids) == text.encode("utf-8")
+    if "🦄" in text:
+        assert any(len(per_token.bytes(i)) < 4 and "\ufffd" in tok.decode([i]) for i in ids)

@@ -46,10 +46,12 @@ def test_requests_name_what_they_refuse() -> None:
     assert chat.messages[0].text() == "a\nb" and chat.output_limit is None
     assert "'top_logprobs' requires" in _error(ChatCompletionRequest, model="m", messages=msgs, top_logprobs=1)
     assert "not both" in _error(ChatCompletionRequest, model="m", messages=msgs, max_tokens=1, max_completion_tokens=1)
-    assert "'tools' is not supported" in _error(ChatCompletionRequest, model="m", messages=msgs, tools=[{}])
-    assert "messages.0.role" in _error(ChatCompletionRequest, model="m", messages=[{"role": "tool", "content": "x"}])
-    assert "unsupported field 'messages.0.tool_calls'" in _error(
-        ChatCompletionRequest, model="m", messages=[{"role": "assistant", "content": "x", "tool_calls": []}])
+    assert "tools.0.function" in _error(ChatCompletionRequest, model="m", messages=msgs, tools=[{"type": "function"}])
+    assert "messages.0.role" in _error(ChatCompletionRequest, model="m", messages=[{"role": "robot", "content": "x"}])
+    assert "unsupported field 'messages.0.tool_calls.0.extra'" in _error(
+        ChatCompletionRequest, model="m", messages=[{"role": "assistant", "content": "x", "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}, "extra": 1}]}])
+    assert "'functions' is not supported" in _error(ChatCompletionRequest, model="m", messages=msgs, functions=[{}])
 
 
 def test_lora_root_confinement(tmp_path: Path) -> None:

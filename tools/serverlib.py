@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 API_KEY = "test-key"
 _SAMPLE = re.compile(r"^([^\s{]+)(\{[^}]*\})?\s+(\S+)$")
 _MODEL_LABEL = re.compile(r'model_name="[^"]*",?|,model_name="[^"]*"')
