@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.sweep:
         sweep(dev, cfg["shapes"], args.sweep_ms if not args.quick else [1], budget_s, args.rotate_mb)
         return 0
-    methods = ["triton", "dequant_gemm"] if triton_env.usable() else []
+    methods = ["triton", "dequant_gemm"] if triton_env.usable_on(dev.type) else []
     if native in INT4_BACKENDS:
         methods.append(native)
     if "triton" not in methods:

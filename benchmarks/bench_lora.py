@@ -6,14 +6,14 @@
 
 One JSON line per case (layer, tokens, distinct adapters, rank). All times in microseconds per call of
 one wrapped layer (all its slices):
-  triton_us        kernels.lora_triton.add_lora (2 launches), the step's LoRABatchInfo prepared once outside,
+  triton_us        kernels.lora_triton.add_lora (2 launches), the step's token grouping prepared once outside,
                    B in the engine's layout [slots, n, r_max] (r contiguous)
   triton_graph_us  the same replayed from a captured device graph (no Python launch cost), where supported
   triton_rm_us, triton_rm_graph_us   the same with B stored rank-major ([slots, r_max, n] storage, passed
                    as its transposed view): a small rank's padding is then never read
-  prepare_us       kernels.lora_triton.prepare_lora_batch from the host slot list (once per step, shared by
+  prepare_us       engine.lora.punica.group_tokens from the host slot list (once per step, shared by
                    every layer)
-  reference_us     kernels.lora.add_lora(backend="reference"): per slot, boolean gathers, fp32 matmuls
+  reference_us     engine.lora.punica.ReferenceLoRABatch.add_lora: per slot, boolean gathers, fp32 matmuls
   loop_us          per adapter and slice: y[rows, slice] += (x[rows] @ A[:r].T) @ B[:, :r].T in the layer
                    dtype, with each adapter's row indices precomputed on the device (a naive engine)
   loop_graph_us    the loop replayed from a captured graph
@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.timing import default_device, device_sync, graph_time_us, time_us
-from kernels import lora as lora_ops
+from engine.lora.punica import ReferenceLoRABatch, SlotRanks, group_tokens
 from kernels import lora_triton, triton_env
 
 # Qwen3-8B: hidden 4096, 32 q heads / 8 kv heads of 128, intermediate 12288.
@@ -54,6 +54,7 @@ def run_case(dev: torch.device, dtype: torch.dtype, layer: str, k: int, sizes: l
     lora_a = [(torch.randn(slots, r_max, k, generator=g) / k ** 0.5).to(dev, dtype) for _ in sizes]
     lora_b = [(torch.randn(slots, n, r_max, generator=g) / r_max ** 0.5).to(dev, dtype) for n in sizes]
     ranks = [[rank] * slots for _ in sizes]
+    rt = torch.tensor(ranks, dtype=torch.int32, device=dev)
     slot_ids = [(i % adapters) * (slots // adapters) for i in range(tokens)]  # spread over the slot range
     token_slots = torch.tensor(slot_ids, dtype=torch.long, device=dev)
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -69,10 +70,8 @@ def run_case(dev: torch.device, dtype: torch.dtype, layer: str, k: int, sizes: l
     for key in ("triton_us", "triton_graph_us", "triton_rm_us", "triton_rm_graph_us", "prepare_us"):
         rec[key] = None
     if use_triton:
-        rec["prepare_us"] = time_us(lambda: lora_triton.prepare_lora_batch(slot_ids, None, slots, device=dev), sync,
-                                    budget_s)
-        info = lora_triton.prepare_lora_batch(slot_ids, None, slots, device=dev)
-        rt = lora_triton.ranks_tensor(ranks, slots, dev)
+        rec["prepare_us"] = time_us(lambda: group_tokens(slot_ids, slots, device=dev), sync, budget_s)
+        info = group_tokens(slot_ids, slots, device=dev)
         lora_b_rm = [b.transpose(1, 2).contiguous().transpose(1, 2) for b in lora_b]
         for tag, bs in (("", lora_b), ("_rm", lora_b_rm)):
 
@@ -82,9 +81,9 @@ def run_case(dev: torch.device, dtype: torch.dtype, layer: str, k: int, sizes: l
             rec[f"triton{tag}_us"] = time_us(tri, sync, budget_s)
             rec[f"triton{tag}_graph_us"] = graph_time_us(tri, dev, budget_s)
 
-    rec["reference_us"] = time_us(
-        lambda: lora_ops.add_lora(y, x, lora_a, lora_b, ranks, offsets, token_slots, backend="reference"),
-        sync, budget_s)
+    ref_batch = ReferenceLoRABatch.build(slot_ids, slots, dev)
+    rec["reference_us"] = time_us(lambda: ref_batch.add_lora(y, x, lora_a, lora_b, SlotRanks(ranks, rt), offsets),
+                                  sync, budget_s)
 
     groups = [(s, (token_slots == s).nonzero().flatten()) for s in sorted(set(slot_ids))]
 
@@ -127,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     cfg = QUICK if args.quick or dev.type == "cpu" else FULL
     budget_s = (args.budget_ms if args.budget_ms is not None else (0.0 if args.quick else 50.0)) / 1e3
-    use_triton = triton_env.usable()
+    use_triton = triton_env.usable_on(dev.type)
     if not use_triton:
         print(f"# triton not usable on {dev} (CPU: set TRITON_INTERPRET=1): no triton columns", file=sys.stderr)
     layers = args.layers.split(",") if args.layers else list(cfg["layers"])

@@ -3,10 +3,14 @@ Triton LoRA, int4 dispatch) and decode graphs must give the same greedy tokens a
 the torch reference kernels, eagerly, in float32 — for mixed batches of base and adapter requests.
 Then a Qwen3.5-shaped hybrid: decode graphs equal eager with the same Gated DeltaNet kernels (torch
 reference, and fla-core, which computes in bf16 and is reported against the reference only as a count).
-One JSON line per case."""
+A fast kernel that fails its start-up check against the reference (the engine then serves with the
+reference, so the comparison alone would pass) also fails this script. One JSON line per check, one
+PASS/FAIL line, exit 1 on any failure (tools/checks.py). `--quick --device cpu` runs the same logic
+with tiny shapes on the CPU (where the fast kernels are the references), so the script cannot rot."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -17,54 +21,73 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_e2e import write_adapter
-from engine import CacheConfig, EngineConfig, LLMEngine, LoRAConfig, ModelConfig, SamplingParams, SchedulerConfig
+from engine import (
+    CacheConfig,
+    EngineConfig,
+    KernelConfig,
+    LLMEngine,
+    LoRAConfig,
+    ModelConfig,
+    ParallelConfig,
+    SamplingParams,
+    SchedulerConfig,
+)
+from tools.checks import Checks, exit_with
 from tools.random_int4 import Shape, write_random_int4
 
-REFERENCE = {"XPULORA_ATTENTION_BACKEND": "reference", "XPULORA_LORA_BACKEND": "reference",
-             "XPULORA_INT4_BACKEND": "reference", "XPULORA_FUSED_BACKEND": "reference"}
+CHECKS = Checks("gpu_engine_check")
+ARGS = argparse.Namespace(device="cuda", lora_kernel="auto")
 
 
 def run(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]], eager: bool, reference: bool,
         dtype: str, gdn: str | None = None) -> tuple[list[list[int]], float]:
-    for k, v in REFERENCE.items():
-        if reference:
-            os.environ[k] = v
-        else:
-            os.environ.pop(k, None)
-    if gdn:
-        os.environ["XPULORA_GDN_BACKEND"] = gdn
-    else:
-        os.environ.pop("XPULORA_GDN_BACKEND", None)
+    ref = "reference" if reference else "auto"
+    kernels = KernelConfig(lora="reference" if reference else ARGS.lora_kernel, attention=ref, fused=ref, int4=ref,
+                           gdn=gdn or "auto")  # type: ignore[arg-type]
     lora = LoRAConfig(enable_lora=True, max_loras=4, max_lora_rank=16,
                       lora_modules=tuple((f"a{i}", p) for i, p in enumerate(adapters)))
     cfg = EngineConfig(ModelConfig(path, dtype=dtype, max_model_len=512), cache=CacheConfig(num_blocks=2048),
-                       scheduler=SchedulerConfig(max_num_seqs=64), lora=lora, enforce_eager=eager)
+                       scheduler=SchedulerConfig(max_num_seqs=64), lora=lora, enforce_eager=eager,
+                       parallel=ParallelConfig(device=ARGS.device), kernels=kernels)
     with LLMEngine(cfg) as e:
+        for c in e.runner.kernel_choices:
+            if c.rejected:  # the engine fell back to a slower kernel: the fast one computes wrong here
+                CHECKS.expect(f"{c.op} kernel passes its start-up check", False, chosen=c.chosen,
+                              rejected=dict(c.rejected))
         t0 = time.perf_counter()
         out = e.generate([p for p, _ in batch], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
-                         [n for _, n in batch])
-        torch.cuda.synchronize()
+                         [n for _, n in batch])  # returns once the tokens are on the host: synchronized
         return [r.token_ids for r in out], time.perf_counter() - t0
 
 
 def main() -> None:
-    s = Shape(1024, 2048, 4, 8, 2, 128, 2048)
-    path = write_random_int4("/tmp/gpu-check/model", s, device=torch.device("cuda"))
-    adapters = [write_adapter(f"/tmp/gpu-check/lora{i}", s, s.layers, [4, 8, 16][i % 3], i) for i in range(6)]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", help="engine device (cuda, xpu; cpu with --quick)")
+    ap.add_argument("--lora-kernel", default="auto", choices=("auto", "triton", "reference"),
+                    help="LoRA kernels of the fast engine")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes, one batch, no hybrid, no timing")
+    ap.add_argument("--root", default="/tmp/gpu-check")
+    ap.parse_args(namespace=ARGS)
+    dev = torch.device(ARGS.device)
+    s = Shape(256, 512, 2, 2, 2, 128, 512) if ARGS.quick else Shape(1024, 2048, 4, 8, 2, 128, 2048)
+    path = write_random_int4(f"{ARGS.root}/model", s, device=dev)
+    adapters = [write_adapter(f"{ARGS.root}/lora{i}", s, s.layers, [4, 8, 16][i % 3], i) for i in range(6)]
     g = torch.Generator().manual_seed(0)
-    for n in (1, 3, 17, 40):
+    for n in (3,) if ARGS.quick else (1, 3, 17, 40):
         batch = [(torch.randint(0, 400, (8 + 5 * i,), generator=g).tolist(), None if i % 3 == 0 else f"a{i % 6}")
                  for i in range(n)]
         ref, _ = run(path, adapters, batch, eager=True, reference=True, dtype="float32")
         eager, _ = run(path, adapters, batch, eager=True, reference=False, dtype="float32")
         graphs, _ = run(path, adapters, batch, eager=False, reference=False, dtype="float32")
-        print(json.dumps({"check": "gpu kernels and graphs vs torch reference, float32", "batch": n,
-                          "eager_equal": eager == ref, "graphs_equal": graphs == ref,
-                          "eager_matching_requests": sum(a == b for a, b in zip(eager, ref)),
-                          "graph_matching_requests": sum(a == b for a, b in zip(graphs, ref))}), flush=True)
+        CHECKS.expect(f"fast kernels eager == torch reference, float32, batch {n}", eager == ref,
+                      matching_requests=sum(a == b for a, b in zip(eager, ref)), of=n)
+        CHECKS.expect(f"fast kernels + graphs == torch reference, float32, batch {n}", graphs == ref,
+                      matching_requests=sum(a == b for a, b in zip(graphs, ref)), of=n)
+    if ARGS.quick:
+        exit_with(CHECKS)
     hs = Shape(1024, 2048, 4, 8, 2, 128, 2048, hybrid=True, lin_k_heads=4, lin_v_heads=8, lin_dim=128)
-    hpath = write_random_int4("/tmp/gpu-check/hybrid", hs, device=torch.device("cuda"))
-    hadapters = [write_adapter(f"/tmp/gpu-check/hlora{i}", hs, hs.layers, [4, 8, 16][i % 3], i, only="mlp.")
+    hpath = write_random_int4(f"{ARGS.root}/hybrid", hs, device=dev)
+    hadapters = [write_adapter(f"{ARGS.root}/hlora{i}", hs, hs.layers, [4, 8, 16][i % 3], i, only="mlp.")
                  for i in range(6)]
     for n in (3, 17):
         batch = [(torch.randint(0, 400, (8 + 5 * i,), generator=g).tolist(), None if i % 3 == 0 else f"a{i % 6}")
@@ -72,16 +95,18 @@ def main() -> None:
         ref, _ = run(hpath, hadapters, batch, eager=True, reference=True, dtype="float32", gdn="reference")
         res = {(gdn, eager): run(hpath, hadapters, batch, eager=eager, reference=False, dtype="float32", gdn=gdn)[0]
                for gdn in ("reference", "fla") for eager in (True, False)}
-        print(json.dumps({"check": "hybrid: gpu kernels and graphs vs eager, float32", "batch": n,
-                          "refgdn_eager_equal_reference": res[("reference", True)] == ref,
-                          "refgdn_graphs_equal_eager": res[("reference", False)] == res[("reference", True)],
-                          "fla_graphs_equal_eager": res[("fla", False)] == res[("fla", True)],
-                          "fla_matching_requests_vs_reference": sum(a == b for a, b in zip(res[("fla", True)], ref)),
-                          "of": n}), flush=True)
+        CHECKS.expect(f"hybrid, reference GDN: fast kernels eager == torch reference, batch {n}",
+                      res[("reference", True)] == ref)
+        CHECKS.expect(f"hybrid, reference GDN: graphs == eager, batch {n}",
+                      res[("reference", False)] == res[("reference", True)])
+        # fla-core computes in bf16: against the float32 reference only a count (near-tied logits differ).
+        CHECKS.expect(f"hybrid, fla GDN: graphs == eager, batch {n}", res[("fla", False)] == res[("fla", True)],
+                      fla_matching_requests_vs_reference=sum(a == b for a, b in zip(res[("fla", True)], ref)), of=n)
     batch = [(torch.randint(0, 400, (16,), generator=g).tolist(), f"a{i % 4}") for i in range(32)]
     _, t_eager = run(path, adapters, batch, eager=True, reference=False, dtype="bfloat16")
     _, t_graph = run(path, adapters, batch, eager=False, reference=False, dtype="bfloat16")
     print(json.dumps({"bench": "32 requests x 16 tokens, 4 adapters, bf16", "eager_s": t_eager, "graphs_s": t_graph}))
+    exit_with(CHECKS)
 
 
 if __name__ == "__main__":

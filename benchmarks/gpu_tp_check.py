@@ -4,7 +4,7 @@
    dense model and a Qwen3.6-27B-shaped hybrid (few layers), float32 (greedy ids and logits).
 2. Decode tokens/s at batch 1 and 32, bf16, TP=1 and TP=2 for both shapes.
 3. The cost of the collectives: all-reduce of [B, hidden] bf16 timed on NCCL, times the number per token.
-One JSON line per result.
+One JSON line per result; exits 1 if an equality check fails (tools/checks.py).
 """
 
 from __future__ import annotations
@@ -22,22 +22,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_e2e import time_decode
 from engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig, ParallelConfig, SamplingParams
+from tools.checks import Checks, exit_with
 from tools.random_int4 import QWEN3_8B, QWEN36_27B, write_random_int4
 
 T0 = time.perf_counter()
+CHECKS = Checks("gpu_tp_check")
 
 
 def emit(**kw: object) -> None:
     print(json.dumps({**kw, "elapsed_s": round(time.perf_counter() - T0, 1)}), flush=True)
 
 
-def engine(path: str, tp: int, dtype: str, max_num_seqs: int = 64, eager: bool = False) -> LLMEngine:
-    from engine import SchedulerConfig
+def engine(path: str, tp: int, dtype: str, max_num_seqs: int = 64, eager: bool = False,
+           gdn: str = "auto") -> LLMEngine:
+    from engine import KernelConfig, SchedulerConfig
 
     return LLMEngine(EngineConfig(ModelConfig(path, dtype=dtype, max_model_len=1024),
                                   cache=CacheConfig(num_blocks=4096),
                                   parallel=ParallelConfig(tensor_parallel_size=tp),
-                                  scheduler=SchedulerConfig(max_num_seqs=max_num_seqs), enforce_eager=eager))
+                                  scheduler=SchedulerConfig(max_num_seqs=max_num_seqs), enforce_eager=eager,
+                                  kernels=KernelConfig(gdn=gdn)))  # type: ignore[arg-type]
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -50,15 +54,14 @@ def equality(name: str, path: str) -> None:
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     res = {}
     # fla-core computes in bf16 even for a float32 model: the comparison runs the float32 torch reference.
-    os.environ["XPULORA_GDN_BACKEND"] = "reference"
     for tp in (1, 2):  # (prompt_logits runs on rank 0 alone, so only generate is compared under TP)
         # Eager: capturing every graph size in float32 costs minutes of compilation; graphs are checked
         # against the reference separately (benchmarks/gpu_engine_check.py).
-        with engine(path, tp, "float32", eager=True) as e:
+        with engine(path, tp, "float32", eager=True, gdn="reference") as e:
             res[tp] = [r.token_ids for r in e.generate(ps, greedy)]
-    os.environ.pop("XPULORA_GDN_BACKEND")
-    emit(check=f"{name} TP=2 vs TP=1 float32", greedy_equal=res[1] == res[2],
-         prompts_equal=sum(a == b for a, b in zip(res[1], res[2])), of=len(ps))
+    CHECKS.expect(f"{name} TP=2 vs TP=1 float32", res[1] == res[2],
+                  prompts_equal=sum(a == b for a, b in zip(res[1], res[2])), of=len(ps),
+                  elapsed_s=round(time.perf_counter() - T0, 1))
 
 
 def decode_speed(name: str, path: str, tp: int, batches: list[int]) -> None:
@@ -134,6 +137,8 @@ def main() -> None:
             for tp in (2, 1):
                 decode_speed(f"{name} ({layers} layers)", path, tp, [1, 32])
             shutil.rmtree(path)
+    if "equal" not in a.skip:
+        exit_with(CHECKS)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from engine.async_engine import AsyncEngine, EngineStats, RequestStream
 from engine.config import (
     CacheConfig,
     EngineConfig,
+    KernelConfig,
     LoRAConfig,
     ModelConfig,
     ParallelConfig,
@@ -22,6 +23,7 @@ from engine.errors import (
     OverloadedError,
     RequestError,
 )
+from engine.kernel_check import check_device
 from engine.llm_engine import GenerationResult, LLMEngine
 from engine.lora.adapter import validate_name
 from engine.lora.adapter_files import resolve_under_roots
@@ -45,6 +47,7 @@ __all__ = [
     "EngineStats",
     "ErrorKind",
     "GenerationResult",
+    "KernelConfig",
     "LLMEngine",
     "LoRAConfig",
     "LoRAStats",
@@ -60,6 +63,7 @@ __all__ = [
     "ServedModel",
     "StructuredSpec",
     "TokenLogprob",
+    "check_device",
     "resolve_under_roots",
     "validate_name",
 ]

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from engine.device import DeviceName
 from engine.errors import ConfigError
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
+LoRAKernelName = Literal["auto", "triton", "reference"]
+AttentionKernelName = Literal["auto", "triton", "reference"]
+FusedKernelName = Literal["auto", "triton", "reference"]
+GDNKernelName = Literal["auto", "fla", "reference"]
+Int4KernelName = Literal["auto", "reference", "triton", "native_cpu", "native_cuda", "native_xpu", "auto:native_cuda",
+                         "auto:native_xpu"]
 
 
 @dataclass(frozen=True)
@@ -122,12 +128,39 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class KernelConfig:
+    """Which implementation each op uses; "auto" lets engine/device.py pick for the device (docs/kernels.md)."""
+
+    lora: LoRAKernelName = "auto"
+    """Batched LoRA: auto (Triton on GPUs, the torch reference on the CPU), triton (also on the CPU, under
+    TRITON_INTERPRET=1) or reference. A Triton choice is checked against the reference at start-up and
+    replaced by it, with a warning, if it fails (kernels/registry.py)."""
+    attention: AttentionKernelName = "auto"
+    """Paged attention and the KV write: auto (Triton on GPUs, the reference on the CPU)."""
+    fused: FusedKernelName = "auto"
+    """Norms, rotary, silu-and-mul: auto (Triton on GPUs where Triton runs, else the reference)."""
+    gdn: GDNKernelName = "auto"
+    """Gated DeltaNet (Qwen3.5 hybrids): auto (fla-core on GPUs when installed, else the reference)."""
+    int4: Int4KernelName = "auto"
+    """int4 GEMM: auto (the device's per-row-count dispatch; the reference on the CPU) or one backend for
+    every row count."""
+
+    def __post_init__(self) -> None:
+        for name, kind in (("lora", LoRAKernelName), ("attention", AttentionKernelName), ("fused", FusedKernelName),
+                           ("gdn", GDNKernelName), ("int4", Int4KernelName)):
+            if getattr(self, name) not in get_args(kind):
+                raise ConfigError(f"{name} kernel must be one of {', '.join(get_args(kind))}, "
+                                  f"got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kernels: KernelConfig = field(default_factory=KernelConfig)
     seed: int = 0
     """Seed of the global RNG (unseeded sampling)."""
     max_logprobs: int = 20

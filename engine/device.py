@@ -58,6 +58,17 @@ def detect(requested: str = "auto") -> DeviceKind:
 
 
 @dataclass(frozen=True)
+class Kernels:
+    """Each op's implementation, chosen once per engine (Device.kernels); every layer receives its own when
+    the model is built. Names as kernels.attention, kernels.fused, kernels.gdn and kernels.int4 take them."""
+
+    attention: str = "reference"
+    fused: str = "reference"
+    gdn: str = "reference"
+    int4: str = "reference"
+
+
+@dataclass(frozen=True)
 class Device:
     """One rank's device: kind plus local index."""
 
@@ -122,29 +133,33 @@ class Device:
             return hasattr(torch.xpu, "XPUGraph")
         return False
 
-    def int4_backend(self) -> str:
-        """Name of the int4 matmul backend in kernels.int4 to use on this device."""
-        forced = os.environ.get("XPULORA_INT4_BACKEND")
-        if forced:
-            return forced
+    def kernels(self, attention: str, fused: str, gdn: str, int4: str, hybrid: bool) -> Kernels:
+        """Resolve each op's configured name ("auto": this device's choice); gdn only for hybrid models."""
+        return Kernels(self.attention_backend(attention), self.fused_backend(fused),
+                       self.gdn_backend(gdn) if hybrid else "reference", self.int4_backend(int4))
+
+    def int4_backend(self, requested: str = "auto") -> str:
+        """int4 matmul backend in kernels.int4 (KernelConfig.int4); auto: the device's per-row-count dispatch."""
+        if requested != "auto":
+            return requested
         return {"cpu": "reference", "cuda": "auto:native_cuda", "xpu": "auto:native_xpu"}[self.kind]
 
-    def attention_backend(self) -> str:
+    def attention_backend(self, requested: str = "auto") -> str:
         """Paged attention kernels (kernels.attention): Triton on GPUs, the torch reference on the CPU."""
-        return os.environ.get("XPULORA_ATTENTION_BACKEND") or ("reference" if self.kind == "cpu" else "triton")
+        if requested != "auto":
+            return requested
+        return "reference" if self.kind == "cpu" else "triton"
 
-    def fused_backend(self) -> str:
+    def fused_backend(self, requested: str = "auto") -> str:
         """Small per-layer ops (kernels.fused: norms, rotary, silu-and-mul): Triton on GPUs where it runs."""
-        forced = os.environ.get("XPULORA_FUSED_BACKEND")
-        if forced:
-            return forced
+        if requested != "auto":
+            return requested
         return "triton" if self.kind != "cpu" and triton_env.usable() else "reference"
 
-    def gdn_backend(self) -> str:
+    def gdn_backend(self, requested: str = "auto") -> str:
         """Gated-delta-rule kernels: fla-core's Triton kernels on GPUs when installed, else the torch reference."""
-        forced = os.environ.get("XPULORA_GDN_BACKEND")
-        if forced:
-            return forced
+        if requested != "auto":
+            return requested
         if self.kind == "cpu":
             return "reference"
         if importlib.util.find_spec("fla") is None:
@@ -153,12 +168,19 @@ class Device:
             return "reference"
         return "fla"
 
-    def lora_backend(self) -> str:
-        """Name of the LoRA shrink/expand backend (kernels.lora) for this device."""
-        forced = os.environ.get("XPULORA_LORA_BACKEND")
-        if forced:
-            return forced
-        return "reference" if self.kind == "cpu" else "triton"
+    def describe(self) -> str:
+        """The device and, for a GPU, its product name (check-device reports)."""
+        if self.kind == "cuda":
+            return f"cuda:{self.index} ({torch.cuda.get_device_name(self.index)})"
+        if self.kind == "xpu":
+            return f"xpu:{self.index} ({torch.xpu.get_device_name(self.index)})"
+        return "cpu"
+
+    def lora_candidates(self, requested: str) -> list[str]:
+        """LoRA implementations (engine.lora.punica.LORA_IMPLS) to try in order, ending with the reference."""
+        if requested == "reference" or (requested == "auto" and (self.kind == "cpu" or not triton_env.usable())):
+            return ["reference"]
+        return ["triton", "reference"]
 
 
 def rank_device(kind: DeviceKind, local_rank: int) -> Device:

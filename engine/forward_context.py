@@ -5,8 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.lora.punica import LoRABatch
 
 
 @dataclass
@@ -29,8 +33,8 @@ class AttentionMetadata:
 @dataclass
 class ForwardContext:
     attn: AttentionMetadata | None
-    lora: object | None = None
-    """The step's LoRA mapping (engine.lora.punica.LoRAMapping) or None when no token uses an adapter."""
+    lora: LoRABatch | None = None
+    """The step's token -> adapter-slot mapping, or None when no token uses an adapter."""
     state_slots: list[int] | None = None
     """Per sequence in the step: its slot in the linear-attention state pool (hybrid models only)."""
     state_index: torch.Tensor | None = None

@@ -16,9 +16,8 @@ import torch
 
 from engine.device import Device
 from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
-from engine.lora.punica import LoRAMapping
+from engine.lora.punica import TritonLoRABatch
 from engine.scheduler import SchedulerOutput
-from kernels.lora_triton import LoRABatchInfo, prepare_lora_batch
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +38,7 @@ class DecodeGraphs:
         self.context_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.cu_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.state_index = torch.full((n,), scratch_state or 0, dtype=torch.long, device=dev)
-        self.graphs: dict[tuple[int, bool], tuple[object, torch.Tensor, LoRABatchInfo | None]] = {}
+        self.graphs: dict[tuple[int, bool], tuple[object, torch.Tensor, TritonLoRABatch | None]] = {}
         pool = device.graph_pool()
         for size in reversed(self.sizes):
             for with_lora in ((False, True) if lora_slots else (False,)):
@@ -56,21 +55,19 @@ class DecodeGraphs:
         if self.scratch_state is not None:
             self.state_index[start:end] = self.scratch_state
 
-    def _context(self, size: int, info: LoRABatchInfo | None) -> ForwardContext:
+    def _context(self, size: int, info: TritonLoRABatch | None) -> ForwardContext:
         meta = AttentionMetadata(self.slot_mapping[:size], self.block_tables[:size], self.context_lens[:size],
                                  self.cu_q[: size + 1], cu_q_list=[], context_lens_list=[], max_q_len=1)
-        lora = LoRAMapping(info) if info is not None else None
         states = self.state_index[:size] if self.scratch_state is not None else None
-        return ForwardContext(attn=meta, lora=lora, state_index=states)
+        return ForwardContext(attn=meta, lora=info, state_index=states)
 
     @torch.inference_mode()
-    def _capture(self, size: int, with_lora: bool, pool: object) -> tuple[object, torch.Tensor, LoRABatchInfo | None]:
+    def _capture(self, size: int, with_lora: bool, pool: object) -> tuple[object, torch.Tensor, TritonLoRABatch | None]:
         self._pad(0, size)
         info = None
         if with_lora:
             # Shapes only: every replay rewrites the grouping in place.
-            info = prepare_lora_batch([0] * size, None, self.lora_slots,
-                                      device=self.device.torch_device)
+            info = TritonLoRABatch.build([0] * size, self.lora_slots, self.device.torch_device)
         ctx = self._context(size, info)
         with forward_context(ctx):
             for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
@@ -110,6 +107,6 @@ class DecodeGraphs:
         graph, out, info = self.graphs[(size, with_lora)]
         if with_lora:
             padded = slots + [-1] * (size - b)
-            prepare_lora_batch(padded, None, self.lora_slots, device=dev, out=info)
+            info.update(padded)  # type: ignore[union-attr]
         graph.replay()  # type: ignore[attr-defined]
         return out[:b]

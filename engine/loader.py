@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
 
+from engine.device import Kernels
 from engine.errors import CheckpointError
 from engine.layers.linear import LinearBase
 from engine.layers.quant import QuantConfig
@@ -93,11 +94,17 @@ def iter_tensors(files: tuple[str, ...]) -> Iterator[tuple[str, str, torch.Tenso
             raise CheckpointError(f"{fn}: not a readable safetensors file ({e}); is it truncated or corrupt?") from e
 
 
-def build_model(info: CheckpointInfo, dtype: torch.dtype, device: torch.device, int4_backend: str) -> nn.Module:
+def is_hybrid(info: CheckpointInfo) -> bool:
+    """A Qwen3.5-style model with Gated DeltaNet layers."""
+    return info.hf_config.get("model_type") in HYBRID_ARCHS
+
+
+def build_model(info: CheckpointInfo, dtype: torch.dtype, device: torch.device, kernels: Kernels) -> nn.Module:
+    """The model on `device`, each layer built with its op's implementation from `kernels`."""
     with torch.device(device):
-        if info.hf_config.get("model_type") in HYBRID_ARCHS:
-            return Qwen35ForCausalLM(Qwen35Args.from_hf(info.hf_config), info.quant, int4_backend, dtype)
-        return QwenForCausalLM(QwenArgs.from_hf(info.hf_config), info.quant, int4_backend, dtype)
+        if is_hybrid(info):
+            return Qwen35ForCausalLM(Qwen35Args.from_hf(info.hf_config), info.quant, kernels, dtype)
+        return QwenForCausalLM(QwenArgs.from_hf(info.hf_config), info.quant, kernels, dtype)
 
 
 def load_weights(model: nn.Module, info: CheckpointInfo, progress: bool = False) -> None:

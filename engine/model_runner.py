@@ -14,20 +14,18 @@ from engine.device import Device
 from engine.distributed import all_reduce_min, tp_rank
 from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from engine.graph_runner import DecodeGraphs
-from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
 from engine.layers.gdn import GatedDeltaNet
-from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
-from engine.loader import CheckpointInfo, build_model, load_weights
+from engine.loader import CheckpointInfo, build_model, is_hybrid, load_weights
 from engine.logits_processors import LogitsProcessors
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.layers import BaseLayerWithLoRA, wrap_model
-from engine.lora.punica import build_mapping
+from engine.lora.punica import LoRABatch, ReferenceLoRABatch, TritonLoRABatch, build_mapping, choose_impl
 from engine.protocol import SamplingParams
 from engine.sampler import Sampler, SamplerOutput, make_generator
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.structured import GrammarMatchers
+from kernels.registry import Choice
 
 log = logging.getLogger(__name__)
 
@@ -53,27 +51,29 @@ class ModelRunner:
         self.config, self.device = config, device
         self.dtype = resolve_dtype(config.model.dtype, device)
         self.max_model_len = max_model_len
-        self.model = build_model(info, self.dtype, device.torch_device, device.int4_backend())
+        kc = config.kernels
+        self.kernels = device.kernels(kc.attention, kc.fused, kc.gdn, kc.int4, is_hybrid(info))
+        self.model = build_model(info, self.dtype, device.torch_device, self.kernels)
         load_weights(self.model, info, progress=progress)
         self.model.eval()
-        fused = device.fused_backend()
-        for m in self.model.modules():
-            if isinstance(m, (RMSNorm, RotaryEmbedding, SiluAndMul)):
-                m.backend = fused
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.lora_layers: list[BaseLayerWithLoRA] = []
         if config.lora.enable_lora:
             self.lora_layers = wrap_model(self.model, self.model.lora_targets, config.lora.max_loras,
                                           config.lora.max_lora_rank, self.dtype, config.lora.fully_sharded_loras)
-        self.lora_backend = device.lora_backend()
+        self.lora_impl: type[LoRABatch] = ReferenceLoRABatch
+        self.kernel_choices: list[Choice] = []
+        """What the start-up checks chose per op (log, /metrics, xpulora check-device)."""
+        if self.lora_layers:
+            self.lora_impl = self._choose_lora_impl()
         self.gdn_layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
         self.num_state_slots = config.scheduler.max_num_seqs if self.gdn_layers else 0
         self.num_state_snapshots = self.num_state_slots if config.cache.enable_prefix_caching else 0
         """Hybrid models: snapshot slots for prefix caching (engine.state_snapshots), as many as state slots."""
         self._snapshots: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.use_graphs = (device.supports_graphs and not config.enforce_eager
-                           and device.attention_backend() == "triton"
-                           and (not self.lora_layers or self.lora_backend == "triton"))
+                           and self.kernels.attention == "triton"
+                           and (not self.lora_layers or self.lora_impl is TritonLoRABatch))
         self._allocate_state_pool()  # before the KV cache, which takes what memory is left
         self.kv = self._allocate_kv_cache()
         self.on_kv_overwrite: Callable[[], None] | None = None
@@ -120,9 +120,7 @@ class ModelRunner:
         """Per GDN layer: conv state [slots, conv_dim, K-1] and fp32 recurrent state [slots, Hv, Dk, Dv]."""
         dev, n = self.device.torch_device, self.num_state_slots
         n += 1 if self.use_graphs else 0  # a scratch slot for the padding rows of graph replays
-        backend = self.device.gdn_backend() if self.gdn_layers else "reference"  # once: it may log a warning
         for m in self.gdn_layers:
-            m.backend = backend
             m.conv_state = torch.zeros(n, m.conv_dim, m.kernel - 1, dtype=self.dtype, device=dev)
             m.ssm_state = torch.zeros(n, m.hv, m.dk, m.dv, dtype=torch.float32, device=dev)
         if self.gdn_layers:
@@ -138,14 +136,20 @@ class ModelRunner:
         # Every rank must agree on the block count (the scheduler's block ids index all of them).
         n, bs = all_reduce_min(self._num_blocks(), self.device.torch_device), self.config.cache.block_size
         extra = 1 if self.use_graphs else 0  # a scratch block for the padding rows of graph replays
-        backend = self.device.attention_backend()
         for a in self.attn_layers:
-            a.backend = backend
             shape = (n + extra, bs, a.num_kv_heads, a.head_dim)
             a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device.torch_device)
             a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device.torch_device)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB)", n, bs, n * self._block_bytes() / 2**20)
         return KVCacheSpec(n, bs)
+
+    def _choose_lora_impl(self) -> type[LoRABatch]:
+        """Check the device's LoRA candidates on the first wrapped layer's real shapes (few tokens)."""
+        w, candidates = self.lora_layers[0], self.device.lora_candidates(self.config.kernels.lora)
+        impl, choice = choose_impl(candidates, w.base.in_features, w.b_sizes(), w.max_rank, self.config.lora.max_loras,
+                                   self.dtype, self.device.torch_device)
+        self.kernel_choices.append(choice)
+        return impl
 
     # -- LoRA slots ------------------------------------------------------------------------------------
     def lora_target_shapes(self) -> dict[str, tuple[int, int]]:
@@ -190,8 +194,7 @@ class ModelRunner:
             cu_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             cu_q_list=cu, context_lens_list=ctx_lens,
             max_q_len=max(len(s.token_ids) for s in step.seqs))
-        lora = (build_mapping(lora_slots, dev, self.lora_backend, self.config.lora.max_loras)
-                if self.lora_layers else None)
+        lora = build_mapping(lora_slots, dev, self.lora_impl, self.config.lora.max_loras) if self.lora_layers else None
         states = [s.state_slot for s in step.seqs] if self.gdn_layers else None
         index = torch.tensor(states, dtype=torch.long, device=dev) if states is not None else None
         return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from transformers import PreTrainedTokenizerBase
 
 from engine.config import LoRAConfig
+from kernels.registry import Choice
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
@@ -34,6 +35,8 @@ class ServedModel:
     grammar: GrammarCompiler
     """Compiles and caches structured-output grammars (the server compiles off the event loop and the step
     thread); its counters feed /metrics."""
+    kernels: tuple[Choice, ...]
+    """What the start-up kernel checks chose per op (kernels/registry.py), for /metrics."""
 
     @property
     def name(self) -> str:
@@ -55,4 +58,4 @@ def served_model(llm: LLMEngine) -> ServedModel:
     cfg = llm.config
     names = (llm.served_model_name, *cfg.model.extra_served_model_names)
     return ServedModel(names, cfg.model.path, llm.max_model_len, llm.vocab_size, llm.tokenizer,
-                       cfg.lora, llm.lora is not None, llm.grammar.compiler)
+                       cfg.lora, llm.lora is not None, llm.grammar.compiler, tuple(llm.runner.kernel_choices))

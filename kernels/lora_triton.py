@@ -1,16 +1,10 @@
 """Batched multi-LoRA shrink / expand in Triton (CUDA through `triton`, Intel GPUs through triton-xpu,
 the CPU under TRITON_INTERPRET=1). Same semantics as kernels.reference.lora_shrink / lora_expand.
 
-Once per step, outside graph capture, the engine groups the step's tokens by adapter slot (from the host
-list: computed on the CPU, one copy to the device):
-
-    info = prepare_lora_batch(slot_list, None, num_slots, device=dev)   # LoRABatchInfo
-    # (graph replay: prepare_lora_batch(new_slots, None, num_slots, out=info) updates it in place)
-
-and every wrapped layer then runs two launches, whatever its number of slices:
-
-    add_lora(y, x, lora_a, lora_b, info, offsets, ranks)   # ranks: the layer's [n_slices, S] int32 tensor
-    # = lora_shrink (K-split partials) + lora_expand: y[:, off_s:off_s+n_s] (+)= ...
+The launchers read the step's tokens grouped by adapter slot (`TokenGroups`, built once per step by
+engine.lora.punica from the host slot list, rewritten in place for graph replay) and each layer's true
+ranks as an int32 device tensor [n_slices, S]; a wrapped layer runs two launches whatever its number of
+slices: add_lora = lora_shrink (K-split partials) + lora_expand: y[:, off_s:off_s+n_s] (+)= ...
 
 Layouts: A_s [S, r_max, K] rank-major (K contiguous). B_s [S, n_s, r_max] either r-contiguous or, ~2x
 faster for small ranks (measured on an H200), a transposed view of rank-major storage [S, r_max, n_s]:
@@ -28,22 +22,15 @@ a graph.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kernels.triton_env import FLOATS, interpreting, tl, triton
+from kernels.lora_checks import b_rank_major, check_expand, check_ranks, check_shrink
+from kernels.triton_env import interpreting, tl, triton
 
-__all__ = [
-    "LoRABatchInfo",
-    "add_lora",
-    "lora_expand",
-    "lora_shrink",
-    "prepare_lora_batch",
-    "ranks_tensor",
-]
+__all__ = ["TokenGroups", "add_lora", "lora_expand", "lora_shrink", "max_blocks"]
 
 _BLOCK_R = 16  # rank chunk: tl.dot needs every dim >= 16; ranks below 16 run one masked chunk
 
@@ -54,196 +41,46 @@ def _require_triton() -> None:
 
 
 # ----------------------------------------------------------------------------------------------------
-# per-step token grouping
+# what the kernels read: the step's tokens grouped by slot (built by engine.lora.punica)
 
 
 @dataclass
-class LoRABatchInfo:
-    """The step's tokens grouped by adapter slot, on the device (built by prepare_lora_batch).
+class TokenGroups:
+    """The step's tokens grouped by adapter slot, on the device, in one int32 tensor `meta`.
 
-    All int32 metadata lives in one tensor `meta` (one host-to-device copy per step); the fields below are
-    views of it. Its address survives in-place updates (prepare_lora_batch(out=...)), so a captured graph
-    that reads it stays valid when the next step's mapping is written into it.
+    meta = [token_slots T | sorted_tokens T | slot_start S | slot_len S | block_slot NB | block_start NB |
+    block_end NB]: tokens stable-sorted by slot (slot -1 last), each slot's run cut into M-blocks of
+    block_m rows; block_slot == num_slots marks an unused block of the upper-bound grid. Its address
+    survives in-place rewrites, so a captured graph that reads it stays valid from step to step.
     """
 
     meta: torch.Tensor
-    """int32 [2T + 2S + 3NB]: token_slots, sorted_tokens, slot_start, slot_len, block_slot, block_start, block_end."""
     num_tokens: int
     num_slots: int
     num_blocks: int
     block_m: int
-    ranks: torch.Tensor | None
-    """[n_slices, S] int32 true rank of each slot per slice, when prepare_lora_batch was given ranks."""
     has_lora: bool | None
-    """False: no token has an adapter (nothing to launch). None: unknown without a host sync (device input)."""
+    """False: no token has an adapter (nothing to launch). None: unknown without a host sync."""
 
-    def _part(self, i: int) -> torch.Tensor:
+    def part(self, i: int) -> torch.Tensor:
+        """The i-th array of meta (0: token_slots ... 6: block_end)."""
         t, s, nb = self.num_tokens, self.num_slots, self.num_blocks
         bounds = [0, t, 2 * t, 2 * t + s, 2 * t + 2 * s, 2 * t + 2 * s + nb, 2 * t + 2 * s + 2 * nb,
                   2 * t + 2 * s + 3 * nb]
         return self.meta[bounds[i]:bounds[i + 1]]
 
-    @property
-    def token_slots(self) -> torch.Tensor:
-        """[T] adapter slot of each token, -1 for none."""
-        return self._part(0)
-
-    @property
-    def sorted_tokens(self) -> torch.Tensor:
-        """[T] token indices stable-sorted by slot, slot -1 tokens last."""
-        return self._part(1)
-
-    @property
-    def slot_start(self) -> torch.Tensor:
-        """[S] first position of each slot's tokens in sorted_tokens."""
-        return self._part(2)
-
-    @property
-    def slot_len(self) -> torch.Tensor:
-        """[S] number of tokens of each slot."""
-        return self._part(3)
-
-    @property
-    def block_slot(self) -> torch.Tensor:
-        """[NB] slot of each M-block (num_slots: an unused block of the upper-bound grid)."""
-        return self._part(4)
-
-    @property
-    def block_start(self) -> torch.Tensor:
-        """[NB] first row (position in sorted_tokens) of each M-block."""
-        return self._part(5)
-
-    @property
-    def block_end(self) -> torch.Tensor:
-        """[NB] end (exclusive) of the block's slot run in sorted_tokens; the block's rows stop there."""
-        return self._part(6)
-
-
-def _default_block_m(num_tokens: int) -> int:
-    # Decode steps: few tokens per slot, small blocks waste little. Prefill: larger tiles for the expand.
-    return 16 if num_tokens <= 256 else 32 if num_tokens <= 2048 else 64
-
 
 def max_blocks(num_tokens: int, num_slots: int, block_m: int) -> int:
-    """Upper bound of sum_s cdiv(len_s, block_m) over slots with sum_s len_s <= num_tokens."""
+    """Upper bound of sum_s cdiv(len_s, block_m) over slots with sum_s len_s <= num_tokens (grid size)."""
     if num_tokens == 0:
         return 0
     return (num_tokens + block_m - 1) // block_m + min(num_slots, num_tokens)
 
 
-def _schedule(slots: torch.Tensor, num_slots: int, block_m: int, num_blocks: int) -> torch.Tensor:
-    """meta (int32, on slots' device) for int64 slots: sort by slot, count, cut each slot's run into blocks."""
-    key = torch.where(slots >= 0, slots, num_slots)  # -1 sorts last, as slot S
-    order = torch.sort(key, stable=True).indices
-    counts = torch.zeros(num_slots + 1, dtype=torch.long, device=slots.device)
-    cnt = counts.scatter_add_(0, key, torch.ones_like(key))[:num_slots]  # bincount without a host sync
-    start = torch.cumsum(cnt, 0) - cnt
-    nblk = (cnt + block_m - 1) // block_m
-    cum = torch.cumsum(nblk, 0)
-    b = torch.arange(num_blocks, dtype=torch.long, device=slots.device)
-    bslot = torch.searchsorted(cum, b, right=True)  # slot s owns blocks cum[s-1] <= b < cum[s]; S: unused
-    s_c = bslot.clamp(max=num_slots - 1)
-    bstart = start[s_c] + (b - (cum[s_c] - nblk[s_c])) * block_m
-    bend = start[s_c] + cnt[s_c]
-    return torch.cat([slots, order, start, cnt, bslot, bstart, bend]).to(torch.int32)
-
-
-def prepare_lora_batch(token_slots: torch.Tensor | Sequence[int], ranks_per_slice: torch.Tensor |
-                       Sequence[Sequence[int]] | None, num_slots: int, *, device: torch.device | None = None,
-                       block_m: int | None = None, out: LoRABatchInfo | None = None) -> LoRABatchInfo:
-    """info: tokens sorted by slot, per-slot start/len, the M-block schedule, ranks as a device tensor.
-
-    token_slots: [T] ints in [-1, num_slots). From the host (a sequence or a CPU tensor; `device` says
-    where the kernels run, default CPU) it is checked, `has_lora` is known, and the schedule is computed
-    on the CPU and sent in ONE copy (the cheap path: a handful of tiny device ops cost more in launches).
-    A device tensor is scheduled on the device with no host sync (has_lora None). ranks_per_slice:
-    [n_slices][num_slots] true ranks (or an int32 tensor), kept as info.ranks for the kernels, or None
-    when each layer passes its own. With `out`, everything is written into out's tensors (same T,
-    num_slots and block_m) and out is returned: what a captured graph needs.
-    """
-    if num_slots <= 0:
-        raise ValueError(f"prepare_lora_batch: num_slots must be positive, got {num_slots}")
-    if not isinstance(token_slots, torch.Tensor):
-        token_slots = torch.tensor(token_slots, dtype=torch.long)
-    if token_slots.dim() != 1:
-        raise ValueError(f"prepare_lora_batch: token_slots must be 1-D, got {tuple(token_slots.shape)}")
-    slots = token_slots.to(torch.long)
-    on_host = slots.device.type == "cpu"
-    dev = torch.device(device) if device is not None else (out.meta.device if out is not None else slots.device)
-    t = slots.numel()
-    bm = block_m or (out.block_m if out is not None else _default_block_m(t))
-    nb = max_blocks(t, num_slots, bm)
-    has_lora: bool | None = None
-    if on_host:
-        bad = (slots < -1) | (slots >= num_slots)
-        if bool(bad.any()):
-            raise ValueError(f"prepare_lora_batch: slots {sorted(set(slots[bad].tolist()))} outside "
-                             f"[-1, {num_slots})")
-        has_lora = bool((slots >= 0).any())
-    meta = _schedule(slots, num_slots, bm, nb)
-    ranks = ranks_tensor(ranks_per_slice, num_slots, dev) if ranks_per_slice is not None else None
-
-    if out is None:
-        return LoRABatchInfo(meta=meta.to(dev), num_tokens=t, num_slots=num_slots, num_blocks=nb, block_m=bm,
-                             ranks=ranks, has_lora=has_lora)
-    if out.num_tokens != t or out.num_slots != num_slots or out.block_m != bm:
-        raise ValueError(f"prepare_lora_batch(out=...): out holds T={out.num_tokens}, S={out.num_slots}, "
-                         f"block_m={out.block_m}; got T={t}, S={num_slots}, block_m={bm}")
-    out.meta.copy_(meta)
-    if ranks is not None:
-        if out.ranks is None or out.ranks.shape != ranks.shape:
-            raise ValueError("prepare_lora_batch(out=...): ranks shape differs from out.ranks")
-        out.ranks.copy_(ranks)
-    out.has_lora = has_lora
-    return out
-
-
-_CACHE_SIZE = 1024
-_rank_cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 _table_cache: dict[tuple, torch.Tensor] = {}
 """Pointer tables, never evicted: captured graphs read them by address, so freeing one (an LRU over 1024
 entries did, at 27B scale: 352 wrapped layers x 3 launch shapes) would leave a graph reading freed memory.
 Their number is bounded by wrapped layers x launch shapes."""
-
-
-def _cached(cache: OrderedDict[tuple, torch.Tensor], key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
-    hit = cache.get(key)
-    if hit is None:
-        hit = cache[key] = make()
-        if len(cache) > _CACHE_SIZE:
-            cache.popitem(last=False)
-    else:
-        cache.move_to_end(key)
-    return hit
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
-
-
-def ranks_tensor(ranks: torch.Tensor | Sequence[Sequence[int]], num_slots: int,
-                 device: torch.device) -> torch.Tensor:
-    """[n_slices, num_slots] int32 ranks on `device`. Host lists are converted once and cached by value.
-
-    A layer whose adapters change should own such a tensor and update it in place (graph capture bakes
-    its address); the cached conversion of lists is for eager use.
-    """
-    if isinstance(ranks, torch.Tensor):
-        if ranks.dim() != 2 or ranks.size(1) != num_slots:
-            raise ValueError(f"ranks tensor must be [n_slices, {num_slots}], got {tuple(ranks.shape)}")
-        if not _same_device(ranks.device, torch.device(device)):
-            raise ValueError(f"ranks tensor on {ranks.device}, kernels run on {device}")
-        if ranks.dtype != torch.int32 or not ranks.is_contiguous():
-            raise ValueError("ranks tensor must be contiguous int32")
-        return ranks
-    rows = tuple(tuple(int(r) for r in row) for row in ranks)
-    for row in rows:
-        if len(row) != num_slots:
-            raise ValueError(f"ranks: every slice needs {num_slots} per-slot ranks, got {len(row)}")
-        if any(r < 0 for r in row):
-            raise ValueError("ranks must be >= 0")
-    return _cached(_rank_cache, (rows, str(device)),
-                   lambda: torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(rows), num_slots))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -418,53 +255,17 @@ def _ptr_table(tensors: Sequence[torch.Tensor], rows: list[list[int]], device: t
     return hit
 
 
-def _check_info(info: LoRABatchInfo, t: int, device: torch.device) -> None:
-    if info.num_tokens != t:
-        raise ValueError(f"LoRA batch info is for {info.num_tokens} tokens, the tensors have {t}")
-    if not _same_device(info.meta.device, device):
-        raise ValueError(f"LoRA batch info on {info.meta.device}, tensors on {device}")
-
-
-def _layer_ranks(info: LoRABatchInfo, ranks: torch.Tensor | Sequence[Sequence[int]] | None, n_slices: int,
-                 device: torch.device) -> torch.Tensor:
-    r = info.ranks if ranks is None else ranks_tensor(ranks, info.num_slots, device)
-    if r is None:
-        raise ValueError("no ranks: pass the layer's ranks or build the info with ranks_per_slice")
-    if r.size(0) != n_slices:
-        raise ValueError(f"ranks has {r.size(0)} slices, the layer has {n_slices}")
-    return r
-
-
-def _nothing_to_do(info: LoRABatchInfo) -> bool:
+def _nothing_to_do(info: TokenGroups) -> bool:
     return info.has_lora is False or info.num_blocks == 0
 
 
-def _meta_offsets(info: LoRABatchInfo) -> tuple[int, int, int]:
+def _meta_offsets(info: TokenGroups) -> tuple[int, int, int]:
     """(sorted_tokens offset, block arrays offset, num_blocks) inside info.meta."""
     t, s = info.num_tokens, info.num_slots
     return t, 2 * t + 2 * s, info.num_blocks
 
 
-def _check_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: LoRABatchInfo) -> None:
-    if x.dim() != 2 or not lora_a:
-        raise ValueError(f"lora_shrink: x must be [T, K] and lora_a non-empty, got x {tuple(x.shape)}")
-    a0 = lora_a[0]
-    for a in lora_a:
-        if a.dim() != 3 or a.shape != a0.shape or a.stride() != a0.stride() or a.dtype != a0.dtype:
-            raise ValueError(f"lora_shrink: every A must match [S, r_max, K] = {tuple(a0.shape)} (same strides, "
-                             f"dtype); got {tuple(a.shape)} {a.stride()} {a.dtype}")
-        if a.stride(-1) != 1 or a.device != x.device:
-            raise ValueError("lora_shrink: A must be contiguous in K and on x's device")
-    if x.size(1) != a0.size(2):
-        raise ValueError(f"lora_shrink: A has {a0.size(2)} inputs, x has {x.size(1)}")
-    if x.dtype not in FLOATS or a0.dtype not in FLOATS:
-        raise TypeError(f"lora_shrink: unsupported dtypes x {x.dtype}, A {a0.dtype}")
-    if info.num_slots != a0.size(0):
-        raise ValueError(f"lora_shrink: info has {info.num_slots} slots, A has {a0.size(0)}")
-    _check_info(info, x.size(0), x.device)
-
-
-def _launch_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: LoRABatchInfo, r: torch.Tensor,
+def _launch_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGroups, r: torch.Tensor,
                    buf: torch.Tensor, cfg: dict[str, int]) -> None:
     """buf [split_k, n_slices, T, r_max] float32 (last dim contiguous) <- per-split partial shrink results."""
     a0 = lora_a[0]
@@ -486,8 +287,8 @@ def _launch_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: LoRABa
     )  # fmt: skip
 
 
-def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: LoRABatchInfo,
-                ranks: torch.Tensor | Sequence[Sequence[int]] | None = None,
+def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGroups,
+                ranks: torch.Tensor,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """buf[s, t, :r] = x[t] @ A_s[slot[t], :r].T, r = ranks[s][slot[t]]; one launch for all slices.
 
@@ -497,9 +298,9 @@ def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: LoRABatch
     per-split partials directly.)
     """
     _require_triton()
-    _check_shrink(x, lora_a, info)
+    check_shrink(x, lora_a, info)
     n_slices, (_, r_max, k) = len(lora_a), lora_a[0].shape
-    r = _layer_ranks(info, ranks, n_slices, x.device)
+    r = check_ranks(ranks, n_slices, info.num_slots, x.device)
     if out is None:
         out = torch.zeros(n_slices, x.size(0), r_max, dtype=torch.float32, device=x.device)
     elif out.shape != (n_slices, x.size(0), r_max) or out.dtype != torch.float32 or out.stride(-1) != 1:
@@ -518,11 +319,11 @@ def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: LoRABatch
     return out
 
 
-def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: LoRABatchInfo,
+def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: TokenGroups,
                    offsets: Sequence[int], r: torch.Tensor, add_inputs: bool) -> None:
     """buf [split_k, n_slices, T, r_max] float32, summed over split_k in order inside the kernel."""
     b0 = lora_b[0]
-    rank_major = _b_rank_major(lora_b)
+    rank_major = b_rank_major(lora_b)
     cfg = _expand_config(max(b.size(1) for b in lora_b), y.size(0))
     block_n, n_iters = cfg["block_n"], cfg["n_iters"]
     rows, first, aligned = [], 0, True
@@ -545,49 +346,8 @@ def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Te
     )  # fmt: skip
 
 
-def _check_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: LoRABatchInfo,
-                  offsets: Sequence[int]) -> None:
-    if y.dim() != 2 or buf.dim() != 3 or not lora_b:
-        raise ValueError(f"lora_expand: y must be [T, N], buf [n_slices, T, r_max]; got {tuple(y.shape)}, "
-                         f"{tuple(buf.shape)}")
-    b0 = lora_b[0]
-    n_slices, num_slots, r_max = len(lora_b), b0.size(0), b0.size(-1)
-    if len(offsets) != n_slices:
-        raise ValueError("lora_expand: one offset per slice")
-    if buf.shape != (n_slices, y.size(0), r_max):
-        raise ValueError(f"lora_expand: shrink result {tuple(buf.shape)} does not match {n_slices} slices of "
-                         f"LoRA B (rank dim {r_max}) for {y.size(0)} tokens")
-    if buf.dtype != torch.float32 or buf.device != y.device or buf.stride(-1) != 1:
-        raise ValueError("lora_expand: buf must be float32 on y's device, contiguous in its last dim")
-    for b, off in zip(lora_b, offsets):
-        if b.dim() != 3 or b.size(0) != num_slots or b.size(-1) != r_max or b.dtype != b0.dtype:
-            raise ValueError(f"lora_expand: every B must be [{num_slots}, n_s, {r_max}] of {b0.dtype}, "
-                             f"got {tuple(b.shape)} {b.dtype}")
-        if b.device != y.device:
-            raise ValueError("lora_expand: B must be on y's device")
-        if off < 0 or off + b.size(1) > y.size(1):
-            raise ValueError(f"lora_expand: slice [{off}, {off + b.size(1)}) outside y of width {y.size(1)}")
-    if y.dtype not in FLOATS or b0.dtype not in FLOATS:
-        raise TypeError(f"lora_expand: unsupported dtypes y {y.dtype}, B {b0.dtype}")
-    if info.num_slots != num_slots:
-        raise ValueError(f"lora_expand: info has {info.num_slots} slots, B has {num_slots}")
-    _b_rank_major(lora_b)
-    _check_info(info, y.size(0), y.device)
-
-
-def _b_rank_major(lora_b: Sequence[torch.Tensor]) -> bool:
-    """True when every B [S, n_s, r_max] is a view of rank-major storage [S, r_max, n_s] (n contiguous),
-    False when every one is r-contiguous with one row stride; anything else is refused."""
-    if all(b.stride(1) == 1 and b.stride(2) >= b.size(1) for b in lora_b):
-        return True
-    if all(b.stride(2) == 1 and b.stride(1) == lora_b[0].stride(1) for b in lora_b):
-        return False
-    raise ValueError("lora_expand: every B [S, n_s, r_max] must be contiguous in r with one row stride, or a "
-                     "transposed view of [S, r_max, n_s] storage (n contiguous)")
-
-
-def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: LoRABatchInfo,
-                offsets: Sequence[int], ranks: torch.Tensor | Sequence[Sequence[int]] | None = None,
+def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: TokenGroups,
+                offsets: Sequence[int], ranks: torch.Tensor,
                 add_inputs: bool = True) -> torch.Tensor:
     """y[t, off_s:off_s+n_s] (+)= buf[s, t, :r] @ B_s[slot[t], :, :r].T for slot[t] >= 0; one launch.
 
@@ -597,15 +357,15 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tenso
     slot -1 are untouched. Returns y (in place).
     """
     _require_triton()
-    _check_expand(y, buf, lora_b, info, offsets)
-    r = _layer_ranks(info, ranks, len(lora_b), y.device)
+    check_expand(y, buf, lora_b, info, offsets)
+    r = check_ranks(ranks, len(lora_b), info.num_slots, y.device)
     if not _nothing_to_do(info):
         _launch_expand(y, buf.unsqueeze(0), lora_b, info, offsets, r, add_inputs)
     return y
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
-             info: LoRABatchInfo, offsets: Sequence[int], ranks: torch.Tensor | Sequence[Sequence[int]] | None = None,
+             info: TokenGroups, offsets: Sequence[int], ranks: torch.Tensor,
              add_inputs: bool = True) -> torch.Tensor:
     """y[:, off_s:off_s+n_s] (+)= (x @ A_s[slot].T)[:, :r] @ B_s[slot][:, :r].T per slice: two launches in all,
     none when info.has_lora is False. Returns y (in place)."""
@@ -614,7 +374,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], l
         raise ValueError("add_lora: one A and one B per slice")
     if _nothing_to_do(info):
         return y
-    _check_shrink(x, lora_a, info)
+    check_shrink(x, lora_a, info)
     n_slices, (_, r_max, k) = len(lora_a), lora_a[0].shape
     if lora_b[0].size(-1) != r_max:
         raise ValueError(f"add_lora: A rank dim {r_max} != B rank dim {lora_b[0].size(-1)}")
@@ -623,8 +383,8 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], l
     # Per-split partials, summed in order by the expand; it reads only computed entries (active rows,
     # columns below the rank), so no zero fill.
     buf = torch.empty(cfg["split_k"], *buf_shape, dtype=torch.float32, device=x.device)
-    _check_expand(y, buf[0], lora_b, info, offsets)
-    r = _layer_ranks(info, ranks, n_slices, x.device)
+    check_expand(y, buf[0], lora_b, info, offsets)
+    r = check_ranks(ranks, n_slices, info.num_slots, x.device)
     _launch_shrink(x, lora_a, info, r, buf, cfg)
     _launch_expand(y, buf, lora_b, info, offsets, r, add_inputs)
     return y

@@ -29,6 +29,12 @@ def interpreting() -> bool:
 
 
 @functools.cache
+def usable_on(device_type: str) -> bool:
+    """Triton kernels can run on tensors of this device type: compiled ones need a GPU's tensors, so CPU
+    tensors run only under the interpreter, even on a machine with a GPU."""
+    return usable() and (device_type != "cpu" or interpreting())
+
+
 def usable() -> bool:
     """Triton kernels can run here: on the interpreter, or with a GPU driver triton can target."""
     if triton is None:

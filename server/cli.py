@@ -1,4 +1,4 @@
-"""The `xpulora` command: serve, generate, quantize.
+"""The `xpulora` command: serve, generate, quantize, check-device.
 
 The command line is parsed first (server/cli_args.py, no heavy imports), so `--help`, `--version` and
 bad flags answer without importing torch; the engine is imported once the command is known to run.
@@ -26,7 +26,16 @@ __all__ = ["DEMO_ADAPTERS", "DEMO_MODEL", "REPO_ROOT", "build_engine_config", "b
 
 
 def build_engine_config(a: argparse.Namespace) -> EngineConfig:
-    from engine import CacheConfig, ConfigError, EngineConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig
+    from engine import (
+        CacheConfig,
+        ConfigError,
+        EngineConfig,
+        KernelConfig,
+        LoRAConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+    )
 
     names = list(a.served_model_name or [])
     base_names = names or [os.path.basename(os.path.normpath(a.model))]
@@ -48,6 +57,8 @@ def build_engine_config(a: argparse.Namespace) -> EngineConfig:
                         lora_modules=tuple((name, path) for name, path in a.lora_modules),
                         lora_roots=tuple(a.lora_root), lora_autoload=not a.no_lora_autoload),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),
+        kernels=KernelConfig(lora=a.lora_kernel, attention=a.attention_kernel, fused=a.fused_kernel, gdn=a.gdn_kernel,
+                             int4=a.int4_kernel),
         seed=a.seed, enforce_eager=a.enforce_eager)
 
 
@@ -186,6 +197,12 @@ def main(argv: list[str] | None = None) -> int:
             from server.app import run_server
 
             return run_server(a, build_engine_config(a))
+        if a.command == "check-device":
+            from engine import check_device
+
+            report = check_device(a.device, a.dtype, a.lora_kernel)
+            print(report.table())
+            return 0 if report.ok else 1
         from server.quantize import run_quantize
 
         return run_quantize(a)

@@ -135,6 +135,24 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
                    help="a folder runtime adapter loads may read from (repeat the flag for several)")
     g.add_argument("--no-lora-autoload", action="store_true",
                    help="do not load an adapter from a lora root on its first request")
+    _kernel_flags(g)
+
+
+def _kernel_flags(g: Any) -> None:
+    """engine.config.KernelConfig, one flag per op (docs/kernels.md)."""
+    g.add_argument("--lora-kernel", choices=("auto", "triton", "reference"), default="auto",
+                   help="batched LoRA kernels: auto (Triton on GPUs, torch on the CPU), triton or reference; "
+                        "Triton is checked against the reference at start-up and replaced by it if it fails")
+    g.add_argument("--attention-kernel", choices=("auto", "triton", "reference"), default="auto",
+                   help="paged attention and KV write: auto (Triton on GPUs, torch on the CPU)")
+    g.add_argument("--fused-kernel", choices=("auto", "triton", "reference"), default="auto",
+                   help="norms, rotary, silu-and-mul: auto (Triton on GPUs, torch on the CPU)")
+    g.add_argument("--gdn-kernel", choices=("auto", "fla", "reference"), default="auto",
+                   help="Gated DeltaNet (Qwen3.5 hybrids): auto (fla-core on GPUs when installed, else torch)")
+    g.add_argument("--int4-kernel", default="auto",
+                   choices=("auto", "reference", "triton", "native_cpu", "native_cuda", "native_xpu",
+                            "auto:native_cuda", "auto:native_xpu"),
+                   help="int4 GEMM: auto (the device's dispatch by row count) or one backend for every row count")
 
 
 def apply_config_file(p: argparse.ArgumentParser, argv: list[str]) -> None:
@@ -288,6 +306,13 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     gen.add_argument("--output", default=None, help="output JSONL (default: stdout)")
     engine_flags(gen)
     _quantize_parser(sub)
+    chk = sub.add_parser("check-device", help="check the fast kernels against their torch references on this device "
+                         "and print the table (exit 1 if one fails)", formatter_class=_Formatter)
+    chk.add_argument("--device", choices=DEVICE_CHOICES, default="auto", help="device to check")
+    chk.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                     help="compute dtype (auto: bfloat16 on GPUs, float32 on the CPU)")
+    chk.add_argument("--lora-kernel", choices=("auto", "triton", "reference"), default="auto",
+                     help="LoRA candidates: auto (the device's), triton (also on the CPU under TRITON_INTERPRET=1)")
     if len(argv) >= 1 and argv[0] in ("serve", "generate"):
         apply_config_file(serve if argv[0] == "serve" else gen, argv[1:])
     return p

@@ -65,6 +65,12 @@ class _EngineCollector(Collector):
         yield counter(P + "grammar_compiles", "Structured-output grammars compiled (cache misses).", g.num_compiles)
         yield counter(P + "grammar_compile_seconds", "Time spent compiling grammars.", g.compile_seconds)
         yield counter(P + "grammar_cache_hits", "Requests whose grammar was already compiled.", g.num_cache_hits)
+        kernels = GaugeMetricFamily(P + "kernel_info", "Kernel implementation chosen per op by the start-up checks "
+                                    "(value 1); rejected: faster candidates that failed their check.",
+                                    labels=[MODEL, "op", "implementation", "rejected"])
+        for c in self.engine.served.kernels:
+            kernels.add_metric([self.model, c.op, c.chosen, ",".join(n for n, _ in c.rejected)], 1.0)
+        yield kernels
         lora = self.engine.lora_stats()
         if lora is None:
             return

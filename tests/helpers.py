@@ -6,7 +6,7 @@ import contextlib
 import random
 from collections.abc import Iterator
 
-from engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig, SchedulerConfig, distributed
+from engine import CacheConfig, EngineConfig, KernelConfig, LLMEngine, ModelConfig, SchedulerConfig, distributed
 
 WORDS = ("the quick brown fox jumps over lazy dog hello world engine serving many adapters on one model "
          "numbers letters tensor parallel int4 café naïve 你好 世界 🚀").split()
@@ -22,11 +22,13 @@ def prompts(n: int, seed: int = 0, min_words: int = 1, max_words: int = 30) -> l
 
 
 def make_engine(path: str, max_model_len: int = 256, num_blocks: int | None = None, max_num_seqs: int = 64,
-                max_num_batched_tokens: int = 2048, prefix_caching: bool = True) -> LLMEngine:
+                max_num_batched_tokens: int = 2048, prefix_caching: bool = True,
+                kernels: KernelConfig | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(
         ModelConfig(path, dtype="float32", max_model_len=max_model_len),
         cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)))
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        kernels=kernels or KernelConfig()))
 
 
 def make_lora_engine(path: str, adapters: dict[str, str] | None = None, max_loras: int = 4, max_lora_rank: int = 64,

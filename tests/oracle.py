@@ -33,6 +33,9 @@ def load_hf_dequantized(path: str) -> torch.nn.Module:
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
+    from tools.tinymodels import force_transformers_torch_gdn
+
+    force_transformers_torch_gdn()
     with open(os.path.join(path, "config.json")) as f:
         raw = json.load(f)
     qc = raw.pop("quantization_config")

@@ -172,12 +172,39 @@ def make_qwen35_model(out_dir: str, vision: bool = True, seed: int = 0, layers: 
     return out_dir
 
 
+def force_transformers_torch_gdn() -> None:
+    """With fla-core installed, transformers routes Qwen3.5's Gated DeltaNet to fla's Triton kernels even for
+    CPU tensors, which fail there (or, on a GPU host, would make the oracle a second fast kernel): rebind
+    its decorated functions to the torch functions they wrap, so the oracle is transformers' own torch
+    path. Idempotent; unknown keyword arguments are dropped as transformers' wrapper does."""
+    import functools
+    import inspect
+
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                 "causal_conv1d_update"):
+        fn = getattr(m, name)
+        if getattr(fn, "_torch_only", False):
+            continue
+        torch_fn = inspect.unwrap(fn)
+        params = set(inspect.signature(torch_fn).parameters)
+
+        @functools.wraps(torch_fn)
+        def call(*args: object, _f: object = torch_fn, _p: set[str] = params, **kwargs: object) -> object:
+            return _f(*args, **{k: v for k, v in kwargs.items() if k in _p})  # type: ignore[operator]
+
+        call._torch_only = True  # type: ignore[attr-defined]
+        setattr(m, name, call)
+
+
 def load_transformers_fp32(path: str) -> torch.nn.Module:
     """A checkpoint in transformers (auto-round's own int4 layers for int4 folders), float32. auto-round casts
     int4 models to fp16 on load, which also rounds the rotary inv_freq buffer: cast back and rebuild the
     rotary table."""
     from transformers import AutoModelForCausalLM
 
+    force_transformers_torch_gdn()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model = torch.nn.Module.float(model).eval()
     model.model.rotary_emb = type(model.model.rotary_emb)(config=model.config)

@@ -11,10 +11,10 @@ from kernels.fused import silu_and_mul
 class SiluAndMul(nn.Module):
     """y = silu(x[..., :d]) * x[..., d:] for the merged gate|up output."""
 
-    def __init__(self) -> None:
+    def __init__(self, backend: str = "reference") -> None:
         super().__init__()
-        self.backend = "reference"
-        """kernels.fused backend, chosen per device by the model runner."""
+        self.backend = backend
+        """kernels.fused backend (engine.device.Kernels.fused), given when the model is built."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return silu_and_mul(x, self.backend)

@@ -11,14 +11,15 @@ from kernels.fused import write_kv
 
 
 class Attention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 backend: str = "reference") -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         # Bound by the model runner once the cache is allocated: [num_blocks, block_size, kv_heads, head_dim].
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
-        self.backend = "reference"
-        """Attention kernels (kernels.attention): chosen per device by the model runner."""
+        self.backend = backend
+        """Attention kernels (kernels.attention, engine.device.Kernels.attention), given when the model is built."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.device import Kernels
 from engine.distributed import tp_rank, tp_size
 from engine.forward_context import get_context
 from engine.layers.linear import (
@@ -28,7 +29,7 @@ CHUNK_THRESHOLD = 16
 
 class GatedDeltaNet(nn.Module):
     def __init__(self, hidden: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int, conv_kernel: int, eps: float,
-                 quant: QuantConfig, backend: str, dtype: torch.dtype, prefix: str) -> None:
+                 quant: QuantConfig, kernels: Kernels, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
         tp, rank = tp_size(), tp_rank()
         if k_heads % tp or v_heads % tp:
@@ -36,17 +37,17 @@ class GatedDeltaNet(nn.Module):
         self.hk, self.hv, self.dk, self.dv = k_heads // tp, v_heads // tp, k_dim, v_dim
         self.kernel = conv_kernel
         self.eps = eps
-        key_dim, value_dim = k_heads * k_dim, v_heads * v_dim
+        key_dim, value_dim, int4 = k_heads * k_dim, v_heads * v_dim, kernels.int4
         self.in_proj_qkv = SectionedColumnParallelLinear(
-            hidden, [key_dim, key_dim, value_dim], False, quant.method_for([f"{prefix}.in_proj_qkv"], backend), dtype,
+            hidden, [key_dim, key_dim, value_dim], False, quant.method_for([f"{prefix}.in_proj_qkv"], int4), dtype,
             f"{prefix}.in_proj_qkv")
         self.in_proj_z = ColumnParallelLinear(hidden, value_dim, False,
-                                              quant.method_for([f"{prefix}.in_proj_z"], backend), dtype,
+                                              quant.method_for([f"{prefix}.in_proj_z"], int4), dtype,
                                               f"{prefix}.in_proj_z")
         self.in_proj_ba = MergedColumnParallelLinear(
             hidden, [v_heads, v_heads], False,
-            quant.method_for([f"{prefix}.in_proj_b", f"{prefix}.in_proj_a"], backend), dtype, f"{prefix}.in_proj_ba")
-        self.out_proj = RowParallelLinear(value_dim, hidden, False, quant.method_for([f"{prefix}.out_proj"], backend),
+            quant.method_for([f"{prefix}.in_proj_b", f"{prefix}.in_proj_a"], int4), dtype, f"{prefix}.in_proj_ba")
+        self.out_proj = RowParallelLinear(value_dim, hidden, False, quant.method_for([f"{prefix}.out_proj"], int4),
                                           dtype, f"{prefix}.out_proj")
         self.sections = [key_dim, key_dim, value_dim]
         self.local_sections = [n // tp for n in self.sections]
@@ -64,8 +65,8 @@ class GatedDeltaNet(nn.Module):
         # Bound by the model runner: [slots, conv_dim, K-1] and [slots, hv, dk, dv] (float32).
         self.conv_state = torch.empty(0)
         self.ssm_state = torch.empty(0)
-        self.backend = "reference"
-        """Delta-rule kernels (kernels.gdn): chosen per device by the model runner."""
+        self.backend = kernels.gdn
+        """Delta-rule kernels (kernels.gdn, engine.device.Kernels.gdn), given when the model is built."""
 
     # -- loaders: each shard cut by heads ----------------------------------------------------------------
     def _check(self, loaded: torch.Tensor, shape: tuple[int, ...], what: str) -> None:

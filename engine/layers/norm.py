@@ -12,14 +12,14 @@ class RMSNorm(nn.Module):
     """y = x / rms(x) * w, computed in float32; `zero_centered` uses (1 + w) (Qwen3.5 style)."""
 
     def __init__(self, dim: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32,
-                 zero_centered: bool = False) -> None:
+                 zero_centered: bool = False, backend: str = "reference") -> None:
         super().__init__()
         self.eps = eps
         self.zero_centered = zero_centered
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self.backend = "reference"
-        """kernels.fused backend, chosen per device by the model runner."""
+        self.backend = backend
+        """kernels.fused backend (engine.device.Kernels.fused), given when the model is built."""
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
         if param.shape != loaded.shape:

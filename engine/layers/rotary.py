@@ -28,15 +28,16 @@ def rope_theta_of(hf: dict[str, Any]) -> float:
 class RotaryEmbedding(nn.Module):
     """q, k [T, heads, head_dim] rotated at `positions` [T]; the cos/sin table is built once in float32."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, rotary_dim: int | None = None) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, rotary_dim: int | None = None,
+                 backend: str = "reference") -> None:
         super().__init__()
         self.rotary_dim = rotary_dim or head_dim
         inv_freq = 1.0 / (theta ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim))
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
-        self.backend = "reference"
-        """kernels.fused backend, chosen per device by the model runner."""
+        self.backend = backend
+        """kernels.fused backend (engine.device.Kernels.fused), given when the model is built."""
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None = None,
                 k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,7 +32,7 @@ from engine.layers.linear import (
     SectionedColumnParallelLinear,
 )
 from engine.lora.adapter import LoRAModule
-from engine.lora.punica import LoRAMapping, add_lora, expand, shrink
+from engine.lora.punica import SlotRanks
 
 
 def shrink_needs_gather(fully_sharded: bool, tp_size: int) -> bool:
@@ -107,11 +107,9 @@ class BaseLayerWithLoRA(nn.Module):
         self.ranks_dev[:, slot] = 0
         self.a_ranks_dev[:, slot] = 0
 
-    def slot_ranks(self, mapping: LoRAMapping, a_side: bool = False) -> list[list[int]] | torch.Tensor:
-        """Per-slice ranks in the form the backend reads: host lists (reference) or the device tensor."""
-        if mapping.backend == "reference":
-            return self.a_ranks if a_side else self.ranks
-        return self.a_ranks_dev if a_side else self.ranks_dev
+    def slot_ranks(self, a_side: bool = False) -> SlotRanks:
+        """Per-slice ranks of every slot: B side (true ranks) or A side (valid rows of this rank's A)."""
+        return SlotRanks(self.a_ranks, self.a_ranks_dev) if a_side else SlotRanks(self.ranks, self.ranks_dev)
 
 
 class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
@@ -183,11 +181,11 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
         if mapping is None:
             return y
         if not shrink_needs_gather(self.fully_sharded, self.tp_size):
-            return add_lora(y, x, self.lora_a, self.lora_b, self.slot_ranks(mapping), self.offsets, mapping)
-        ranks, a_ranks = self.slot_ranks(mapping), self.slot_ranks(mapping, a_side=True)
+            return mapping.add_lora(y, x, self.lora_a, self.lora_b, self.slot_ranks(), self.offsets)
+        ranks, a_ranks = self.slot_ranks(), self.slot_ranks(a_side=True)
         for i, off in enumerate(self.offsets):
-            buf = all_gather(shrink(x, self.lora_a[i], a_ranks[i], mapping), dim=-1)  # [T, r_max]
-            expand(y, buf, self.lora_b[i], ranks[i], off, mapping)
+            buf = all_gather(mapping.shrink(x, self.lora_a[i], a_ranks.slice(i)), dim=-1)  # [T, r_max]
+            mapping.expand(y, buf, self.lora_b[i], ranks.slice(i), off)
         return y
 
 
@@ -223,13 +221,12 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
         y = self.base.partial(x)
         mapping = get_context().lora
         if mapping is not None:
-            ranks = self.slot_ranks(mapping)
+            ranks = self.slot_ranks()
             if self.fully_sharded:
-                a_ranks = self.slot_ranks(mapping, a_side=True)
-                buf = all_reduce(shrink(x, self.lora_a[0], a_ranks[0], mapping))  # full x A^T, [T, r]
-                expand(y, buf, self.lora_b[0], ranks[0], self.tp_rank * self.b_sizes()[0], mapping)
+                buf = all_reduce(mapping.shrink(x, self.lora_a[0], self.slot_ranks(a_side=True)))  # full x A^T
+                mapping.expand(y, buf, self.lora_b[0], ranks, self.tp_rank * self.b_sizes()[0])
             else:
-                add_lora(y, x, self.lora_a, self.lora_b, ranks, [0], mapping)
+                mapping.add_lora(y, x, self.lora_a, self.lora_b, ranks, [0])
         return self.base.reduce(y)
 
 

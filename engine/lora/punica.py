@@ -1,54 +1,268 @@
-"""Per-step token -> adapter-slot mapping and the calls into the batched LoRA kernels.
+"""The step's token -> adapter-slot mapping (a LoRABatch) and the calls into the batched LoRA kernels.
 
-A token whose request has no adapter maps to slot -1 and gets no LoRA work; a step in which no
-token has an adapter builds no mapping at all, so the wrappers launch nothing. For the Triton
-backend the mapping also carries the step's grouping of tokens by slot (built once per step).
+A token whose request has no adapter maps to slot -1 and gets no LoRA work; a step in which no token
+has an adapter builds no batch at all, so the wrappers launch nothing. One implementation is picked
+per engine (LORA_IMPLS, chosen and self-checked once by the model runner): the torch reference reads
+the slots as a tensor and host rank lists; the Triton one groups the tokens by slot once per step
+(host work, here) and launches kernels.lora_triton with the layer's device rank tensor.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
 
-from kernels import lora as ops
-from kernels.lora_triton import LoRABatchInfo, prepare_lora_batch
+from kernels import lora_triton, reference
+from kernels.lora_triton import TokenGroups, max_blocks
+from kernels.registry import Choice, choose
+
+LoRAImplName = Literal["reference", "triton"]
 
 
 @dataclass(frozen=True)
-class LoRAMapping:
-    slots: torch.Tensor | LoRABatchInfo
-    """Reference backend: [T] long adapter slot of every token (-1: base model). Triton backend: the
-    tokens grouped by slot on the device (which also holds each token's slot)."""
+class SlotRanks:
+    """A wrapped layer's true rank of every slot, per slice: host lists and the same on the device
+    (updated in place by set_slot, so captured graphs see new adapters)."""
 
-    @property
-    def backend(self) -> str:
-        return "triton" if isinstance(self.slots, LoRABatchInfo) else "reference"
+    host: list[list[int]]
+    device: torch.Tensor
+    """[n_slices, S] int32."""
+
+    def slice(self, i: int) -> SlotRanks:
+        return SlotRanks([self.host[i]], self.device[i:i + 1])
 
 
-def build_mapping(slots: list[int], device: torch.device, backend: str = "reference",
-                  num_slots: int = 0) -> LoRAMapping | None:
-    """Mapping for a step whose tokens use these slots; None when no token uses an adapter."""
+class LoRABatch(ABC):
+    """One step's token -> slot mapping and the LoRA ops that read it (shapes checked here, once for all
+    implementations)."""
+
+    name: ClassVar[LoRAImplName]
+    num_tokens: int
+    num_slots: int
+
+    @classmethod
+    @abstractmethod
+    def build(cls, slots: Sequence[int], num_slots: int, device: torch.device) -> LoRABatch: ...
+
+    @abstractmethod
+    def update(self, slots: Sequence[int]) -> None:
+        """Rewrite the mapping in place for a new step of the same size (graph replay)."""
+
+    @abstractmethod
+    def _add(self, y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
+             ranks: SlotRanks, offsets: list[int], add_inputs: bool) -> None: ...
+
+    @abstractmethod
+    def _shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks) -> torch.Tensor: ...
+
+    @abstractmethod
+    def _expand(self, y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, ranks: SlotRanks, offset: int,
+                add_inputs: bool) -> None: ...
+
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
+                 ranks: SlotRanks, offsets: list[int], add_inputs: bool = True) -> torch.Tensor:
+        """For each slice s: y[:, offsets[s]:+n_s] (+)= (x A_s[slot]^T)[:, :rank] B_s[slot][:, :rank]^T.
+
+        x [T, in]; lora_a[s] [S, r_max, in]; lora_b[s] [S, n_s, r_max]. Returns y (updated in place)."""
+        if x.size(0) != y.size(0) or self.num_tokens != x.size(0):
+            raise ValueError(f"add_lora: x {tuple(x.shape)}, y {tuple(y.shape)}, {self.num_tokens} slots disagree")
+        if not (len(lora_a) == len(lora_b) == len(ranks.host) == len(offsets)):
+            raise ValueError("add_lora: one A, B, ranks and offset per slice")
+        for a, b in zip(lora_a, lora_b):
+            if a.size(-1) != x.size(-1):
+                raise ValueError(f"add_lora: A has {a.size(-1)} inputs, x has {x.size(-1)}")
+            if a.size(1) != b.size(-1):
+                raise ValueError(f"add_lora: A rank dim {a.size(1)} != B rank dim {b.size(-1)}")
+        self._add(y, x, lora_a, lora_b, ranks, offsets, add_inputs)
+        return y
+
+    def shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks) -> torch.Tensor:
+        """buf[t, :r] = x[t] @ a[slot[t], :r].T (float32 [T, a.size(1)]); slot -1 rows are zero. One slice."""
+        if a.size(-1) != x.size(-1) or x.size(0) != self.num_tokens:
+            raise ValueError(f"shrink: A has {a.size(-1)} inputs, x is {tuple(x.shape)} for {self.num_tokens} tokens")
+        return self._shrink(x, a, ranks)
+
+    def expand(self, y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, ranks: SlotRanks, offset: int,
+               add_inputs: bool = True) -> torch.Tensor:
+        """y[t, offset:offset+n] (+)= buf[t, :r] @ b[slot[t], :, :r].T (r = the slot's true rank <= r_max).
+
+        buf must be exactly [T, r_max] with r_max = b.size(-1): a wider buffer means a shrink result was
+        gathered where it should not have been (seed bug 2), and is refused rather than silently cut.
+        """
+        if buf.size(-1) != b.size(-1) or buf.size(0) != y.size(0):
+            raise ValueError(f"expand: shrink result {tuple(buf.shape)} does not match LoRA B {tuple(b.shape)} "
+                             f"(rank dim {b.size(-1)}) for {y.size(0)} tokens")
+        self._expand(y, buf, b, ranks, offset, add_inputs)
+        return y
+
+
+def _check_slots(slots: torch.Tensor, num_slots: int) -> None:
+    bad = (slots < -1) | (slots >= num_slots)
+    if bool(bad.any()):
+        raise ValueError(f"LoRA slots {sorted(set(slots[bad].tolist()))} outside [-1, {num_slots})")
+
+
+class ReferenceLoRABatch(LoRABatch):
+    """The torch reference (kernels.reference): per slot, boolean gathers, fp32 matmuls. The CPU path."""
+
+    name = "reference"
+
+    def __init__(self, slots: torch.Tensor, num_slots: int) -> None:
+        self.slots, self.num_tokens, self.num_slots = slots, slots.numel(), num_slots
+
+    @classmethod
+    def build(cls, slots: Sequence[int], num_slots: int, device: torch.device) -> ReferenceLoRABatch:
+        host = torch.tensor(list(slots), dtype=torch.long)
+        _check_slots(host, num_slots)
+        return cls(host.to(device), num_slots)
+
+    def update(self, slots: Sequence[int]) -> None:
+        host = torch.tensor(list(slots), dtype=torch.long)
+        _check_slots(host, self.num_slots)
+        self.slots.copy_(host)
+
+    def _add(self, y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
+             ranks: SlotRanks, offsets: list[int], add_inputs: bool) -> None:
+        for a, b, r, off in zip(lora_a, lora_b, ranks.host, offsets):
+            reference.lora_expand(y, reference.lora_shrink(x, a, self.slots, r), b, self.slots, r, off, add_inputs)
+
+    def _shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks) -> torch.Tensor:
+        return reference.lora_shrink(x, a, self.slots, ranks.host[0])
+
+    def _expand(self, y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, ranks: SlotRanks, offset: int,
+                add_inputs: bool) -> None:
+        reference.lora_expand(y, buf, b, self.slots, ranks.host[0], offset, add_inputs)
+
+
+class TritonLoRABatch(LoRABatch):
+    """kernels.lora_triton: all slices of a layer in one shrink and one expand launch."""
+
+    name = "triton"
+
+    def __init__(self, groups: TokenGroups) -> None:
+        self.groups, self.num_tokens, self.num_slots = groups, groups.num_tokens, groups.num_slots
+
+    @classmethod
+    def build(cls, slots: Sequence[int], num_slots: int, device: torch.device) -> TritonLoRABatch:
+        return cls(group_tokens(slots, num_slots, device=device))
+
+    def update(self, slots: Sequence[int]) -> None:
+        group_tokens(slots, self.num_slots, out=self.groups)
+
+    def _add(self, y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
+             ranks: SlotRanks, offsets: list[int], add_inputs: bool) -> None:
+        lora_triton.add_lora(y, x, lora_a, lora_b, self.groups, offsets, ranks.device, add_inputs)
+
+    def _shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks) -> torch.Tensor:
+        return lora_triton.lora_shrink(x, [a], self.groups, ranks.device)[0]
+
+    def _expand(self, y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, ranks: SlotRanks, offset: int,
+                add_inputs: bool) -> None:
+        lora_triton.lora_expand(y, buf.float().unsqueeze(0), [b], self.groups, [offset], ranks.device, add_inputs)
+
+
+LORA_IMPLS: dict[LoRAImplName, type[LoRABatch]] = {"reference": ReferenceLoRABatch, "triton": TritonLoRABatch}
+
+
+def build_mapping(slots: Sequence[int], device: torch.device, impl: type[LoRABatch] = ReferenceLoRABatch,
+                  num_slots: int | None = None) -> LoRABatch | None:
+    """The step's batch for tokens using these slots; None when no token uses an adapter. num_slots:
+    the engine's slot count (default: enough for the largest slot given)."""
     if all(s < 0 for s in slots):
         return None
-    if backend == "triton":
-        return LoRAMapping(prepare_lora_batch(slots, None, num_slots, device=device))
-    return LoRAMapping(torch.tensor(slots, dtype=torch.long, device=device))
+    return impl.build(slots, num_slots if num_slots is not None else max(slots) + 1, device)
 
 
-def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
-             ranks: list[list[int]] | torch.Tensor, offsets: list[int], mapping: LoRAMapping,
-             add_inputs: bool = True) -> torch.Tensor:
-    """y[:, slice s] (+)= (x A_s[slot]^T)[:, :rank] B_s[slot][:, :rank]^T for each token's slot."""
-    return ops.add_lora(y, x, lora_a, lora_b, ranks, offsets, mapping.slots, add_inputs, mapping.backend)
+CHECK_TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (4e-3, 4e-3), torch.bfloat16: (1.6e-2, 1e-2)}
+"""(rtol, atol relative to max|ref|) of the start-up check: fp32 differs only in summation order; 16-bit
+rounds the shrink result and the output once more than the reference (see tests/kernels/test_lora_triton.py)."""
 
 
-def shrink(x: torch.Tensor, a: torch.Tensor, ranks: list[int] | torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
-    """buf = (x A[slot]^T)[:, :rank] per token, float32 [T, a.size(1)]."""
-    return ops.shrink(x, a, mapping.slots, ranks, mapping.backend)
+def choose_impl(candidates: Sequence[str], in_features: int, out_sizes: list[int], r_max: int, num_slots: int,
+                dtype: torch.dtype, device: torch.device) -> tuple[type[LoRABatch], Choice]:
+    """The first candidate whose add_lora matches the reference on a small problem of a real layer's shapes
+    (a few tokens over two slots and slot -1, ranks r_max and below, rank-major B as the wrappers store it)."""
+    g = torch.Generator().manual_seed(0)
+    s = min(num_slots, 2)
+    slots = [i % (s + 1) - 1 for i in range(8)]  # -1, 0, (1,) ...
+    x = torch.randn(len(slots), in_features, generator=g).to(dtype).to(device)
+    a = [(torch.randn(num_slots, r_max, in_features, generator=g) / in_features ** 0.5).to(dtype).to(device)
+         for _ in out_sizes]
+    b = [torch.randn(num_slots, r_max, n, generator=g).to(dtype).to(device).transpose(1, 2) for n in out_sizes]
+    host = [[max(1, r_max // (1 + j + i)) for j in range(num_slots)] for i in range(len(out_sizes))]
+    ranks = SlotRanks(host, torch.tensor(host, dtype=torch.int32, device=device))
+    y = torch.randn(len(slots), sum(out_sizes), generator=g).to(dtype).to(device)
+    offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
+
+    def run(name: str) -> torch.Tensor:
+        batch = LORA_IMPLS[name].build(slots, num_slots, device)  # type: ignore[index]
+        return batch.add_lora(y.clone(), x, a, b, ranks, offsets)
+
+    choice = choose("lora", candidates, run, CHECK_TOLERANCE[dtype])
+    return LORA_IMPLS[choice.chosen], choice  # type: ignore[index]
 
 
-def expand(y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, ranks: list[int] | torch.Tensor, offset: int,
-           mapping: LoRAMapping, add_inputs: bool = True) -> torch.Tensor:
-    """y[:, offset:offset+n] (+)= buf[:, :rank] B[slot][:, :rank]^T per token."""
-    return ops.expand(y, buf, b, mapping.slots, ranks, offset, add_inputs, mapping.backend)
+# -- token grouping for the Triton kernels (host work, once per step) ------------------------------------
+
+
+def _default_block_m(num_tokens: int) -> int:
+    # Decode steps: few tokens per slot, small blocks waste little. Prefill: larger tiles for the expand.
+    return 16 if num_tokens <= 256 else 32 if num_tokens <= 2048 else 64
+
+
+def _schedule(slots: torch.Tensor, num_slots: int, block_m: int, num_blocks: int) -> torch.Tensor:
+    """meta (int32, on slots' device) for int64 slots: sort by slot, count, cut each slot's run into blocks."""
+    key = torch.where(slots >= 0, slots, num_slots)  # -1 sorts last, as slot S
+    order = torch.sort(key, stable=True).indices
+    counts = torch.zeros(num_slots + 1, dtype=torch.long, device=slots.device)
+    cnt = counts.scatter_add_(0, key, torch.ones_like(key))[:num_slots]  # bincount without a host sync
+    start = torch.cumsum(cnt, 0) - cnt
+    nblk = (cnt + block_m - 1) // block_m
+    cum = torch.cumsum(nblk, 0)
+    b = torch.arange(num_blocks, dtype=torch.long, device=slots.device)
+    bslot = torch.searchsorted(cum, b, right=True)  # slot s owns blocks cum[s-1] <= b < cum[s]; S: unused
+    s_c = bslot.clamp(max=num_slots - 1)
+    bstart = start[s_c] + (b - (cum[s_c] - nblk[s_c])) * block_m
+    bend = start[s_c] + cnt[s_c]
+    return torch.cat([slots, order, start, cnt, bslot, bstart, bend]).to(torch.int32)
+
+
+def group_tokens(token_slots: torch.Tensor | Sequence[int], num_slots: int, *, device: torch.device | None = None,
+                 block_m: int | None = None, out: TokenGroups | None = None) -> TokenGroups:
+    """The tokens sorted by slot, per-slot start/len and the M-block schedule the kernels read.
+
+    token_slots: [T] ints in [-1, num_slots). From the host (a sequence or a CPU tensor; `device` says
+    where the kernels run, default CPU) it is checked, `has_lora` is known, and the schedule is computed
+    on the CPU and sent in ONE copy (a handful of tiny device ops cost more in launches). A device tensor
+    is scheduled on the device with no host sync (has_lora None). With `out`, everything is written into
+    out's tensor (same T, num_slots and block_m) and out is returned: what a captured graph needs.
+    """
+    if num_slots <= 0:
+        raise ValueError(f"group_tokens: num_slots must be positive, got {num_slots}")
+    if not isinstance(token_slots, torch.Tensor):
+        token_slots = torch.tensor(list(token_slots), dtype=torch.long)
+    if token_slots.dim() != 1:
+        raise ValueError(f"group_tokens: token_slots must be 1-D, got {tuple(token_slots.shape)}")
+    slots = token_slots.to(torch.long)
+    dev = torch.device(device) if device is not None else (out.meta.device if out is not None else slots.device)
+    t = slots.numel()
+    bm = block_m or (out.block_m if out is not None else _default_block_m(t))
+    nb = max_blocks(t, num_slots, bm)
+    has_lora: bool | None = None
+    if slots.device.type == "cpu":
+        _check_slots(slots, num_slots)
+        has_lora = bool((slots >= 0).any())
+    meta = _schedule(slots, num_slots, bm, nb)
+    if out is None:
+        return TokenGroups(meta=meta.to(dev), num_tokens=t, num_slots=num_slots, num_blocks=nb, block_m=bm,
+                           has_lora=has_lora)
+    if out.num_tokens != t or out.num_slots != num_slots or out.block_m != bm:
+        raise ValueError(f"group_tokens(out=...): out holds T={out.num_tokens}, S={out.num_slots}, "
+                         f"block_m={out.block_m}; got T={t}, S={num_slots}, block_m={bm}")
+    out.meta.copy_(meta)
+    out.has_lora = has_lora
+    return out

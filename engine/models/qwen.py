@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from engine.device import Kernels
 from engine.errors import UnsupportedModelError
 from engine.layers.activation import SiluAndMul
 from engine.layers.attention import Attention
@@ -70,21 +71,21 @@ class QwenArgs:
 
 
 class QwenAttention(nn.Module):
-    def __init__(self, a: QwenArgs, quant: QuantConfig, backend: str, dtype: torch.dtype, prefix: str) -> None:
+    def __init__(self, a: QwenArgs, quant: QuantConfig, kernels: Kernels, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
         names = [f"{prefix}.{n}" for n in ("q_proj", "k_proj", "v_proj")]
         self.qkv_proj = QKVParallelLinear(a.hidden_size, a.head_dim, a.num_heads, a.num_kv_heads, a.qkv_bias,
-                                          quant.method_for(names, backend), dtype, f"{prefix}.qkv_proj")
+                                          quant.method_for(names, kernels.int4), dtype, f"{prefix}.qkv_proj")
         self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, a.hidden_size, False,
-                                        quant.method_for([f"{prefix}.o_proj"], backend), dtype, f"{prefix}.o_proj")
+                                        quant.method_for([f"{prefix}.o_proj"], kernels.int4), dtype, f"{prefix}.o_proj")
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = a.head_dim
         self.q_size, self.kv_size = self.num_heads * a.head_dim, self.num_kv_heads * a.head_dim
-        self.attn = Attention(self.num_heads, self.num_kv_heads, a.head_dim, a.head_dim**-0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, a.head_dim, a.head_dim**-0.5, kernels.attention)
         self.qk_norm = a.qk_norm
         if a.qk_norm:
-            self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype, backend=kernels.fused)
+            self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype, backend=kernels.fused)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: nn.Module) -> torch.Tensor:
         qkv = self.qkv_proj(x)
@@ -99,28 +100,28 @@ class QwenAttention(nn.Module):
 
 
 class QwenMLP(nn.Module):
-    def __init__(self, a: QwenArgs, quant: QuantConfig, backend: str, dtype: torch.dtype, prefix: str) -> None:
+    def __init__(self, a: QwenArgs, quant: QuantConfig, kernels: Kernels, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
         names = [f"{prefix}.gate_proj", f"{prefix}.up_proj"]
         self.gate_up_proj = MergedColumnParallelLinear(a.hidden_size, [a.intermediate_size] * 2, False,
-                                                       quant.method_for(names, backend), dtype,
+                                                       quant.method_for(names, kernels.int4), dtype,
                                                        f"{prefix}.gate_up_proj")
         self.down_proj = RowParallelLinear(a.intermediate_size, a.hidden_size, False,
-                                           quant.method_for([f"{prefix}.down_proj"], backend), dtype,
+                                           quant.method_for([f"{prefix}.down_proj"], kernels.int4), dtype,
                                            f"{prefix}.down_proj")
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(kernels.fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class QwenDecoderLayer(nn.Module):
-    def __init__(self, a: QwenArgs, quant: QuantConfig, backend: str, dtype: torch.dtype, prefix: str) -> None:
+    def __init__(self, a: QwenArgs, quant: QuantConfig, kernels: Kernels, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
-        self.self_attn = QwenAttention(a, quant, backend, dtype, f"{prefix}.self_attn")
-        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
-        self.mlp = QwenMLP(a, quant, backend, dtype, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype, backend=kernels.fused)
+        self.self_attn = QwenAttention(a, quant, kernels, dtype, f"{prefix}.self_attn")
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype, backend=kernels.fused)
+        self.mlp = QwenMLP(a, quant, kernels, dtype, f"{prefix}.mlp")
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                 rotary: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,13 +140,13 @@ class QwenDecoderLayer(nn.Module):
 
 
 class QwenModel(nn.Module):
-    def __init__(self, a: QwenArgs, quant: QuantConfig, backend: str, dtype: torch.dtype) -> None:
+    def __init__(self, a: QwenArgs, quant: QuantConfig, kernels: Kernels, dtype: torch.dtype) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            QwenDecoderLayer(a, quant, backend, dtype, f"model.layers.{i}") for i in range(a.num_layers))
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype)
-        self.rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta)
+            QwenDecoderLayer(a, quant, kernels, dtype, f"model.layers.{i}") for i in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype, backend=kernels.fused)
+        self.rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, backend=kernels.fused)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
@@ -171,10 +172,10 @@ class QwenForCausalLM(nn.Module):
 
     model_class: ClassVar[type[nn.Module]] = QwenModel
 
-    def __init__(self, a: QwenArgs, quant: QuantConfig, backend: str, dtype: torch.dtype) -> None:
+    def __init__(self, a: QwenArgs, quant: QuantConfig, kernels: Kernels, dtype: torch.dtype) -> None:
         super().__init__()
         self.args = a
-        self.model = self.model_class(a, quant, backend, dtype)
+        self.model = self.model_class(a, quant, kernels, dtype)
         self.lm_head = ParallelLMHead(a.vocab_size, a.hidden_size, dtype)
         if a.tie_word_embeddings:
             self.lm_head.tie(self.model.embed_tokens)

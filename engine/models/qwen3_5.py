@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from engine.device import Kernels
 from engine.distributed import tp_size
 from engine.errors import UnsupportedModelError
 from engine.layers.attention import Attention
@@ -82,20 +83,20 @@ class Qwen35Args:
 class GatedAttention(nn.Module):
     """Full attention whose q_proj also yields a per-head output gate: out = attn * sigmoid(gate)."""
 
-    def __init__(self, a: Qwen35Args, quant: QuantConfig, backend: str, dtype: torch.dtype, ckpt: str) -> None:
+    def __init__(self, a: Qwen35Args, quant: QuantConfig, kernels: Kernels, dtype: torch.dtype, ckpt: str) -> None:
         super().__init__()
         names = [f"{ckpt}.{n}" for n in ("q_proj", "k_proj", "v_proj")]
         divide(a.num_heads, tp_size(), f"{ckpt} attention heads")  # a [query, gate] pair must not straddle ranks
         # q_proj rows are [query_h, gate_h] per head: counting 2 * heads "heads" keeps each pair on one rank.
         self.qkv_proj = QKVParallelLinear(a.hidden_size, a.head_dim, 2 * a.num_heads, a.num_kv_heads, a.attention_bias,
-                                          quant.method_for(names, backend), dtype, f"{ckpt}.qkv_proj")
+                                          quant.method_for(names, kernels.int4), dtype, f"{ckpt}.qkv_proj")
         self.o_proj = RowParallelLinear(a.num_heads * a.head_dim, a.hidden_size, a.attention_bias,
-                                        quant.method_for([f"{ckpt}.o_proj"], backend), dtype, f"{ckpt}.o_proj")
+                                        quant.method_for([f"{ckpt}.o_proj"], kernels.int4), dtype, f"{ckpt}.o_proj")
         self.num_heads = self.qkv_proj.num_heads // 2
         self.num_kv_heads, self.head_dim = self.qkv_proj.num_kv_heads, a.head_dim
-        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype, zero_centered=True)
-        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype, zero_centered=True)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, a.head_dim, a.head_dim**-0.5)
+        self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype, zero_centered=True, backend=kernels.fused)
+        self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype, zero_centered=True, backend=kernels.fused)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, a.head_dim, a.head_dim**-0.5, kernels.attention)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: nn.Module) -> torch.Tensor:
         t, hd = x.size(0), self.head_dim
@@ -109,19 +110,20 @@ class GatedAttention(nn.Module):
 class HybridDecoderLayer(QwenDecoderLayer):
     """QwenDecoderLayer's residual wiring around a Gated DeltaNet or a gated attention mixer."""
 
-    def __init__(self, a: Qwen35Args, i: int, quant: QuantConfig, backend: str, dtype: torch.dtype) -> None:  # type: ignore[override]
+    def __init__(self, a: Qwen35Args, i: int, quant: QuantConfig, kernels: Kernels, dtype: torch.dtype) -> None:  # type: ignore[override]
         nn.Module.__init__(self)  # the parts differ from QwenDecoderLayer's
         ckpt = f"{a.ckpt_prefix}.layers.{i}"
         self.is_linear = a.layer_types[i] == "linear_attention"
-        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype, zero_centered=True)
-        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype, zero_centered=True)
+        fused = kernels.fused
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype, zero_centered=True, backend=fused)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype, zero_centered=True, backend=fused)
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(a.hidden_size, a.lin_k_heads, a.lin_v_heads, a.lin_k_dim, a.lin_v_dim,
-                                             a.conv_kernel, a.rms_norm_eps, quant, backend, dtype,
+                                             a.conv_kernel, a.rms_norm_eps, quant, kernels, dtype,
                                              f"{ckpt}.linear_attn")
         else:
-            self.self_attn = GatedAttention(a, quant, backend, dtype, f"{ckpt}.self_attn")
-        self.mlp = QwenMLP(a, quant, backend, dtype, f"{ckpt}.mlp")  # type: ignore[arg-type]
+            self.self_attn = GatedAttention(a, quant, kernels, dtype, f"{ckpt}.self_attn")
+        self.mlp = QwenMLP(a, quant, kernels, dtype, f"{ckpt}.mlp")  # type: ignore[arg-type]
 
     def mix(self, positions: torch.Tensor, h: torch.Tensor, rotary: nn.Module) -> torch.Tensor:
         return self.linear_attn(h) if self.is_linear else self.self_attn(positions, h, rotary)
@@ -130,12 +132,13 @@ class HybridDecoderLayer(QwenDecoderLayer):
 class HybridModel(QwenModel):
     """QwenModel's forward over hybrid layers, zero-centred final norm and partial rotary."""
 
-    def __init__(self, a: Qwen35Args, quant: QuantConfig, backend: str, dtype: torch.dtype) -> None:  # type: ignore[override]
+    def __init__(self, a: Qwen35Args, quant: QuantConfig, kernels: Kernels, dtype: torch.dtype) -> None:  # type: ignore[override]
         nn.Module.__init__(self)  # QwenModel's parts are built here, not by its __init__
         self.embed_tokens = VocabParallelEmbedding(a.vocab_size, a.hidden_size, dtype)
-        self.layers = nn.ModuleList(HybridDecoderLayer(a, i, quant, backend, dtype) for i in range(len(a.layer_types)))
-        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype, zero_centered=True)
-        self.rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rotary_dim)
+        self.layers = nn.ModuleList(HybridDecoderLayer(a, i, quant, kernels, dtype) for i in range(len(a.layer_types)))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, dtype, zero_centered=True, backend=kernels.fused)
+        self.rotary = RotaryEmbedding(a.head_dim, a.max_position_embeddings, a.rope_theta, a.rotary_dim,
+                                      backend=kernels.fused)
 
 
 class Qwen35ForCausalLM(QwenForCausalLM):

@@ -19,14 +19,13 @@ from tools.tinymodels import make_qwen35_model
 REPO = Path(__file__).resolve().parents[2]
 
 CHECK = r"""
-import os, sys, torch
-from engine import SamplingParams
+import sys, torch
+from engine import KernelConfig, SamplingParams
 from tests.helpers import make_engine
 path, prompts = sys.argv[1], [[5, 17, 42, 9, 100, 3, 77], [7, 7, 250, 31]]
 out = {}
 for backend in ("reference", "triton"):
-    os.environ["XPULORA_FUSED_BACKEND"] = os.environ["XPULORA_ATTENTION_BACKEND"] = backend
-    with make_engine(path, max_num_seqs=4) as e:
+    with make_engine(path, max_num_seqs=4, kernels=KernelConfig(fused=backend, attention=backend)) as e:
         logits = [e.runner.prompt_logits(p) for p in prompts]
         params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
         out[backend] = logits, [r.token_ids for r in e.generate(prompts, params)]

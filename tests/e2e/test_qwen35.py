@@ -165,6 +165,7 @@ def test_gated_attention_heads_must_split_evenly_over_tp() -> None:
     """q_proj holds [query, gate] per head: 3 heads at tp=2 would split a pair across ranks."""
     from dataclasses import replace
 
+    from engine.device import Kernels
     from engine.layers.quant import QuantConfig
     from engine.models.qwen3_5 import GatedAttention, Qwen35Args
 
@@ -173,6 +174,6 @@ def test_gated_attention_heads_must_split_evenly_over_tp() -> None:
                    max_position_embeddings=64, tie_word_embeddings=False, attention_bias=False, lin_k_heads=2,
                    lin_v_heads=2, lin_k_dim=16, lin_v_dim=16, conv_kernel=4, ckpt_prefix="model")
     with as_tp_rank(0, 2):
-        GatedAttention(a, QuantConfig("none"), "reference", torch.float32, "l.self_attn")  # 4 heads: fine
+        GatedAttention(a, QuantConfig("none"), Kernels(), torch.float32, "l.self_attn")  # 4 heads: fine
         with pytest.raises(ValueError, match=r"l\.self_attn attention heads: 3 is not divisible"):
-            GatedAttention(replace(a, num_heads=3), QuantConfig("none"), "reference", torch.float32, "l.self_attn")
+            GatedAttention(replace(a, num_heads=3), QuantConfig("none"), Kernels(), torch.float32, "l.self_attn")

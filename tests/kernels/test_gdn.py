@@ -39,8 +39,12 @@ def test_chunked_equals_recurrent(n: int, chunk: int) -> None:
 
 
 def test_recurrent_equals_transformers_torch_path() -> None:
+    import inspect
+
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_recurrent_gated_delta_rule
 
+    # The torch function itself: with fla-core installed, transformers' decorated name routes to fla.
+    torch_recurrent_gated_delta_rule = inspect.unwrap(torch_recurrent_gated_delta_rule)
     q, k, v, g, b, s0 = _inputs(9, seed=3)
     ours, s = delta_rule_recurrent(q, k, v, g, b, s0)
     # transformers takes unnormalised q/k (it normalises and scales inside) in [B, T, H, D] layout.

@@ -1,12 +1,27 @@
-"""Batched LoRA ops (kernels.lora) against a per-token loop oracle."""
+"""The reference LoRA batch (engine.lora.punica.ReferenceLoRABatch) against a per-token loop oracle."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from engine.lora.punica import ReferenceLoRABatch, SlotRanks
 from kernels import reference
-from kernels.lora import add_lora, expand
+
+CPU = torch.device("cpu")
+
+
+def _r(host: list[list[int]]) -> SlotRanks:
+    return SlotRanks(host, torch.tensor(host, dtype=torch.int32))
+
+
+def add_lora(y, x, a_list, b_list, ranks, offsets, slots, add_inputs=True):
+    return ReferenceLoRABatch.build(slots.tolist(), a_list[0].size(0), CPU).add_lora(
+        y, x, a_list, b_list, _r(ranks), offsets, add_inputs)
+
+
+def expand(y, buf, b, slots, ranks, offset, add_inputs=True):
+    return ReferenceLoRABatch.build(slots.tolist(), b.size(0), CPU).expand(y, buf, b, _r([ranks]), offset, add_inputs)
 
 
 def _oracle(y, x, a_list, b_list, ranks, offsets, slots, add_inputs):

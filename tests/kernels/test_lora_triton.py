@@ -1,4 +1,4 @@
-"""Triton multi-LoRA shrink / expand (kernels.lora_triton, kernels.lora backend "triton") vs kernels.reference.
+"""Triton multi-LoRA shrink / expand (kernels.lora_triton, engine.lora.punica.TritonLoRABatch) vs kernels.reference.
 
 Run: .venv/bin/python -m pytest tests/kernels/test_lora_triton.py -q
 Compiled Triton needs an accelerator; on a CPU-only machine the kernel cases run in a child pytest with
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import lora as lora_ops
+from engine.lora.punica import SlotRanks, TritonLoRABatch, group_tokens
 from kernels import reference
 from tests.kernels.triton_env import DEV, HAS_TRITON, INTERPRETING, assert_close_rel, needs_kernels
 
@@ -74,6 +74,10 @@ def _to(p: dict, dev: torch.device) -> dict:
     return q
 
 
+def _ranks(ranks: list[list[int]], dev: torch.device) -> torch.Tensor:
+    return torch.tensor(ranks, dtype=torch.int32, device=dev)
+
+
 def _reference(p: dict, add_inputs: bool) -> torch.Tensor:
     y = p["y"].clone()
     for a, b, r, off in zip(p["a"], p["b"], p["ranks"], p["offsets"]):
@@ -91,15 +95,16 @@ def _reference(p: dict, add_inputs: bool) -> torch.Tensor:
 @pytest.mark.parametrize("sizes", [[40], [48, 16], [48, 16, 24]], ids=["1slice", "2slices-rank-major-B", "3slices"])
 @pytest.mark.parametrize("add_inputs", [True, False], ids=["add", "replace"])
 def test_add_lora_matches_reference(dtype: torch.dtype, sizes: list[int], add_inputs: bool) -> None:
-    from kernels.lora_triton import add_lora, prepare_lora_batch
+    from kernels.lora_triton import add_lora
 
     assert DEV is not None
     p = _problem(len(sizes) * 10 + add_inputs, sizes, dtype, rank_major=len(sizes) == 2)
     ref = _reference(p, add_inputs)
     d = _to(p, DEV)
     assert d["b"][0].stride(1) == (1 if len(sizes) == 2 else 64)
-    info = prepare_lora_batch(p["slots"].tolist(), p["ranks"], p["num_slots"], device=DEV)
-    out = add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], add_inputs=add_inputs)
+    info = group_tokens(p["slots"].tolist(), p["num_slots"], device=DEV)
+    rt = _ranks(p["ranks"], DEV)
+    out = add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt, add_inputs=add_inputs)
     _assert_close(out, ref, dtype, f"{dtype} {sizes} add={add_inputs}")
     out_cpu, y_cpu = out.cpu(), p["y"]
     none = p["slots"] < 0
@@ -108,55 +113,55 @@ def test_add_lora_matches_reference(dtype: torch.dtype, sizes: list[int], add_in
     if len(sizes) != 3:
         return
     # Deterministic: the same launch gives the same bits.
-    again = add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], add_inputs=add_inputs)
+    again = add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt, add_inputs=add_inputs)
     assert torch.equal(out, again)
-    # The dispatcher with a raw slot tensor and host rank lists (grouped on the fly) gives the same bits.
-    via = lora_ops.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], p["ranks"], d["offsets"], d["slots"],
-                            add_inputs, backend="triton")
+    # The engine's batch (built from the host slot list) gives the same bits.
+    batch = TritonLoRABatch.build(p["slots"].tolist(), p["num_slots"], DEV)
+    via = batch.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], SlotRanks(p["ranks"], rt), d["offsets"], add_inputs)
     assert torch.equal(out, via)
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_single_slice_shrink_and_expand_match_reference(dtype: torch.dtype) -> None:
-    """kernels.lora.shrink / expand (the fully sharded path's separate calls) with the triton backend."""
+    """TritonLoRABatch.shrink / expand (the fully sharded path's separate calls)."""
     assert DEV is not None
     p = _problem(3, [40], dtype, num_tokens=30)
     d = _to(p, DEV)
     a, b, r = p["a"][0], p["b"][0], p["ranks"][0]
+    batch, sr = TritonLoRABatch.build(p["slots"].tolist(), p["num_slots"], DEV), SlotRanks([r], _ranks([r], DEV))
     buf_ref = reference.lora_shrink(p["x"], a, p["slots"], r)
-    buf = lora_ops.shrink(d["x"], d["a"][0], d["slots"], r, backend="triton")
+    buf = batch.shrink(d["x"], d["a"][0], sr)
     assert buf.dtype == torch.float32 and buf.shape == buf_ref.shape
     _assert_close(buf, buf_ref, torch.float32 if dtype == torch.float32 else torch.bfloat16)
     # Rows of slot -1 and columns past each slot's rank are exactly zero, as in the reference.
     assert torch.equal(buf.cpu() == 0, buf_ref == 0)
     for add_inputs in (True, False):
         ref = reference.lora_expand(p["y"].clone(), buf_ref, b, p["slots"], r, 2, add_inputs)
-        out = lora_ops.expand(d["y"].clone(), buf_ref.to(DEV), d["b"][0], d["slots"], r, 2, add_inputs,
-                              backend="triton")
+        out = batch.expand(d["y"].clone(), buf_ref.to(DEV), d["b"][0], sr, 2, add_inputs)
         _assert_close(out, ref, dtype, f"expand add={add_inputs}")
     with pytest.raises(ValueError, match="does not match LoRA B"):  # seed bug 2: a gathered, wider buffer
-        lora_ops.expand(d["y"], torch.zeros(30, 128, device=DEV), d["b"][0], d["slots"], r, 0, backend="triton")
+        batch.expand(d["y"], torch.zeros(30, 128, device=DEV), d["b"][0], sr, 0)
 
 
 @needs_kernels
-def test_rank_zero_slot_replace_writes_zeros_and_ranks_tensor_matches_lists() -> None:
-    from kernels.lora_triton import add_lora, prepare_lora_batch, ranks_tensor
+def test_rank_zero_slot_replace_writes_zeros() -> None:
+    from kernels.lora_triton import add_lora
 
     assert DEV is not None
     p = _problem(7, [24, 8], torch.float32, num_tokens=28)
     p["ranks"] = [[0, 64, 70, 2, 9], [5, 0, 16, 64, 1]]  # 70 > r_max: truncated to r_max like the reference
     d = _to(p, DEV)
     ref = _reference(p, add_inputs=False)
-    info = prepare_lora_batch(d["slots"], None, p["num_slots"])
+    info = group_tokens(d["slots"], p["num_slots"])
     assert info.has_lora is (True if DEV.type == "cpu" else None)  # a device tensor: unknown without a sync
-    rt = ranks_tensor(p["ranks"], p["num_slots"], DEV)
+    rt = _ranks(p["ranks"], DEV)
     out = add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt, add_inputs=False)
     _assert_close(out, ref, torch.float32)
     rows0 = (p["slots"] == 0).nonzero().flatten()
     assert bool((out.cpu()[rows0, :24] == 0).all()), "slot 0 has rank 0 in slice 0: replace writes zeros"
-    lists = add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], p["ranks"], add_inputs=False)
-    assert torch.equal(out, lists)
+    with pytest.raises(ValueError, match="int32"):  # the launchers take the device tensor only
+        add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt.long(), add_inputs=False)
 
 
 @needs_kernels
@@ -171,10 +176,10 @@ def test_shrink_split_k_sums_in_order(monkeypatch: pytest.MonkeyPatch, block_k: 
     assert lora_triton._shrink_config(96)["split_k"] == split_k
     p = _problem(21, [40, 8], torch.float32, num_tokens=30)
     d = _to(p, DEV)
-    info = lora_triton.prepare_lora_batch(p["slots"].tolist(), p["ranks"], p["num_slots"], device=DEV)
-    out = lora_triton.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"])
+    info, rt = group_tokens(p["slots"].tolist(), p["num_slots"], device=DEV), _ranks(p["ranks"], DEV)
+    out = lora_triton.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt)
     _assert_close(out, _reference(p, True), torch.float32, f"split_k={split_k}")
-    buf = lora_triton.lora_shrink(d["x"], d["a"], info)
+    buf = lora_triton.lora_shrink(d["x"], d["a"], info, rt)
     for i in range(2):
         _assert_close(buf[i], reference.lora_shrink(p["x"], p["a"][i], p["slots"], p["ranks"][i]), torch.float32)
 
@@ -191,84 +196,85 @@ def test_no_lora_step_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     p = _to(_problem(1, [16, 8], torch.float32, num_tokens=30), DEV)
     monkeypatch.setattr(lora_triton, "_lora_shrink_kernel", _Boom())
     monkeypatch.setattr(lora_triton, "_lora_expand_kernel", _Boom())
-    info = lora_triton.prepare_lora_batch([-1] * 30, p["ranks"], p["num_slots"], device=DEV)
+    info, rt = group_tokens([-1] * 30, p["num_slots"], device=DEV), _ranks(p["ranks"], DEV)
     assert info.has_lora is False
     y = p["y"].clone()
     for add_inputs in (True, False):
-        assert lora_triton.add_lora(y, p["x"], p["a"], p["b"], info, p["offsets"], add_inputs=add_inputs) is y
+        assert lora_triton.add_lora(y, p["x"], p["a"], p["b"], info, p["offsets"], rt, add_inputs=add_inputs) is y
     assert torch.equal(y, p["y"])
-    empty = lora_triton.prepare_lora_batch(torch.zeros(0, dtype=torch.long, device=DEV), None, 4)
+    empty = group_tokens(torch.zeros(0, dtype=torch.long, device=DEV), 4)
     assert empty.num_blocks == 0
 
 
 @needs_kernels
-def test_prepare_lora_batch_schedule_and_in_place_update() -> None:
-    from kernels.lora_triton import max_blocks, prepare_lora_batch
+def test_group_tokens_schedule_and_in_place_update() -> None:
+    from kernels.lora_triton import max_blocks
 
     assert DEV is not None
     g = torch.Generator().manual_seed(5)
     for num_slots, t, bm in ((6, 70, 16), (64, 64, 16), (3, 200, 32)):
         slots = torch.randint(-1, num_slots, (t,), generator=g)
-        info = prepare_lora_batch(slots.to(DEV), None, num_slots, block_m=bm)
+        info = group_tokens(slots.to(DEV), num_slots, block_m=bm)
         assert info.num_blocks == max_blocks(t, num_slots, bm)
-        srt = info.sorted_tokens.cpu().long()
+        srt = info.part(1).cpu().long()
         assert sorted(srt.tolist()) == list(range(t))
         assert slots[srt].tolist() == sorted(slots.tolist(), key=lambda s: num_slots if s < 0 else s)
         covered: list[int] = []
-        for blk, start, end in zip(info.block_slot.tolist(), info.block_start.tolist(), info.block_end.tolist()):
+        for blk, start, end in zip(info.part(4).tolist(), info.part(5).tolist(), info.part(6).tolist()):
             if blk >= num_slots:
                 continue
             rows = srt[start:min(start + bm, end)].tolist()
             assert rows and all(int(slots[r]) == blk for r in rows)
             covered += rows
         assert sorted(covered) == sorted((slots >= 0).nonzero().flatten().tolist()), "each LoRA token in one block"
-        assert info.slot_len.cpu().tolist() == [int((slots == s).sum()) for s in range(num_slots)]
+        assert info.part(3).cpu().tolist() == [int((slots == s).sum()) for s in range(num_slots)]
     # A host list (scheduled on the CPU, one copy) and a device tensor (scheduled there) agree.
     slots = torch.randint(-1, 5, (50,), generator=g)
-    host = prepare_lora_batch(slots.tolist(), None, 5, device=DEV)
-    assert host.has_lora is True and torch.equal(host.meta, prepare_lora_batch(slots.to(DEV), None, 5).meta)
+    host = group_tokens(slots.tolist(), 5, device=DEV)
+    assert host.has_lora is True and torch.equal(host.meta, group_tokens(slots.to(DEV), 5).meta)
     # In place (graph replay): same tensors, new contents.
-    info = prepare_lora_batch([0, 1, -1, 1], [[4, 8]], 2, device=DEV)
-    ptrs = [info.sorted_tokens.data_ptr(), info.block_slot.data_ptr(), info.ranks.data_ptr()]
-    again = prepare_lora_batch(torch.tensor([1, 1, 1, -1], device=DEV), [[16, 2]], 2, out=info)
-    assert again is info and ptrs == [info.sorted_tokens.data_ptr(), info.block_slot.data_ptr(), info.ranks.data_ptr()]
-    assert info.slot_len.tolist() == [0, 3] and info.ranks.tolist() == [[16, 2]]
+    batch = TritonLoRABatch.build([0, 1, -1, 1], 2, DEV)
+    info = batch.groups
+    ptrs = [info.part(1).data_ptr(), info.part(4).data_ptr()]
+    batch.update([1, 1, 1, -1])
+    assert batch.groups is info and ptrs == [info.part(1).data_ptr(), info.part(4).data_ptr()]
+    assert info.part(3).tolist() == [0, 3]
     with pytest.raises(ValueError, match="outside"):
-        prepare_lora_batch([0, 2], None, 2)
+        group_tokens([0, 2], 2)
     with pytest.raises(ValueError, match="T=4"):
-        prepare_lora_batch([0, 1, 1], None, 2, out=info)
+        batch.update([0, 1, 1])
 
 
 @needs_kernels
 def test_shape_checks() -> None:
-    from kernels.lora_triton import lora_expand, lora_shrink, prepare_lora_batch
+    from kernels.lora_triton import lora_expand, lora_shrink
 
     assert DEV is not None
     p = _to(_problem(2, [16, 8], torch.float32, num_tokens=30), DEV)
-    info = prepare_lora_batch(p["slots"], p["ranks"], p["num_slots"])
+    info, rt = group_tokens(p["slots"], p["num_slots"]), _ranks(p["ranks"], DEV)
     with pytest.raises(ValueError, match="inputs"):
-        lora_shrink(p["x"][:, :50], p["a"], info)
+        lora_shrink(p["x"][:, :50], p["a"], info, rt)
     with pytest.raises(ValueError, match="tokens"):
-        lora_shrink(p["x"][:10], p["a"], info)
+        lora_shrink(p["x"][:10], p["a"], info, rt)
     with pytest.raises(ValueError, match="slices"):
-        lora_shrink(p["x"], p["a"][:1], info)  # info.ranks has two slices
-    buf = lora_shrink(p["x"], p["a"], info)
+        lora_shrink(p["x"], p["a"][:1], info, rt)  # rt has two slices
+    buf = lora_shrink(p["x"], p["a"], info, rt)
     with pytest.raises(ValueError, match="outside y"):
-        lora_expand(p["y"], buf, p["b"], info, [0, p["y"].size(1) - 4])
+        lora_expand(p["y"], buf, p["b"], info, [0, p["y"].size(1) - 4], rt)
     with pytest.raises(ValueError, match="does not match"):
-        lora_expand(p["y"], torch.zeros(2, 30, 128, device=DEV), p["b"], info, p["offsets"])
+        lora_expand(p["y"], torch.zeros(2, 30, 128, device=DEV), p["b"], info, p["offsets"], rt)
 
 
 @pytest.mark.skipif(DEV is None or DEV.type != "cuda", reason="graph capture is checked on CUDA")
 def test_cuda_graph_capture_and_replay_with_new_mapping() -> None:
     """The kernels need no host sync: capture once, then replay after writing a new mapping in place."""
-    from kernels.lora_triton import add_lora, prepare_lora_batch, ranks_tensor
+    from kernels.lora_triton import add_lora
 
     assert DEV is not None
     p = _problem(11, [48, 16, 24], torch.bfloat16, num_tokens=40)
     d = _to(p, DEV)
-    ranks = ranks_tensor(p["ranks"], p["num_slots"], DEV).clone()
-    info = prepare_lora_batch(d["slots"], None, p["num_slots"])
+    ranks = _ranks(p["ranks"], DEV)
+    info = group_tokens(d["slots"], p["num_slots"])
     y = d["y"].clone()
     add_lora(y, d["x"], d["a"], d["b"], info, d["offsets"], ranks)  # compile outside the capture
     torch.cuda.synchronize()
@@ -276,7 +282,7 @@ def test_cuda_graph_capture_and_replay_with_new_mapping() -> None:
     with torch.cuda.graph(graph):
         add_lora(y, d["x"], d["a"], d["b"], info, d["offsets"], ranks)
     new_slots = p["slots"].roll(7)
-    prepare_lora_batch(new_slots.to(DEV), None, p["num_slots"], out=info)
+    group_tokens(new_slots.to(DEV), p["num_slots"], out=info)
     y.copy_(d["y"])
     graph.replay()
     torch.cuda.synchronize()
@@ -303,14 +309,16 @@ def test_kernels_under_interpreter() -> None:
 def test_imports_and_reference_backends_without_triton() -> None:
     code = (
         "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
-        "import torch, kernels.lora as L, kernels.attention as A, kernels.lora_triton as LT\n"
+        "import torch, engine.lora.punica as P, kernels.attention as A, kernels.lora_triton as LT\n"
         "import kernels.triton_env as TE\nassert LT.triton is None and TE.triton is None and not TE.usable()\n"
-        "y = L.add_lora(torch.zeros(2, 4), torch.ones(2, 3), [torch.ones(1, 2, 3)], [torch.ones(1, 4, 2)], [[2]], [0],\n"
-        "               torch.tensor([0, -1]))\n"
+        "r = P.SlotRanks([[2]], torch.tensor([[2]], dtype=torch.int32))\n"
+        "y = P.ReferenceLoRABatch.build([0, -1], 1, torch.device('cpu')).add_lora(\n"
+        "    torch.zeros(2, 4), torch.ones(2, 3), [torch.ones(1, 2, 3)], [torch.ones(1, 4, 2)], r, [0])\n"
         "assert y[0].tolist() == [6.0] * 4 and y[1].tolist() == [0.0] * 4\n"
-        "info = LT.prepare_lora_batch([0, -1], [[2]], 1)\n"
+        "info = P.group_tokens([0, -1], 1)\n"
         "try:\n"
-        "    LT.add_lora(torch.zeros(2, 4), torch.ones(2, 3), [torch.ones(1, 2, 3)], [torch.ones(1, 4, 2)], info, [0])\n"
+        "    LT.add_lora(torch.zeros(2, 4), torch.ones(2, 3), [torch.ones(1, 2, 3)], [torch.ones(1, 4, 2)], info, [0],\n"
+        "                r.device)\n"
         "except RuntimeError as e:\n"
         "    assert 'triton' in str(e)\n"
         "else:\n"

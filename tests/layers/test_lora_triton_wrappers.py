@@ -11,7 +11,7 @@ from engine.forward_context import ForwardContext, forward_context
 from engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from engine.lora.adapter import LoRAModule
 from engine.lora.layers import ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA
-from engine.lora.punica import build_mapping
+from engine.lora.punica import LORA_IMPLS, build_mapping
 g = torch.Generator().manual_seed(0)
 for kind in ("qkv", "row"):
     if kind == "qkv":
@@ -31,7 +31,7 @@ for kind in ("qkv", "row"):
     x = torch.randn(len(slots), 64, generator=g)
     outs = []
     for backend in ("reference", "triton"):
-        with forward_context(ForwardContext(attn=None, lora=build_mapping(slots, x.device, backend, 3))):
+        with forward_context(ForwardContext(attn=None, lora=build_mapping(slots, x.device, LORA_IMPLS[backend], 3))):
             outs.append(w(x))
     torch.testing.assert_close(outs[1], outs[0], atol=1e-4, rtol=1e-4)
 print("ok")

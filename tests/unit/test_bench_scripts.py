@@ -3,7 +3,9 @@ runs on a GPU (the kernel benchmarks have theirs in tests/kernels/test_lora_trit
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -70,3 +72,30 @@ def test_bench_prefix_quick(tmp_path: Path) -> None:
     assert single["cached_tokens_on"] == single["requests"] * 256  # every system prompt still cached
     assert burst["same_tokens_fraction"] == single["same_tokens_fraction"] == 1.0
     assert burst["ttft_mean_ms_on"] > 0 and single["ttft_mean_ms_off"] > 0
+
+
+def test_gpu_engine_check_passes_and_fails_on_the_cpu(tmp_path: Path) -> None:
+    """The GPU check's exit logic: 0 with a PASS line when the fast engine equals the reference, 1 with a
+    FAIL line when a fast kernel fails its start-up check (injected with the documented fault switch)."""
+    cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_engine_check.py"), "--quick", "--device", "cpu",
+           "--root", str(tmp_path)]
+    ok = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0 and "gpu_engine_check: PASS (2 checks)" in ok.stdout, ok.stdout[-3000:] + ok.stderr[-3000:]
+    if importlib.util.find_spec("triton") is None:
+        return
+    env = {**os.environ, "TRITON_INTERPRET": "1", "XPULORA_KERNEL_FAULT": "lora=raise"}
+    bad = subprocess.run([*cmd, "--lora-kernel", "triton"], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 1, bad.stdout[-3000:] + bad.stderr[-3000:]
+    assert "gpu_engine_check: FAIL" in bad.stdout and "lora kernel passes its start-up check" in bad.stdout
+
+
+def test_checks_summary() -> None:
+    from tools.checks import Checks
+
+    c = Checks("x")
+    assert c.finish() == 1  # nothing checked is not a pass
+    c.expect("a", True)
+    assert c.finish() == 0
+    c.expect("b", False, detail=1)
+    assert c.finish() == 1 and c.failed == ["b"]
