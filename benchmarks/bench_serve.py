@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_e2e import emit, engine_config, model_args, write_model
 from engine import LLMEngine, SamplingParams
 from tools.loadgen import percentile
-from tools.serverlib import REPO, ServerProcess
+from tools.serverlib import ServerProcess
 
 
 @dataclass(frozen=True)
@@ -174,9 +174,7 @@ def main() -> int:
         for i, c in enumerate(a.batches):
             rows[c] = offline(e, reqs, c, texts if i == 0 else None)
             emit(case="offline", concurrency=c, **rows[c])  # kept should the server fail
-    # the child keeps this process's import path (ServerProcess would set the repository alone)
-    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    srv = ServerProcess(path, server_flags(device.type, adapters[:n], max_batch), Path(a.root) / "server.log", env)
+    srv = ServerProcess(path, server_flags(device.type, adapters[:n], max_batch), Path(a.root) / "server.log")
     try:
         srv.wait_ready(timeout=600)
         base = httpx.get(srv.url + "/v1/models", headers=srv.headers, timeout=30).json()["data"][0]["id"]

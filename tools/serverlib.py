@@ -35,8 +35,10 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "server", *([model] if model else []), "--port", str(self.port),
                "--api-key", API_KEY, *flags]
         self._log = open(log_path, "w")  # noqa: SIM115 - lives as long as the process
+        # The repository first, then the caller's import path (a device run's carried wheels live there).
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false",
+                                     env={**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false",
                                           **(env or {})})
         self.headers = {"Authorization": f"Bearer {API_KEY}"}
 
