@@ -6,7 +6,17 @@ import contextlib
 import random
 from collections.abc import Iterator
 
-from engine import CacheConfig, EngineConfig, KernelConfig, LLMEngine, ModelConfig, SchedulerConfig, distributed
+from engine import (
+    CacheConfig,
+    EngineConfig,
+    KernelConfig,
+    LLMEngine,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    distributed,
+)
+from engine.device import DeviceName
 
 WORDS = ("the quick brown fox jumps over lazy dog hello world engine serving many adapters on one model "
          "numbers letters tensor parallel int4 café naïve 你好 世界 🚀").split()
@@ -23,10 +33,11 @@ def prompts(n: int, seed: int = 0, min_words: int = 1, max_words: int = 30) -> l
 
 def make_engine(path: str, max_model_len: int = 256, num_blocks: int | None = None, max_num_seqs: int = 64,
                 max_num_batched_tokens: int = 2048, prefix_caching: bool = True,
-                kernels: KernelConfig | None = None) -> LLMEngine:
+                kernels: KernelConfig | None = None, device: DeviceName = "auto") -> LLMEngine:
     return LLMEngine(EngineConfig(
         ModelConfig(path, dtype="float32", max_model_len=max_model_len),
         cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
+        parallel=ParallelConfig(device=device),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         kernels=kernels or KernelConfig()))
 
@@ -35,7 +46,7 @@ def make_lora_engine(path: str, adapters: dict[str, str] | None = None, max_lora
                      max_cpu_loras: int | None = None, max_model_len: int = 256, max_num_seqs: int = 64,
                      num_blocks: int | None = None, tp: int = 1, fully_sharded: bool = False,
                      prefix_caching: bool = True, max_num_batched_tokens: int = 2048) -> LLMEngine:
-    from engine import LoRAConfig, ParallelConfig
+    from engine import LoRAConfig
 
     return LLMEngine(EngineConfig(
         ModelConfig(path, dtype="float32", max_model_len=max_model_len),

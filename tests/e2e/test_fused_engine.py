@@ -6,7 +6,6 @@ process; on a GPU, benchmarks/gpu_engine_check.py makes the same comparison with
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.interp import interpreter_skip_reason
 from tools.tinymodels import make_qwen35_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,7 +25,8 @@ from tests.helpers import make_engine
 path, prompts = sys.argv[1], [[5, 17, 42, 9, 100, 3, 77], [7, 7, 250, 31]]
 out = {}
 for backend in ("reference", "triton"):
-    with make_engine(path, max_num_seqs=4, kernels=KernelConfig(fused=backend, attention=backend)) as e:
+    with make_engine(path, max_num_seqs=4, kernels=KernelConfig(fused=backend, attention=backend),
+                     device="cpu") as e:
         logits = [e.runner.prompt_logits(p) for p in prompts]
         params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
         out[backend] = logits, [r.token_ids for r in e.generate(prompts, params)]
@@ -36,7 +37,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+@pytest.mark.skipif(interpreter_skip_reason() is not None, reason=str(interpreter_skip_reason()))
 @pytest.mark.parametrize("model", ["demo", "qwen35"])
 def test_fused_triton_engine_equals_reference(model: str, tmp_path: Path) -> None:
     path = str(REPO / "demo" / "model") if model == "demo" else make_qwen35_model(str(tmp_path / "m"), vision=False)

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import subprocess
 import sys
@@ -23,12 +22,14 @@ import pytest
 from openai import AsyncOpenAI
 
 from engine import EngineConfig, KernelConfig, LLMEngine, LoRAConfig, ModelConfig, SamplingParams
+from tests.interp import interpreter_skip_reason
 from tools.serverlib import API_KEY, REPO, ServerProcess
 
 DEMO = REPO / "demo"
 ADAPTERS = ("reverse", "upper", "sort")
 PROMPTS = ["words: cat ant moon fox =>", "words: pig egg bee =>", "words: sun tree =>"]
-needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+# These run the Triton kernels under the interpreter on the CPU (compiled ones: benchmarks/gpu_engine_check.py).
+needs_triton = pytest.mark.skipif(interpreter_skip_reason() is not None, reason=str(interpreter_skip_reason()))
 
 
 def _demo_engine(lora_kernel: str = "auto") -> LLMEngine:

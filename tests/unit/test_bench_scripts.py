@@ -3,12 +3,13 @@ runs on a GPU (the kernel benchmarks have theirs in tests/kernels/test_lora_trit
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.interp import interpreter_skip_reason
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -81,7 +82,7 @@ def test_gpu_engine_check_passes_and_fails_on_the_cpu(tmp_path: Path) -> None:
            "--root", str(tmp_path)]
     ok = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert ok.returncode == 0 and "gpu_engine_check: PASS (2 checks)" in ok.stdout, ok.stdout[-3000:] + ok.stderr[-3000:]
-    if importlib.util.find_spec("triton") is None:
+    if interpreter_skip_reason() is not None:  # the fault path runs the Triton kernels under the interpreter
         return
     env = {**os.environ, "TRITON_INTERPRET": "1", "XPULORA_KERNEL_FAULT": "lora=raise"}
     bad = subprocess.run([*cmd, "--lora-kernel", "triton"], cwd=REPO, env=env, capture_output=True, text=True,
