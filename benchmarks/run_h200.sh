@@ -34,7 +34,7 @@ case "${1:-}" in
     (timeout 200 python3 benchmarks/check_fla.py > "$OUT/fla.txt" 2>&1; echo $? > /tmp/rc_fla) &
     (timeout 200 python3 -c "import sys; from server.cli import main; sys.exit(main())" check-device \
        > "$OUT/check_device.txt" 2>&1; echo $? > /tmp/rc_device) &
-    timeout 480 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short "${xdist[@]}" tests/kernels tests/layers \
+    timeout 480 python3 -m pytest -v -p no:cacheprovider -rfE --tb=short "${xdist[@]}" tests/kernels tests/layers \
       tests/e2e/test_fused_engine.py tests/e2e/test_kernel_fallback.py tests/e2e/test_lora_engine.py \
       tests/e2e/test_qwen35.py > "$OUT/tests.txt" 2>&1 || failed="$failed tests"
     wait
