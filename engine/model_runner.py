@@ -14,6 +14,7 @@ from engine.device import Device
 from engine.distributed import all_reduce_min, tp_rank
 from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from engine.graph_runner import DecodeGraphs
+from engine.kernel_check import check_kernels, kernel_shapes
 from engine.layers.attention import Attention
 from engine.layers.gdn import GatedDeltaNet
 from engine.loader import CheckpointInfo, build_model, is_hybrid, load_weights
@@ -52,7 +53,11 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.model.dtype, device)
         self.max_model_len = max_model_len
         kc = config.kernels
-        self.kernels = device.kernels(kc.attention, kc.fused, kc.gdn, kc.int4, is_hybrid(info))
+        self.kernel_choices: list[Choice]
+        """What the start-up checks chose per op (log, /metrics, xpulora check-device)."""
+        self.kernels, self.kernel_choices = check_kernels(
+            device.kernels(kc.attention, kc.fused, kc.gdn, kc.int4, is_hybrid(info)),
+            kernel_shapes(info, config.cache.block_size), self.dtype, device.torch_device)
         self.model = build_model(info, self.dtype, device.torch_device, self.kernels)
         load_weights(self.model, info, progress=progress)
         self.model.eval()
@@ -62,8 +67,6 @@ class ModelRunner:
             self.lora_layers = wrap_model(self.model, self.model.lora_targets, config.lora.max_loras,
                                           config.lora.max_lora_rank, self.dtype, config.lora.fully_sharded_loras)
         self.lora_impl: type[LoRABatch] = ReferenceLoRABatch
-        self.kernel_choices: list[Choice] = []
-        """What the start-up checks chose per op (log, /metrics, xpulora check-device)."""
         if self.lora_layers:
             self.lora_impl = self._choose_lora_impl()
         self.gdn_layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]

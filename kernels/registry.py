@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -27,6 +27,9 @@ log = logging.getLogger(__name__)
 REFERENCE = "reference"
 FAULT_ENV = "XPULORA_KERNEL_FAULT"
 Fault = Literal["wrong", "raise"]
+Result = torch.Tensor | Mapping[str, torch.Tensor]
+"""A check problem's result: one tensor, or named parts (each compared with the reference's part of that
+name, so a small part's error is not hidden by a large part's scale)."""
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,27 @@ def _mismatch(got: torch.Tensor, want: torch.Tensor, tol: tuple[float, float]) -
     return None
 
 
-def choose(op: str, candidates: Sequence[str], run: Callable[[str], torch.Tensor],
+def _parts_mismatch(got: Result, want: Result, tol: tuple[float, float]) -> str | None:
+    if isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor):
+        return _mismatch(got, want, tol)
+    if isinstance(got, torch.Tensor) or isinstance(want, torch.Tensor):
+        raise TypeError("a candidate and the reference must both return one tensor or both named parts")
+    for part, g in got.items():
+        if part not in want:
+            raise KeyError(f"the reference has no part {part!r}")
+        why = _mismatch(g, want[part], tol)
+        if why is not None:
+            return f"{part}: {why}"
+    return None
+
+
+def _perturb(got: Result) -> Result:
+    if isinstance(got, torch.Tensor):
+        return got + got.abs().max().clamp(min=1.0)
+    return {part: _perturb(g) for part, g in got.items()}  # type: ignore[misc]
+
+
+def choose(op: str, candidates: Sequence[str], run: Callable[[str], Result],
            tol: tuple[float, float]) -> Choice:
     """The first candidate whose run(name) matches run("reference") within tol; candidates must end with
     the reference. run(name) computes the op's check problem with that implementation."""
@@ -74,17 +97,17 @@ def choose(op: str, candidates: Sequence[str], run: Callable[[str], torch.Tensor
         raise ValueError(f"{op}: candidates {list(candidates)} must end with {REFERENCE!r}")
     fault = fault_for(op)
     rejected: list[tuple[str, str]] = []
-    want: torch.Tensor | None = None
+    want: Result | None = None
     for name in candidates[:-1]:
         try:
             if fault == "raise":
                 raise RuntimeError(f"fault injected by {FAULT_ENV}")
             got = run(name)
             if fault == "wrong":
-                got = got + got.abs().max().clamp(min=1.0)
+                got = _perturb(got)
             if want is None:
                 want = run(REFERENCE)
-            why = _mismatch(got, want, tol)
+            why = _parts_mismatch(got, want, tol)
         except Exception as e:  # any failure of a fast path means: do not serve with it
             why = f"raised {type(e).__name__}: {e}"
         if why is None:

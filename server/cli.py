@@ -19,10 +19,18 @@ from typing import TYPE_CHECKING, Any
 from server.cli_args import DEMO_ADAPTERS, DEMO_MODEL, REPO_ROOT, build_parser
 
 if TYPE_CHECKING:
-    from engine import EngineConfig, SamplingParams
+    from engine import EngineConfig, KernelConfig, SamplingParams
 
 __all__ = ["DEMO_ADAPTERS", "DEMO_MODEL", "REPO_ROOT", "build_engine_config", "build_parser", "demo_config",
            "is_demo", "main"]
+
+
+def kernel_config(a: argparse.Namespace) -> KernelConfig:
+    """The --*-kernel flags (serve, generate, check-device)."""
+    from engine import KernelConfig
+
+    return KernelConfig(lora=a.lora_kernel, attention=a.attention_kernel, fused=a.fused_kernel, gdn=a.gdn_kernel,
+                        int4=a.int4_kernel)
 
 
 def build_engine_config(a: argparse.Namespace) -> EngineConfig:
@@ -30,7 +38,6 @@ def build_engine_config(a: argparse.Namespace) -> EngineConfig:
         CacheConfig,
         ConfigError,
         EngineConfig,
-        KernelConfig,
         LoRAConfig,
         ModelConfig,
         ParallelConfig,
@@ -57,8 +64,7 @@ def build_engine_config(a: argparse.Namespace) -> EngineConfig:
                         lora_modules=tuple((name, path) for name, path in a.lora_modules),
                         lora_roots=tuple(a.lora_root), lora_autoload=not a.no_lora_autoload),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),
-        kernels=KernelConfig(lora=a.lora_kernel, attention=a.attention_kernel, fused=a.fused_kernel, gdn=a.gdn_kernel,
-                             int4=a.int4_kernel),
+        kernels=kernel_config(a),
         seed=a.seed, enforce_eager=a.enforce_eager)
 
 
@@ -200,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "check-device":
             from engine import check_device
 
-            report = check_device(a.device, a.dtype, a.lora_kernel)
+            report = check_device(a.device, a.dtype, kernel_config(a))
             print(report.table())
             return 0 if report.ok else 1
         from server.quantize import run_quantize

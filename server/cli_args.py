@@ -311,8 +311,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     chk.add_argument("--device", choices=DEVICE_CHOICES, default="auto", help="device to check")
     chk.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                      help="compute dtype (auto: bfloat16 on GPUs, float32 on the CPU)")
-    chk.add_argument("--lora-kernel", choices=("auto", "triton", "reference"), default="auto",
-                     help="LoRA candidates: auto (the device's), triton (also on the CPU under TRITON_INTERPRET=1)")
+    _kernel_flags(chk)  # the candidates to check (triton on the CPU: under TRITON_INTERPRET=1)
     if len(argv) >= 1 and argv[0] in ("serve", "generate"):
         apply_config_file(serve if argv[0] == "serve" else gen, argv[1:])
     return p

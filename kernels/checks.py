@@ -1,0 +1,163 @@
+"""The start-up checks of the ops chosen once per engine (int4 GEMM, paged attention with the KV write, the
+fused norm/rotary/activation ops): each runs a few tokens of the served model's real shapes with every
+candidate and lets kernels.registry.choose keep the first that matches the torch reference.
+(The LoRA check lives with its implementations, engine/lora/punica.py.)"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kernels import fused
+from kernels.attention import paged_attention
+from kernels.int4 import Int4Layout, dequant_triton, int4_mm, native_supported, prepare_int4
+from kernels.registry import REFERENCE, Choice, Result, choose
+
+
+@dataclass(frozen=True)
+class CheckShapes:
+    """What the checks need of the served model."""
+
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    zero_centered: bool
+    """RMSNorm weights are stored as w - 1 (Qwen3.5)."""
+    qk_norm: bool
+    """Per-head q/k RMSNorm before the rotary embedding (Qwen3, Qwen3.5)."""
+    block_size: int
+    """KV-cache block size (tokens)."""
+    int4_group: int | None
+    """int4 group size; None: the model has no int4 layers (no int4 check)."""
+    int4_zero_offset: int = 0
+
+
+Tol = dict[torch.dtype, tuple[float, float]]
+TOLERANCE: dict[str, Tol] = {
+    # (rtol, atol relative to max|ref|). 16-bit: the fast kernels round intermediates differently.
+    "fused": {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (1.6e-2, 1e-2)},
+    "attention": {torch.float32: (1e-4, 1e-4), torch.float16: (4e-3, 4e-3), torch.bfloat16: (1.6e-2, 1e-2)},
+    # int4: the reference rounds the dense weight to the activation dtype, the kernels keep fp32 scales.
+    "int4": {torch.float32: (1e-4, 1e-4), torch.float16: (8e-3, 8e-3), torch.bfloat16: (3e-2, 2e-2)},
+}
+TOKENS = 3
+
+
+def _gen() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+def _randn(g: torch.Generator, *shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+
+def candidates_for(chosen: str) -> list[str]:
+    """What to try, in order, for an op configured as `chosen`: itself, then (int4's device dispatch) the
+    Triton kernel alone, then the reference."""
+    if chosen == REFERENCE:
+        return [REFERENCE]
+    return [chosen, "triton", REFERENCE] if chosen.startswith("auto:") else [chosen, REFERENCE]
+
+
+def _choose(op: str, chosen: str, run: Callable[[str], Result], dtype: torch.dtype) -> Choice:
+    return choose(op, candidates_for(chosen), run, TOLERANCE[op][dtype])
+
+
+def check_int4(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.device) -> Choice:
+    """A [hidden -> intermediate] int4 layer of random codes on a few tokens. An `auto:native_X` candidate is
+    checked on every kernel its dispatch uses (the native op, the Triton GEMM, the Triton dequantization)."""
+    assert s.int4_group is not None
+    k, n = s.hidden, s.intermediate
+    layout = Int4Layout(s.int4_group, s.int4_zero_offset, k, n)
+    g = _gen()
+    words = (k // 8, n), (k // s.int4_group, n // 8)
+    qw, qz = (torch.randint(-2**31, 2**31 - 1, w, generator=g, dtype=torch.int32).to(device) for w in words)
+    scales = ((torch.rand(k // s.int4_group, n, generator=g) + 0.5) / (8 * k ** 0.5)).half().to(device)
+    x = _randn(g, TOKENS, k, dtype=dtype, device=device)
+
+    def mm(backend: str) -> torch.Tensor:
+        return int4_mm(x, prepare_int4(qw, qz, scales, layout, backend, dtype=dtype))  # type: ignore[arg-type]
+
+    def run(name: str) -> Result:
+        if name == REFERENCE:
+            y = mm(REFERENCE)
+            return {"native": y, "triton": y, "dequant": y}
+        if not name.startswith("auto:"):
+            return {"triton" if name == "triton" else "native": mm(name)}
+        native = name.split(":", 1)[1]
+        parts = {part: mm(b) for part, b in (("native", native), ("triton", "triton"))
+                 if native_supported(b, layout, dtype)}  # type: ignore[arg-type]
+        if not parts:
+            raise ValueError(f"neither {native} nor triton can run an int4 layer of {layout} here")
+        if "triton" in parts:
+            parts["dequant"] = x @ dequant_triton(qw, qz, scales, s.int4_group, s.int4_zero_offset, dtype)
+        return parts
+
+    return _choose("int4", chosen, run, dtype)
+
+
+def check_attention(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.device) -> Choice:
+    """The KV write of two sequences' keys into a paged cache (one spans two blocks), then a prefill step
+    (3 queries) and a decode step (one query each), grouped-query as the model."""
+    bs, hq, hkv, d = s.block_size, s.num_heads, s.num_kv_heads, s.head_dim
+    ctx = [bs + 2, 3]
+    g = _gen()
+    k, v = (_randn(g, sum(ctx), hkv, d, dtype=dtype, device=device) for _ in range(2))
+    q = _randn(g, TOKENS + 2, hq, d, dtype=dtype, device=device)
+    tables = torch.tensor([[0, 1], [3, 2]], dtype=torch.int32)
+    slots = [int(tables[i, t // bs]) * bs + t % bs for i, c in enumerate(ctx) for t in range(c)]
+    tables, slot_mapping = tables.to(device), torch.tensor(slots, dtype=torch.long, device=device)
+
+    def attend(name: str, kc: torch.Tensor, vc: torch.Tensor, q: torch.Tensor, cu: list[int], lens: list[int],
+               max_q: int) -> torch.Tensor:
+        cu_t, lens_t = (torch.tensor(a, dtype=torch.int32, device=device) for a in (cu, lens))
+        return paged_attention(q, kc, vc, tables[:len(lens)], cu_t, lens_t, cu, lens, max_q, d ** -0.5, name)
+
+    def run(name: str) -> Result:
+        kc, vc = (torch.zeros(4, bs, hkv, d, dtype=dtype, device=device) for _ in range(2))
+        fused.write_kv(kc, vc, k, v, slot_mapping, name)
+        return {"kv_write": torch.stack([kc, vc]),
+                "prefill": attend(name, kc, vc, q[:TOKENS], [0, TOKENS], ctx[:1], TOKENS),
+                "decode": attend(name, kc, vc, q[TOKENS:], [0, 1, 2], ctx, 1)}
+
+    return _choose("attention", chosen, run, dtype)
+
+
+def check_fused(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.device) -> Choice:
+    """RMSNorm with and without the residual add, per-head q/k norm + rotary, silu-and-mul."""
+    g = _gen()
+    x, res = (_randn(g, TOKENS, s.hidden, dtype=dtype, device=device) for _ in range(2))
+    w = (1.0 + 0.1 * torch.randn(s.hidden, generator=g)).to(dtype).to(device)
+    heads = _randn(g, TOKENS, s.num_heads, s.head_dim, dtype=dtype, device=device)
+    hw = (1.0 + 0.1 * torch.randn(s.head_dim, generator=g)).to(dtype).to(device) if s.qk_norm else None
+    gate_up = _randn(g, TOKENS, 2 * s.intermediate, dtype=dtype, device=device)
+    half = s.rotary_dim // 2
+    angles = torch.arange(64).float()[:, None] * 10000.0 ** (-torch.arange(half).float() / half)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
+    positions = torch.tensor([0, 7, 63], device=device)[:TOKENS]
+
+    def run(name: str) -> Result:
+        y, h = fused.rms_norm(x, w, 1e-6, s.zero_centered, res, name)
+        return {"rms_norm": y, "residual_add": h, "rms_norm_alone": fused.rms_norm(x, w, 1e-6, s.zero_centered, None,
+                                                                                   name)[0],
+                "norm_rope": fused.norm_rope(heads, positions, cos_sin, s.rotary_dim, hw, 1e-6, s.zero_centered, name),
+                "silu_and_mul": fused.silu_and_mul(gate_up, name)}
+
+    return _choose("fused", chosen, run, dtype)
+
+
+CHECKS: dict[str, Callable[[str, CheckShapes, torch.dtype, torch.device], Choice]] = {
+    "attention": check_attention, "fused": check_fused, "int4": check_int4}
+"""Op -> its check, for the ops kernels/ implements (GDN's fla kernels are not checked yet)."""
+
+
+def check_ops(chosen: Sequence[tuple[str, str]], s: CheckShapes, dtype: torch.dtype,
+              device: torch.device) -> list[Choice]:
+    """(op, configured implementation) -> the checked choices, in order; int4 only for an int4 model."""
+    return [CHECKS[op](name, s, dtype, device) for op, name in chosen
+            if not (op == "int4" and s.int4_group is None)]
