@@ -49,8 +49,9 @@ class DeviceReport:
 
 
 TYPICAL = CheckShapes(hidden=1024, intermediate=3072, num_heads=16, num_kv_heads=8, head_dim=128, rotary_dim=128,
-                      zero_centered=False, qk_norm=True, block_size=16, int4_group=128, int4_zero_offset=0)
-"""check-device's model shapes: a Qwen3-0.6B-sized layer."""
+                      zero_centered=False, qk_norm=True, block_size=16, int4_group=128, int4_zero_offset=0,
+                      gdn=(16, 32, 128, 128))
+"""check-device's model shapes: a Qwen3-0.6B-sized layer, Qwen3.5's Gated DeltaNet heads."""
 
 
 def kernel_shapes(info: CheckpointInfo, block_size: int) -> CheckShapes:
@@ -60,7 +61,7 @@ def kernel_shapes(info: CheckpointInfo, block_size: int) -> CheckShapes:
     if is_hybrid(info):
         h = Qwen35Args.from_hf(info.hf_config)
         return CheckShapes(h.hidden_size, h.intermediate_size, h.num_heads, h.num_kv_heads, h.head_dim, h.rotary_dim,
-                           True, True, block_size, *group)
+                           True, True, block_size, *group, (h.lin_k_heads, h.lin_v_heads, h.lin_k_dim, h.lin_v_dim))
     a = QwenArgs.from_hf(info.hf_config)
     return CheckShapes(a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim,
                        False, a.qk_norm, block_size, *group)
@@ -70,8 +71,8 @@ def check_kernels(kernels: Kernels, shapes: CheckShapes, dtype: torch.dtype,
                   device: torch.device) -> tuple[Kernels, list[Choice]]:
     """Check the fast implementations in kernels against their references; failed ones are replaced by the
     next candidate (kernels.checks.candidates_for). Returns what to build the model with, and the choices."""
-    choices = check_ops([("attention", kernels.attention), ("fused", kernels.fused), ("int4", kernels.int4)],
-                        shapes, dtype, device)
+    choices = check_ops([("attention", kernels.attention), ("fused", kernels.fused), ("gdn", kernels.gdn),
+                         ("int4", kernels.int4)], shapes, dtype, device)
     return dataclasses.replace(kernels, **{c.op: c.chosen for c in choices}), choices
 
 
@@ -87,7 +88,7 @@ def check_device(device: str = "auto", dtype: str = "auto", kernels: KernelConfi
     dt = dev.default_dtype() if dtype == "auto" else DTYPES[dtype]
     _, lora = choose_impl(dev.lora_candidates(kernels.lora), shapes.hidden, list(out_sizes), max_rank, max_loras,
                           dt, dev.torch_device)
-    chosen = dev.kernels(kernels.attention, kernels.fused, kernels.gdn, kernels.int4, hybrid=False)
+    chosen = dev.kernels(kernels.attention, kernels.fused, kernels.gdn, kernels.int4, hybrid=True)
     _, others = check_kernels(chosen, shapes, dt, dev.torch_device)
     triton_version = getattr(triton_env.triton, "__version__", None)
     env = (f"torch {torch.__version__}, triton {triton_version or 'not installed'}"

@@ -12,6 +12,7 @@ import torch
 
 from kernels import fused
 from kernels.attention import paged_attention
+from kernels.gdn import delta_rule_decode, delta_rule_varlen
 from kernels.int4 import Int4Layout, dequant_triton, int4_mm, native_supported, prepare_int4
 from kernels.registry import REFERENCE, Choice, Result, choose
 
@@ -35,6 +36,8 @@ class CheckShapes:
     int4_group: int | None
     """int4 group size; None: the model has no int4 layers (no int4 check)."""
     int4_zero_offset: int = 0
+    gdn: tuple[int, int, int, int] | None = None
+    """Gated DeltaNet (key heads, value heads, key head dim, value head dim); None: no GDN layers."""
 
 
 Tol = dict[torch.dtype, tuple[float, float]]
@@ -44,6 +47,8 @@ TOLERANCE: dict[str, Tol] = {
     "attention": {torch.float32: (1e-4, 1e-4), torch.float16: (4e-3, 4e-3), torch.bfloat16: (1.6e-2, 1e-2)},
     # int4: the reference rounds the dense weight to the activation dtype, the kernels keep fp32 scales.
     "int4": {torch.float32: (1e-4, 1e-4), torch.float16: (8e-3, 8e-3), torch.bfloat16: (3e-2, 2e-2)},
+    # fla-core computes in bf16 whatever the dtype (as benchmarks/check_fla.py: 2e-2 of the scale).
+    "gdn": dict.fromkeys((torch.float32, torch.float16, torch.bfloat16), (0.0, 2e-2)),
 }
 TOKENS = 3
 
@@ -151,13 +156,38 @@ def check_fused(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.d
     return _choose("fused", chosen, run, dtype)
 
 
+def check_gdn(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.device) -> Choice:
+    """The gated delta rule of a prefill step (two sequences, 3 and 2 tokens, from random states in swapped
+    slots) then a decode step: outputs and updated states."""
+    assert s.gdn is not None
+    hk, hv, dk, dv = s.gdn
+    g = _gen()
+    t = 5
+    q, k = (_randn(g, t + 2, hk, dk, dtype=dtype, device=device) for _ in range(2))
+    v = _randn(g, t + 2, hv, dv, dtype=dtype, device=device)
+    gate = -torch.nn.functional.softplus(torch.randn(t + 2, hv, generator=g)).to(device)
+    beta = torch.rand(t + 2, hv, generator=g).to(dtype).to(device)
+    s0 = (torch.randn(2, hv, dk, dv, generator=g) * 0.05).to(device)
+    index = torch.tensor([1, 0], device=device)
+
+    def run(name: str) -> Result:
+        states = s0.clone()
+        pre = delta_rule_varlen(q[:t], k[:t], v[:t], gate[:t], beta[:t], states, [1, 0], [0, 3, t], name)
+        pre_states = states.clone()
+        dec = delta_rule_decode(q[t:], k[t:], v[t:], gate[t:], beta[t:], states, index, name)
+        return {"prefill": pre, "prefill_states": pre_states, "decode": dec, "decode_states": states}
+
+    return _choose("gdn", chosen, run, dtype)
+
+
 CHECKS: dict[str, Callable[[str, CheckShapes, torch.dtype, torch.device], Choice]] = {
-    "attention": check_attention, "fused": check_fused, "int4": check_int4}
-"""Op -> its check, for the ops kernels/ implements (GDN's fla kernels are not checked yet)."""
+    "attention": check_attention, "fused": check_fused, "gdn": check_gdn, "int4": check_int4}
+"""Op -> its check."""
 
 
 def check_ops(chosen: Sequence[tuple[str, str]], s: CheckShapes, dtype: torch.dtype,
               device: torch.device) -> list[Choice]:
-    """(op, configured implementation) -> the checked choices, in order; int4 only for an int4 model."""
+    """(op, configured implementation) -> the checked choices, in order; int4 only for an int4 model, gdn
+    only for a model with GDN layers."""
     return [CHECKS[op](name, s, dtype, device) for op, name in chosen
-            if not (op == "int4" and s.int4_group is None)]
+            if not (op == "int4" and s.int4_group is None) and not (op == "gdn" and s.gdn is None)]

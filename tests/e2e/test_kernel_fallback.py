@@ -51,7 +51,8 @@ def test_server_falls_back_from_a_failing_lora_kernel(tmp_path: Path) -> None:
                         tmp_path / "server.log", env)
     try:
         with _demo_engine() as ref:  # the reference engine builds while the server starts
-            assert [c.chosen for c in ref.runner.kernel_choices] == ["reference"]
+            assert [(c.op, c.chosen) for c in ref.runner.kernel_choices] == [
+                (op, "reference") for op in ("attention", "fused", "int4", "lora")]
             want = [r.text for r in ref.generate([p for p, _ in _requests()],
                                                  SamplingParams(max_tokens=12, temperature=0.0),
                                                  [m for _, m in _requests()])]
@@ -83,7 +84,8 @@ from tests.e2e.test_kernel_fallback import PROMPTS, _demo_engine, _requests
 outs = {}
 for kernel in ("reference", "triton"):
     with _demo_engine(kernel) as e:
-        choice = e.runner.kernel_choices[0]
+        choice = e.runner.kernel_choices[-1]
+        assert choice.op == "lora", e.runner.kernel_choices
         assert (choice.chosen, choice.checked, choice.rejected) == ((kernel, kernel == "triton", ())), choice
         logits = [e.runner.prompt_logits(e.tokenizer.encode(p)) for p in PROMPTS]
         ids = [r.token_ids for r in e.generate([p for p, _ in _requests()], SamplingParams(max_tokens=4, temperature=0.0),
@@ -105,18 +107,24 @@ def test_triton_lora_engine_passes_its_check_and_equals_the_reference() -> None:
 
 
 @needs_triton
-@pytest.mark.parametrize("fault", [None, "raise"])
+@pytest.mark.parametrize("fault", [None, "lora=raise", "fused=wrong"])
 def test_check_device_prints_the_table_and_fails_on_a_bad_kernel(fault: str | None) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
     env.pop("XPULORA_KERNEL_FAULT", None)
     if fault:
-        env["XPULORA_KERNEL_FAULT"] = f"lora={fault}"
+        env["XPULORA_KERNEL_FAULT"] = fault
     proc = subprocess.run([sys.executable, "-c", "import sys; from server.cli import main; sys.exit(main())",
-                           "check-device", "--device", "cpu", "--lora-kernel", "triton"],
+                           "check-device", "--device", "cpu", "--lora-kernel", "triton", "--fused-kernel", "triton"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     table = proc.stdout
     assert "device: cpu" in table and "(interpreter)" in table, table + proc.stderr[-2000:]
+    rows = {line.split()[0]: line.split(None, 3)[1:] for line in table.splitlines()[4:9]}
+    assert set(rows) == {"lora", "attention", "fused", "gdn", "int4"}, table
+    assert rows["attention"] == rows["gdn"] == rows["int4"] == ["reference", "no", "-"], table  # the CPU's defaults
     if fault is None:
-        assert proc.returncode == 0 and "lora     triton     yes" in table, table
+        assert proc.returncode == 0 and rows["lora"] == rows["fused"] == ["triton", "yes", "-"], table
     else:
-        assert proc.returncode == 1 and "lora     reference  no       triton: raised RuntimeError" in table, table
+        op = fault.split("=")[0]
+        assert proc.returncode == 1 and rows[op][:2] == ["reference", "no"], table
+        assert rows[op][2].startswith("triton: ") and ("raised RuntimeError" in rows[op][2]) == (op == "lora"), table
+        assert rows["fused" if op == "lora" else "lora"] == ["triton", "yes", "-"], table
