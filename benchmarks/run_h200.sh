@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Device runs on NVIDIA H200 (see docs/PERFORMANCE.md). Usage: bash benchmarks/run_h200.sh PART
-# The image's python3 has torch + triton; fla-core travels as a wheel in .whl/.
+# The image's python3 has torch + triton; the rest travels as wheels in .whl/ (make them with
+# tools/device_wheels.sh here, and name .whl in the device call's carry).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/*.whl >/dev/null 2>&1; then
