@@ -194,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if a.command == "serve" and a.api_key is None:
         a.api_key = os.environ.get("XPULORA_API_KEY") or None
-    from engine import ConfigError
+    from engine import DEVICE_CHOICES, ConfigError
+
+    if a.device not in DEVICE_CHOICES:  # the parser takes any name: only the engine's device module knows them
+        print(f"xpulora: --device {a.device!r} is not one of {', '.join(DEVICE_CHOICES)}", file=sys.stderr)
+        return 2
 
     try:
         if a.command == "generate":

@@ -19,7 +19,6 @@ import pytest
 import tomllib
 
 from server.cli import REPO_ROOT, build_engine_config, build_parser, main
-from server.cli_args import DEVICE_CHOICES
 
 
 def _parse(*argv: str):
@@ -109,10 +108,22 @@ def test_preset_lora_modules_in_the_json_form(tmp_path: Path) -> None:
     assert a.lora_modules == [("j", "/ad/j"), ("k", "/ad/k")] and a.lora_modules[0].base_model_name == "X"
 
 
-def test_device_choices_are_the_engines() -> None:
-    from engine import DEVICE_CHOICES as ENGINE_DEVICES
+@pytest.mark.parametrize("command", [["serve"], ["generate", "--requests", "x"], ["check-device"],
+                                     ["quantize", "src", "out"]])
+def test_an_unknown_device_is_an_error_naming_the_engines_kinds(command: list[str],
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from engine import DEVICE_CHOICES
 
-    assert tuple(DEVICE_CHOICES) == tuple(ENGINE_DEVICES)
+    assert main([*command, "--device", "tpu"]) == 2
+    err = capsys.readouterr().err
+    assert "--device 'tpu' is not one of " + ", ".join(DEVICE_CHOICES) in err
+
+
+def test_an_unknown_device_in_a_preset_is_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    preset = tmp_path / "p.yaml"
+    preset.write_text("device: tpu\n")
+    assert main(["serve", "--config", str(preset)]) == 2
+    assert "--device 'tpu' is not one of" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("bad", ["does-not-exist", "README.md", "docs"])

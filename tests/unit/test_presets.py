@@ -88,7 +88,7 @@ def test_unknown_key_fails_naming_the_key(tmp_path: Path, capsys: pytest.Capture
     ("max-loras: four\n", "key 'max-loras': expected an integer, got 'four'"),
     ("max-loras: 2.5\n", "key 'max-loras': expected an integer, got 2.5"),
     ("enable-lora: yes please\n", "key 'enable-lora': expected true or false, got 'yes please'"),
-    ("device: tpu\n", "key 'device': 'tpu' is not one of auto, xpu, cuda, cpu"),
+    ("dtype: half\n", "key 'dtype': 'half' is not one of auto, float32, bfloat16, float16"),
     ("gpu-memory-utilization: [0.9]\n", "key 'gpu-memory-utilization': expected a single value"),
     ("lora-modules: [reverse]\n", "key 'lora-modules': --lora-modules expects NAME=PATH, got 'reverse'"),
     ("- max-loras\n", "expected a mapping of flag names to values"),
