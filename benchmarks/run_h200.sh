@@ -27,7 +27,7 @@ case "${1:-}" in
     python3 -c "import torch, triton, transformers, numpy; print(torch.__version__, triton.__version__, transformers.__version__, numpy.__version__)" | tee -a "$OUT/env.txt"
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     xdist=()
-    python3 -c "import xdist" 2>/dev/null && xdist=(-n 6)
+    python3 -c "import xdist" 2>/dev/null && xdist=(-n 8)
     failed=""
     rm -f /tmp/rc_engine /tmp/rc_fla /tmp/rc_device
     # The scripts run beside pytest (one GPU, ~140 GiB: room for all); each writes its own log.
@@ -35,7 +35,8 @@ case "${1:-}" in
     (timeout 200 python3 benchmarks/check_fla.py > "$OUT/fla.txt" 2>&1; echo $? > /tmp/rc_fla) &
     (timeout 200 python3 -c "import sys; from server.cli import main; sys.exit(main())" check-device \
        > "$OUT/check_device.txt" 2>&1; echo $? > /tmp/rc_device) &
-    timeout 480 python3 -m pytest -v -p no:cacheprovider -rfE --tb=short "${xdist[@]}" tests/kernels tests/layers \
+    OMP_NUM_THREADS=2 timeout 480 python3 -m pytest -v -p no:cacheprovider -rfE --tb=short --timeout 240 --durations=25 \
+      --junitxml="$OUT/tests.xml" "${xdist[@]}" tests/kernels tests/layers \
       tests/e2e/test_fused_engine.py tests/e2e/test_kernel_fallback.py tests/e2e/test_lora_engine.py \
       tests/e2e/test_qwen35.py > "$OUT/tests.txt" 2>&1 || failed="$failed tests"
     wait
