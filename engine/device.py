@@ -6,15 +6,19 @@ is free, which distributed backend to use and which int4 kernel suits the device
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import importlib
 import importlib.util
 import logging
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
 
+from engine.errors import ConfigError
 from kernels import triton_env
 
 DeviceKind = Literal["xpu", "cuda", "cpu"]
@@ -119,11 +123,24 @@ class Device:
     def graph_pool(self) -> object:
         return torch.cuda.graph_pool_handle() if self.kind == "cuda" else torch.xpu.graph_pool_handle()
 
-    def graph_capture(self, graph: object, pool: object) -> object:
-        """Context manager capturing the work queued on this device into graph."""
-        if self.kind == "cuda":
-            return torch.cuda.graph(graph, pool=pool)  # type: ignore[arg-type]
-        return torch.xpu.graph(graph, pool=pool)  # type: ignore[attr-defined]
+    @contextlib.contextmanager
+    def graph_capture(self, graph: object, pool: object) -> Iterator[None]:
+        """Capture the work queued on this device into graph. The garbage collector stays off meanwhile: a
+        finalizer run mid-capture (a freed kernel module, an event) is an illegal call that invalidates the
+        capture; on CUDA, calls from other threads (another engine's, a watchdog's) are left out of it."""
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            if self.kind == "cuda":
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # type: ignore[arg-type]
+                    yield
+            else:
+                with torch.xpu.graph(graph, pool=pool):  # type: ignore[attr-defined]
+                    yield
+        finally:
+            if was_enabled:
+                gc.enable()
 
     @property
     def supports_graphs(self) -> bool:
@@ -181,6 +198,23 @@ class Device:
         if requested == "reference" or (requested == "auto" and (self.kind == "cpu" or not triton_env.usable())):
             return ["reference"]
         return ["triton", "reference"]
+
+
+def device_count(kind: DeviceKind) -> int | None:
+    """Devices of this kind visible to torch; None on the CPU, where TP ranks share the host."""
+    if kind == "cuda":
+        return torch.cuda.device_count()
+    if kind == "xpu":
+        return torch.xpu.device_count()
+    return None
+
+
+def check_tp_fits(kind: DeviceKind, tp_size: int, visible: int | None) -> None:
+    """One device per TP rank: fail before spawning ranks that could never join (a rank on a missing
+    device dies, and rank 0 would wait out the rendezvous timeout)."""
+    if visible is not None and tp_size > visible:
+        raise ConfigError(f"tensor_parallel_size {tp_size} needs {tp_size} {kind} devices; {visible} visible "
+                          "(CUDA_VISIBLE_DEVICES / ZE_AFFINITY_MASK limit what torch sees)")
 
 
 def rank_device(kind: DeviceKind, local_rank: int) -> Device:

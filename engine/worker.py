@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 import torch
 
 from engine.config import EngineConfig
-from engine.device import DeviceKind, detect, dist_backend, rank_device, worker_env
+from engine.device import DeviceKind, check_tp_fits, detect, device_count, dist_backend, rank_device, worker_env
 from engine.distributed import destroy_tp, init_tp
 from engine.errors import EngineDeadError
 from engine.loader import CheckpointInfo, inspect_checkpoint
@@ -236,4 +236,5 @@ def make_executor(config: EngineConfig, info: CheckpointInfo, kind: DeviceKind, 
     """eos_ids: rank 0's sampler masks them under min_tokens."""
     if config.parallel.tensor_parallel_size == 1:
         return LocalExecutor(config, info, kind, max_model_len, progress, eos_ids)
+    check_tp_fits(kind, config.parallel.tensor_parallel_size, device_count(kind))
     return MultiprocExecutor(config, info, kind, max_model_len, progress, eos_ids)

@@ -16,7 +16,7 @@ from engine import (
     SchedulerConfig,
     distributed,
 )
-from engine.device import DeviceName
+from engine.device import DeviceName, detect, device_count
 
 WORDS = ("the quick brown fox jumps over lazy dog hello world engine serving many adapters on one model "
          "numbers letters tensor parallel int4 café naïve 你好 世界 🚀").split()
@@ -31,12 +31,26 @@ def prompts(n: int, seed: int = 0, min_words: int = 1, max_words: int = 30) -> l
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))) for _ in range(n)]
 
 
+def kv_blocks(max_model_len: int, max_num_seqs: int, block_size: int = 16) -> int:
+    """KV blocks for every sequence at full length: what the CPU sizes by default. Tests pass it on every
+    device, so a GPU shared by parallel test workers is not claimed whole by the first engine."""
+    return -(-max_model_len // block_size) * max_num_seqs
+
+
+def tp_device(size: int) -> DeviceName:
+    """The default device when it holds a TP group of this size, else the CPU (gloo ranks share it)."""
+    kind = detect("auto")
+    count = device_count(kind)
+    return "auto" if count is None or count >= size else "cpu"
+
+
 def make_engine(path: str, max_model_len: int = 256, num_blocks: int | None = None, max_num_seqs: int = 64,
                 max_num_batched_tokens: int = 2048, prefix_caching: bool = True,
                 kernels: KernelConfig | None = None, device: DeviceName = "auto") -> LLMEngine:
     return LLMEngine(EngineConfig(
         ModelConfig(path, dtype="float32", max_model_len=max_model_len),
-        cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
+        cache=CacheConfig(num_blocks=kv_blocks(max_model_len, max_num_seqs) if num_blocks is None else num_blocks,
+                          enable_prefix_caching=prefix_caching),
         parallel=ParallelConfig(device=device),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         kernels=kernels or KernelConfig()))
@@ -45,16 +59,19 @@ def make_engine(path: str, max_model_len: int = 256, num_blocks: int | None = No
 def make_lora_engine(path: str, adapters: dict[str, str] | None = None, max_loras: int = 4, max_lora_rank: int = 64,
                      max_cpu_loras: int | None = None, max_model_len: int = 256, max_num_seqs: int = 64,
                      num_blocks: int | None = None, tp: int = 1, fully_sharded: bool = False,
-                     prefix_caching: bool = True, max_num_batched_tokens: int = 2048) -> LLMEngine:
+                     prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
+                     kernels: KernelConfig | None = None) -> LLMEngine:
     from engine import LoRAConfig
 
     return LLMEngine(EngineConfig(
         ModelConfig(path, dtype="float32", max_model_len=max_model_len),
-        cache=CacheConfig(num_blocks=num_blocks, enable_prefix_caching=prefix_caching),
+        cache=CacheConfig(num_blocks=kv_blocks(max_model_len, max_num_seqs) if num_blocks is None else num_blocks,
+                          enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-        parallel=ParallelConfig(tensor_parallel_size=tp),
+        parallel=ParallelConfig(tensor_parallel_size=tp, device=tp_device(tp)),
         lora=LoRAConfig(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-                        fully_sharded_loras=fully_sharded, lora_modules=tuple((adapters or {}).items()))))
+                        fully_sharded_loras=fully_sharded, lora_modules=tuple((adapters or {}).items())),
+        kernels=kernels or KernelConfig()))
 
 
 def demo_shapes() -> dict[str, tuple[int, int]]:

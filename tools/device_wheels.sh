@@ -14,5 +14,5 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   annotated-types==0.8.0 annotated-doc==0.0.7 typing-inspection==0.4.5 typing-extensions==4.16.0 anyio==4.16.0 \
   opentelemetry-api==1.45.2 llguidance==1.9.1 google-re2==1.1.20251105 fla-core==0.6.0 \
   auto-round==0.16.1 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
-  openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0
+  openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 truststore==0.10.5 jiter==0.19.0 sniffio==1.3.1
 ls .whl

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from openai import AsyncOpenAI
 
-from engine import EngineConfig, KernelConfig, LLMEngine, LoRAConfig, ModelConfig, SamplingParams
+from engine import EngineConfig, KernelConfig, LLMEngine, LoRAConfig, ModelConfig, ParallelConfig, SamplingParams
 from tests.interp import interpreter_skip_reason
 from tools.serverlib import API_KEY, REPO, ServerProcess
 
@@ -37,6 +37,7 @@ def _demo_engine(lora_kernel: str = "auto") -> LLMEngine:
                                   lora=LoRAConfig(enable_lora=True, max_loras=4, max_lora_rank=64,
                                                   lora_modules=tuple((n, str(DEMO / "adapters" / n))
                                                                      for n in ADAPTERS)),
+                                  parallel=ParallelConfig(device="cpu"),  # the interpreter's device
                                   kernels=KernelConfig(lora=lora_kernel)))  # type: ignore[arg-type]
 
 

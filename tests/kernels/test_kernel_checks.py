@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 
-from engine import EngineConfig, KernelConfig, LLMEngine, ModelConfig
+from engine import EngineConfig, KernelConfig, LLMEngine, ModelConfig, ParallelConfig
 from kernels.checks import CheckShapes, candidates_for, check_int4, check_ops
 from kernels.int4 import Int4Layout, native_supported
 from kernels.registry import FAULT_ENV
@@ -62,7 +62,7 @@ def test_native_int4_passes_and_a_faulted_one_falls_back(dtype: torch.dtype, mon
 def test_engine_is_built_with_what_the_int4_check_chose(monkeypatch: pytest.MonkeyPatch) -> None:
     def engine() -> LLMEngine:
         return LLMEngine(EngineConfig(ModelConfig(str(DEMO / "model"), dtype="float32", max_model_len=64),
-                                      kernels=KernelConfig(int4="native_cpu")))
+                                      parallel=ParallelConfig(device="cpu"), kernels=KernelConfig(int4="native_cpu")))
 
     def int4_backends(e: LLMEngine) -> set[str]:
         return {w.backend for m in e.runner.model.modules() for _, w in getattr(m, "int4_paths", [])}

@@ -1,0 +1,16 @@
+"""engine.device: a TP size the visible devices cannot hold fails at once with the reason."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import ConfigError
+from engine.device import check_tp_fits
+
+
+def test_tp_larger_than_the_visible_devices_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="tensor_parallel_size 2 needs 2 cuda devices; 1 visible"):
+        check_tp_fits("cuda", 2, 1)
+    check_tp_fits("cuda", 2, 2)
+    check_tp_fits("xpu", 1, 1)
+    check_tp_fits("cpu", 4, None)  # CPU ranks share the host
