@@ -40,14 +40,15 @@ ARGS = argparse.Namespace(device="cuda", lora_kernel="auto")
 
 
 def run(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]], eager: bool, reference: bool,
-        dtype: str, gdn: str | None = None) -> tuple[list[list[int]], float]:
+        dtype: str, gdn: str | None = None, max_batched: int = 2048) -> tuple[list[list[int]], float]:
     ref = "reference" if reference else "auto"
     kernels = KernelConfig(lora="reference" if reference else ARGS.lora_kernel, attention=ref, fused=ref, int4=ref,
                            gdn=gdn or "auto")  # type: ignore[arg-type]
     lora = LoRAConfig(enable_lora=True, max_loras=4, max_lora_rank=16,
                       lora_modules=tuple((f"a{i}", p) for i, p in enumerate(adapters)))
     cfg = EngineConfig(ModelConfig(path, dtype=dtype, max_model_len=512), cache=CacheConfig(num_blocks=2048),
-                       scheduler=SchedulerConfig(max_num_seqs=64), lora=lora, enforce_eager=eager,
+                       scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_batched), lora=lora,
+                       enforce_eager=eager,
                        parallel=ParallelConfig(device=ARGS.device), kernels=kernels)
     with LLMEngine(cfg) as e:
         for c in e.runner.kernel_choices:
@@ -57,7 +58,13 @@ def run(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]
         t0 = time.perf_counter()
         out = e.generate([p for p, _ in batch], SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
                          [n for _, n in batch])  # returns once the tokens are on the host: synchronized
-        return [r.token_ids for r in out], time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        mixed = e.runner.mixed
+        if not eager and not reference and gdn is None and max_batched <= 512 and ARGS.device != "cpu":
+            # Dense models on a GPU run their steps of <= 512 tokens that hold a prefill through the piecewise graphs.
+            CHECKS.expect(f"mixed steps replayed piecewise graphs, batch {len(batch)}, chunks of {max_batched}",
+                          mixed is not None and mixed.replays > 0, replays=mixed.replays if mixed else None)
+        return [r.token_ids for r in out], took
 
 
 def main() -> None:
@@ -83,6 +90,10 @@ def main() -> None:
                       matching_requests=sum(a == b for a, b in zip(eager, ref)), of=n)
         CHECKS.expect(f"fast kernels + graphs == torch reference, float32, batch {n}", graphs == ref,
                       matching_requests=sum(a == b for a, b in zip(graphs, ref)), of=n)
+        if n >= 17:  # prefill chunks of 64 tokens share steps with decodes: the piecewise graphs' case
+            chunked, _ = run(path, adapters, batch, eager=False, reference=False, dtype="float32", max_batched=64)
+            CHECKS.expect(f"mixed-step graphs (64-token chunks) == torch reference, float32, batch {n}",
+                          chunked == ref, matching_requests=sum(a == b for a, b in zip(chunked, ref)), of=n)
     if ARGS.quick:
         exit_with(CHECKS)
     hs = Shape(1024, 2048, 4, 8, 2, 128, 2048, hybrid=True, lin_k_heads=4, lin_v_heads=8, lin_dim=128)

@@ -166,3 +166,6 @@ class EngineConfig:
     max_logprobs: int = 20
     enforce_eager: bool = False
     """Disable graph capture."""
+    mixed_graphs: bool = True
+    """Also capture steps that hold a prefill chunk, as graphs split at attention (engine/piecewise.py; dense
+    models on GPUs, up to 512 tokens); off: those steps run eagerly, decode-only steps still replay graphs."""

@@ -22,6 +22,7 @@ from engine.logits_processors import LogitsProcessors
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.layers import BaseLayerWithLoRA, wrap_model
 from engine.lora.punica import LoRABatch, ReferenceLoRABatch, TritonLoRABatch, build_mapping, choose_impl
+from engine.piecewise import MIXED_SIZES, MixedGraphs
 from engine.protocol import SamplingParams
 from engine.sampler import Sampler, SamplerOutput, make_generator
 from engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -94,6 +95,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, device, sizes, (max_model_len + bs - 1) // bs, bs,
                                        self.kv.num_blocks, config.lora.max_loras if self.lora_layers else 0,
                                        self.num_state_slots if self.gdn_layers else None)
+        self.mixed: MixedGraphs | None = None
+        if self.use_graphs and config.mixed_graphs and not self.gdn_layers:
+            sizes = [s for s in MIXED_SIZES if s <= config.scheduler.max_num_batched_tokens]
+            self.mixed = MixedGraphs(self.model, device, sizes, self.kv.num_blocks, self.kv.block_size,
+                                     self.lora_impl if self.lora_layers else None, config.lora.max_loras)
 
     # -- KV cache --------------------------------------------------------------------------------
     def _block_bytes(self) -> int:
@@ -248,8 +254,13 @@ class ModelRunner:
             rows = [i for i, s in enumerate(step.seqs) if s.sample]
         else:
             input_ids, positions, ctx, rows = self._prepare(step)
-            with forward_context(ctx):
-                h = self.model(input_ids, positions)
+            if self.mixed is not None and self.mixed.can_run(input_ids.numel()):
+                assert ctx.attn is not None
+                h = self.mixed.run(input_ids, positions, ctx.attn,
+                                   [s.lora_slot for s in step.seqs for _ in s.token_ids])
+            else:
+                with forward_context(ctx):
+                    h = self.model(input_ids, positions)
         self._copy_states(step, restore=False)
         sampled = [s for s in step.seqs if s.sample]
         if not sampled:

@@ -65,7 +65,8 @@ def build_engine_config(a: argparse.Namespace) -> EngineConfig:
                         lora_roots=tuple(a.lora_root), lora_autoload=not a.no_lora_autoload),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),
         kernels=kernel_config(a),
-        seed=a.seed, enforce_eager=a.enforce_eager)
+        seed=a.seed, enforce_eager=a.enforce_eager,
+        mixed_graphs=a.mixed_graphs)
 
 
 def is_demo(model: str) -> bool:

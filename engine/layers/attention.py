@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.forward_context import get_context
+from engine.forward_context import AttentionMetadata, get_context
 from kernels.attention import paged_attention
 from kernels.fused import write_kv
 
@@ -23,8 +23,14 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
-        meta = get_context().attn
-        assert meta is not None, "attention needs attention metadata"
+        ctx = get_context()
+        if ctx.split is not None:  # a piecewise capture ends here and attention runs outside the graphs
+            return ctx.split(self, q, k, v)
+        assert ctx.attn is not None, "attention needs attention metadata"
+        return self.attend(q, k, v, ctx.attn)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Write this step's k/v into the cache, then attend over it."""
         t = q.size(0)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
