@@ -117,6 +117,19 @@ class Device:
         # float32 on the CPU: bf16 matmuls are slow there and exactness helps tests.
         return torch.float32 if self.kind == "cpu" else torch.bfloat16
 
+    @property
+    def pins_memory(self) -> bool:
+        """Host staging buffers are pinned (page-locked) so their copies to the device run asynchronously."""
+        return self.kind != "cpu"
+
+    def new_event(self) -> object | None:
+        """An event to wait for one queued copy (None on the CPU, where copies finish when issued)."""
+        if self.kind == "cuda":
+            return torch.cuda.Event()
+        if self.kind == "xpu":
+            return torch.xpu.Event()
+        return None
+
     def new_graph(self) -> object:
         return torch.cuda.CUDAGraph() if self.kind == "cuda" else torch.xpu.XPUGraph()
 

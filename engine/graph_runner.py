@@ -18,6 +18,7 @@ from engine.device import Device
 from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from engine.lora.punica import TritonLoRABatch
 from engine.scheduler import SchedulerOutput
+from engine.staging import Staging
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,8 @@ class DecodeGraphs:
         self.context_lens = torch.ones(n, dtype=torch.int32, device=dev)
         self.cu_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.state_index = torch.full((n,), scratch_state or 0, dtype=torch.long, device=dev)
+        self._longs, self._ints = Staging(device, torch.long), Staging(device, torch.int32)
+        """The replay's inputs go to the device in one copy per dtype, then into the static buffers."""
         self.graphs: dict[tuple[int, bool], tuple[object, torch.Tensor, TritonLoRABatch | None]] = {}
         pool = device.graph_pool()
         for size in reversed(self.sizes):
@@ -86,21 +89,24 @@ class DecodeGraphs:
         """Hidden states [B, hidden] of a decode-only step."""
         b = len(step.seqs)
         size = next(s for s in self.sizes if s >= b)
-        dev = self.device.torch_device
         bs = self.block_size
         pos = [s.start_pos for s in step.seqs]
-        self.input_ids[:b].copy_(torch.tensor([s.token_ids[0] for s in step.seqs], device=dev))
-        self.positions[:b].copy_(torch.tensor(pos, device=dev))
-        self.slot_mapping[:b].copy_(torch.tensor([s.block_table[p // bs] * bs + p % bs
-                                                  for s, p in zip(step.seqs, pos)], device=dev))
         # Only the columns some sequence uses: attention reads a row's blocks below its context length, so
         # the rest of a row may hold anything (a full-width table is 2048 columns at 32k tokens).
         width = max(len(s.block_table) for s in step.seqs)
-        table = [s.block_table + [self.scratch] * (width - len(s.block_table)) for s in step.seqs]
-        self.block_tables[:b, :width].copy_(torch.tensor(table, dtype=torch.int32, device=dev))
-        self.context_lens[:b].copy_(torch.tensor([p + 1 for p in pos], dtype=torch.int32, device=dev))
+        table = [blk for s in step.seqs for blk in s.block_table + [self.scratch] * (width - len(s.block_table))]
+        states = [s.state_slot for s in step.seqs] if self.scratch_state is not None else []
+        ids, positions, slot_t, index = self._longs.send([
+            [s.token_ids[0] for s in step.seqs], pos,
+            [s.block_table[p // bs] * bs + p % bs for s, p in zip(step.seqs, pos)], states])
+        ctx, table_t = self._ints.send([[p + 1 for p in pos], table])
+        self.input_ids[:b].copy_(ids)
+        self.positions[:b].copy_(positions)
+        self.slot_mapping[:b].copy_(slot_t)
+        self.block_tables[:b, :width].copy_(table_t.view(b, width))
+        self.context_lens[:b].copy_(ctx)
         if self.scratch_state is not None:
-            self.state_index[:b].copy_(torch.tensor([s.state_slot for s in step.seqs], device=dev))
+            self.state_index[:b].copy_(index)
         slots = [s.lora_slot for s in step.seqs]
         self._pad(b, size)
         with_lora = any(x >= 0 for x in slots) and (size, True) in self.graphs

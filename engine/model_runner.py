@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,6 +26,7 @@ from engine.piecewise import MIXED_SIZES, MixedGraphs
 from engine.protocol import SamplingParams
 from engine.sampler import Sampler, SamplerOutput, make_generator
 from engine.scheduler import ScheduledSeq, SchedulerOutput
+from engine.staging import Staging
 from engine.structured import GrammarMatchers
 from kernels.registry import Choice
 
@@ -84,6 +85,7 @@ class ModelRunner:
         """Called when KV blocks are written outside a scheduled step (prompt_logits): the engine's prefix
         cache forgets what those blocks held."""
         self.sampler = Sampler()
+        self._longs, self._ints = Staging(device, torch.long), Staging(device, torch.int32)
         self.processors = LogitsProcessors(int(info.text_config["vocab_size"]), device.torch_device, eos_ids)
         self.generators: dict[int, torch.Generator] = {}
         self.grammar: GrammarMatchers | None = None
@@ -174,40 +176,47 @@ class ModelRunner:
 
     # -- one step ----------------------------------------------------------------------------------
     def _prepare(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
-        bs = self.kv.block_size
+        """The step's inputs from per-sequence host lists (one Python pass over the sequences, never over
+        tokens), sent in one copy per dtype; per-token positions and KV slots are derived on the device."""
+        bs, seqs = self.kv.block_size, step.seqs
         ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        lora_slots: list[int] = []
+        starts: list[int] = []
+        lens: list[int] = []
         cu = [0]
-        ctx_lens: list[int] = []
+        lora_slots: list[int] = []
         sample_rows: list[int] = []
-        for s in step.seqs:
+        width = max(len(s.block_table) for s in seqs)
+        table: list[int] = []
+        for s in seqs:
             n = len(s.token_ids)
-            ids.extend(s.token_ids)
-            r = range(s.start_pos, s.start_pos + n)
-            pos.extend(r)
-            slots.extend(s.block_table[p // bs] * bs + p % bs for p in r)
-            lora_slots.extend([s.lora_slot] * n)
+            ids += s.token_ids
+            starts.append(s.start_pos)
+            lens.append(n)
             cu.append(cu[-1] + n)
-            ctx_lens.append(s.start_pos + n)
+            table += s.block_table
+            table += [0] * (width - len(s.block_table))
+            if self.lora_layers:
+                lora_slots += [s.lora_slot] * n
             if s.sample:
                 sample_rows.append(cu[-1] - 1)
-        max_blocks = max(len(s.block_table) for s in step.seqs)
-        table = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in step.seqs]
-        dev = self.device.torch_device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(table, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
-            cu_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            cu_q_list=cu, context_lens_list=ctx_lens,
-            max_q_len=max(len(s.token_ids) for s in step.seqs))
+        ctx_lens = [a + n for a, n in zip(starts, lens)]
+        states = [s.state_slot for s in seqs] if self.gdn_layers else []
+        input_ids, start_t, len_t, index = self._longs.send([ids, starts, lens, states])
+        ctx_t, cu_t, table_t = self._ints.send([ctx_lens, cu, table])
+        table_t = table_t.view(len(seqs), width)
+        t, dev = cu[-1], self.device.torch_device
+        if t == len(seqs):  # one token per sequence
+            seq_of, positions = torch.arange(t, device=dev), start_t
+        else:  # output_size: no host sync to size the result
+            seq_of = torch.repeat_interleave(torch.arange(len(seqs), device=dev), len_t, output_size=t)
+            positions = start_t[seq_of] + torch.arange(t, device=dev) - cu_t[:-1].long()[seq_of]
+        slot_mapping = table_t[seq_of, positions // bs].long() * bs + positions % bs
+        meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=table_t, context_lens=ctx_t, cu_q=cu_t,
+                                 cu_q_list=cu, context_lens_list=ctx_lens, max_q_len=max(lens))
         lora = build_mapping(lora_slots, dev, self.lora_impl, self.config.lora.max_loras) if self.lora_layers else None
-        states = [s.state_slot for s in step.seqs] if self.gdn_layers else None
-        index = torch.tensor(states, dtype=torch.long, device=dev) if states is not None else None
-        return (torch.tensor(ids, dtype=torch.long, device=dev), torch.tensor(pos, dtype=torch.long, device=dev),
-                ForwardContext(attn=meta, lora=lora, state_slots=states, state_index=index), sample_rows)
+        ctx = ForwardContext(attn=meta, lora=lora, state_slots=states if self.gdn_layers else None,
+                             state_index=index if self.gdn_layers else None)
+        return input_ids, positions, ctx, sample_rows
 
     def _reset_states(self, step: SchedulerOutput) -> None:
         """A sequence's first chunk starts from zero state (new, or recomputed after preemption)."""
@@ -234,10 +243,23 @@ class ModelRunner:
                 else:
                     snap.index_copy_(0, dst, state.index_select(0, src))
 
-    @torch.inference_mode()
     def execute(self, step: SchedulerOutput, lora_loads: Iterable[tuple[int, LoRAAdapter]] = ()) -> SamplerOutput:
         """Copy the step's new adapters into their slots, run the step on this rank; only rank 0 samples
-        (the others return an empty output)."""
+        (the others return an empty output). Rows come back in step.seqs' order."""
+        if not self.lora_layers or self.lora_impl is not ReferenceLoRABatch:
+            return self._execute(step, lora_loads)
+        # The reference LoRA ops read a slot's tokens as a slice (no gathers) when they are contiguous: run
+        # the sequences grouped by slot (row order is free: every per-row input travels with its sequence).
+        order = sorted(range(len(step.seqs)), key=lambda i: step.seqs[i].lora_slot)
+        out = self._execute(replace(step, seqs=[step.seqs[i] for i in order]), lora_loads)
+        if not out.token_ids:
+            return out
+        sampled = [i for i in order if step.seqs[i].sample]  # original index of each returned row
+        back = sorted(range(len(sampled)), key=sampled.__getitem__)
+        return SamplerOutput([out.token_ids[j] for j in back], [out.logprobs[j] for j in back])
+
+    @torch.inference_mode()
+    def _execute(self, step: SchedulerOutput, lora_loads: Iterable[tuple[int, LoRAAdapter]]) -> SamplerOutput:
         for slot, adapter in lora_loads:
             self.load_lora(slot, adapter)
         for sid in step.finished_seq_ids:

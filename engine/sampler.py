@@ -185,14 +185,19 @@ def _logprobs(
     idx = _index(lp_rows, device)
     raw = torch.log_softmax(logits.index_select(0, idx), dim=-1)
     chosen = raw.gather(1, tokens.index_select(0, idx).unsqueeze(1)).squeeze(1)
-    max_n = max(params[i].logprobs or 0 for i in lp_rows)
-    if max_n > 0:
-        top_lp, top_ids = torch.topk(raw, k=min(max_n, raw.shape[-1]), dim=-1, sorted=True)
-        top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
-    else:
-        top_lp_l = top_ids_l = [[] for _ in lp_rows]
-    token_list: list[int] = tokens.tolist()
-    chosen_l: list[float] = chosen.tolist()
+    k = min(max(params[i].logprobs or 0 for i in lp_rows), raw.shape[-1])
+    # One device -> host copy for the whole step: ids (exact in float64), chosen and top-k logprobs together.
+    parts = [tokens.double(), chosen.double()]
+    if k > 0:
+        top_lp, top_ids = torch.topk(raw, k=k, dim=-1, sorted=True)
+        parts += [top_lp.double().flatten(), top_ids.double().flatten()]
+    flat: list[float] = torch.cat(parts).tolist()
+    token_list = [int(t) for t in flat[:batch]]
+    chosen_l = flat[batch:batch + len(lp_rows)]
+    at = batch + len(lp_rows)
+    width = len(lp_rows) * k
+    top_lp_l = [flat[at + j * k: at + (j + 1) * k] for j in range(len(lp_rows))]
+    top_ids_l = [[int(t) for t in flat[at + width + j * k: at + width + (j + 1) * k]] for j in range(len(lp_rows))]
     out: list[TokenLogprob | None] = [None] * batch
     for j, i in enumerate(lp_rows):
         n = params[i].logprobs or 0

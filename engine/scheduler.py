@@ -1,9 +1,12 @@
 """Continuous batching under token, sequence and KV budgets. Returns plain objects (no tensors).
 
-Each step first continues the running sequences (one decode token, or the next prefill chunk),
-preempting the newest running sequence (by recompute) when KV blocks run out, then admits waiting
-sequences in arrival order while the budgets allow. Prompts longer than the token budget are
-prefilled in chunks.
+Each step first continues the running sequences, preempting the newest running sequence not yet scheduled
+in this step (by recompute) when KV blocks run out, then admits waiting sequences in arrival order while
+the budgets allow. Prompts longer than the token budget are prefilled in chunks. The token budget
+(max_num_batched_tokens) goes to the decode rows first (one token each), then to the next chunks of the
+running prompts in arrival order, then to new prompts: a long prompt never holds the running requests'
+next tokens back (inter-token latency stays one step), and a started prompt finishes before later ones
+take its budget (TTFT is first come, first served).
 
 LoRA: a sequence takes its adapter's device slot when it starts running, so one step never holds
 more distinct adapters than there are slots. A request whose adapter cannot get a slot waits; once
@@ -174,23 +177,29 @@ class Scheduler:
         out: list[ScheduledSeq] = []
         self._scheduled = []
         preempted = 0
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        # Decode rows first, then the running prompts' next chunks (arrival order), then admissions: a long
+        # prompt's chunk takes only what the decode rows leave, so it never stalls them.
+        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        for seq in decoding + prefilling:
+            if budget <= 0:
+                break
+            if seq.status != SeqStatus.RUNNING:  # preempted earlier in this step
+                continue
             n = self._chunk(seq, seq.num_computed_tokens, budget)
             while not self.blocks.can_grow(seq.block_table, seq.num_computed_tokens + n):
-                victim = self.running[-1]
+                # The newest running sequence not scheduled in this step (at worst seq itself) is recomputed.
+                victim = next(v for v in reversed(self.running) if v not in self._scheduled)
                 self._preempt(victim)
                 preempted += 1
                 if victim is seq:
                     break
             if seq.status != SeqStatus.RUNNING:
-                break
+                continue
             self.blocks.grow(seq.block_table, seq.num_computed_tokens + n)
             out.append(self._entry(seq, n))
             self._scheduled.append(seq)
             budget -= n
-            i += 1
         # Admit new work only when nothing was preempted (the freed blocks go to the preempted first).
         loads: list[tuple[int, int]] = []
         lora_blocked = False

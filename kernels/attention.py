@@ -50,6 +50,28 @@ def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
+def paged_decode_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                         context_lens: list[int], scale: float) -> torch.Tensor:
+    """paged_attention_ref for a decode-only batch (one query per sequence, q [B, Hq, D]) in one attention call:
+    every sequence's blocks are gathered up to the longest context and the keys past a sequence's own
+    context are masked. The reference loop costs ~10 small ops per sequence per layer, which is most of a
+    CPU decode step at a few dozen sequences."""
+    b, hq, d = q.shape
+    bs, hkv = k_cache.size(1), k_cache.size(2)
+    longest = max(context_lens)
+    blocks = block_tables[:, :(longest + bs - 1) // bs].long()
+    keys = k_cache[blocks].reshape(b, -1, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
+    vals = v_cache[blocks].reshape(b, -1, hkv, d).transpose(1, 2)
+    if hkv != hq:
+        keys = keys.repeat_interleave(hq // hkv, dim=1)
+        vals = vals.repeat_interleave(hq // hkv, dim=1)
+    ctx = torch.tensor(context_lens, device=q.device)
+    mask = (torch.arange(keys.size(2), device=q.device).unsqueeze(0) < ctx.unsqueeze(1))[:, None, None, :]
+    o = F.scaled_dot_product_attention(q.unsqueeze(2).float(), keys.float(), vals.float(), attn_mask=mask,
+                                       scale=scale)
+    return o.squeeze(2).to(q.dtype)
+
+
 ATTENTION_BACKENDS = ("reference", "triton")
 
 
@@ -59,11 +81,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     backend: str = "reference") -> torch.Tensor:
     """out[t] = softmax(scale * q[t] K_s^T, causal) V_s, as paged_attention_ref, by `backend`.
 
-    reference: paged_attention_ref (reads the host lists). triton: reads only the device tensors and
-    max_q_len (no host sync; graph-capturable): the decode kernel (GQA, split keys) when every sequence
-    has at most one query, else the varlen prefill kernel.
+    reference: paged_attention_ref (reads the host lists; decode-only batches in one call). triton: reads
+    only the device tensors and max_q_len (no host sync; graph-capturable): the decode kernel (GQA, split
+    keys) when every sequence has at most one query, else the varlen prefill kernel.
     """
     if backend == "reference":
+        if max_q_len <= 1 and len(cu_q_list) == len(context_lens_list) + 1 == q.size(0) + 1:
+            return paged_decode_batched(q, k_cache, v_cache, block_tables, context_lens_list, scale)
         return paged_attention_ref(q, k_cache, v_cache, block_tables, cu_q_list, context_lens_list, scale)
     if backend == "triton":
         from kernels import attention_triton as at

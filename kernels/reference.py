@@ -144,36 +144,53 @@ def dequant_int8(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tens
 
 
 # -- LoRA (punica-style batched shrink / expand) --------------------------------------------------------
-def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, ranks: list[int]) -> torch.Tensor:
+SlotRows = list[tuple[int, torch.Tensor | slice]]
+"""(slot, the rows of the tokens using it) for every adapter slot some token uses (slot -1 left out)."""
+
+
+def slot_rows(token_slots: torch.Tensor) -> SlotRows:
+    """The token rows of each slot in use: computed once per step by a caller that makes many LoRA calls on
+    the same tokens (the CPU engine: 2 per wrapped layer), instead of a unique() and nonzero() per call.
+    Where every slot's tokens are contiguous (the model runner orders a step's rows by slot) the rows are
+    slices: views instead of gathers, and in-place adds instead of scatters."""
+    host = token_slots.cpu()
+    values, counts = torch.unique_consecutive(host, return_counts=True)
+    if values.numel() == torch.unique(values).numel():
+        ends = torch.cumsum(counts, 0).tolist()
+        return [(v, slice(e - c, e)) for v, c, e in zip(values.tolist(), counts.tolist(), ends) if v >= 0]
+    return [(slot, (token_slots == slot).nonzero(as_tuple=True)[0])
+            for slot in torch.unique(host).tolist() if slot >= 0]
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, ranks: list[int],
+                rows_of: SlotRows | None = None) -> torch.Tensor:
     """buf[t, :r] = x[t] @ a[slot[t], :r].T with r = ranks[slot[t]]; rows with slot -1 (and columns past r) are 0.
 
     x [T, in], a [S, r_max, in], token_slots [T] (int, -1 = no adapter) -> buf [T, r_max] float32.
+    rows_of: slot_rows(token_slots), when the caller has it.
     """
     buf = torch.zeros(x.size(0), a.size(1), dtype=torch.float32, device=x.device)
-    for slot in torch.unique(token_slots).tolist():
-        r = ranks[slot] if slot >= 0 else 0
+    for slot, rows in rows_of if rows_of is not None else slot_rows(token_slots):
+        r = ranks[slot]
         if r == 0:
             continue
-        rows = (token_slots == slot).nonzero(as_tuple=True)[0]
         buf[rows, :r] = x[rows].float() @ a[slot, :r].float().t()
     return buf
 
 
 def lora_expand(y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, ranks: list[int],
-                offset: int, add_inputs: bool) -> torch.Tensor:
+                offset: int, add_inputs: bool, rows_of: SlotRows | None = None) -> torch.Tensor:
     """y[t, offset:offset+n] (+)= buf[t, :r] @ b[slot[t], :, :r].T, r = ranks[slot[t]]; rows with slot -1 untouched.
 
     y [T, N], buf [T, w] (w >= r: only the first r columns are read), b [S, n, r_max]. With add_inputs the
     product is added to y, otherwise it replaces that slice of y. Returns y (updated in place).
+    rows_of: slot_rows(token_slots), when the caller has it.
     """
     n = b.size(1)
     if offset < 0 or offset + n > y.size(1):
         raise ValueError(f"lora_expand: slice [{offset}, {offset + n}) outside y of width {y.size(1)}")
-    for slot in torch.unique(token_slots).tolist():
-        if slot < 0:
-            continue
+    for slot, rows in rows_of if rows_of is not None else slot_rows(token_slots):
         r = ranks[slot]
-        rows = (token_slots == slot).nonzero(as_tuple=True)[0]
         out = buf[rows, :r] @ b[slot, :, :r].float().t()  # rank 0: [m, 0] @ [0, n] is zeros
         if add_inputs:
             y[rows, offset:offset + n] += out.to(y.dtype)

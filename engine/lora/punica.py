@@ -111,31 +111,35 @@ class ReferenceLoRABatch(LoRABatch):
 
     name = "reference"
 
-    def __init__(self, slots: torch.Tensor, num_slots: int) -> None:
+    def __init__(self, slots: torch.Tensor, num_slots: int, rows_of: reference.SlotRows | None = None) -> None:
         self.slots, self.num_tokens, self.num_slots = slots, slots.numel(), num_slots
+        self.rows_of = rows_of if rows_of is not None else reference.slot_rows(slots)
+        """Each slot's token rows, found once per step (from the host copy) for all the layers' calls."""
 
     @classmethod
     def build(cls, slots: Sequence[int], num_slots: int, device: torch.device) -> ReferenceLoRABatch:
         host = torch.tensor(list(slots), dtype=torch.long)
         _check_slots(host, num_slots)
-        return cls(host.to(device), num_slots)
+        return cls(host.to(device), num_slots, reference.slot_rows(host))
 
     def update(self, slots: Sequence[int]) -> None:
         host = torch.tensor(list(slots), dtype=torch.long)
         _check_slots(host, self.num_slots)
         self.slots.copy_(host)
+        self.rows_of = reference.slot_rows(host)
 
     def _add(self, y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
              ranks: SlotRanks, offsets: list[int], add_inputs: bool) -> None:
         for a, b, r, off in zip(lora_a, lora_b, ranks.host, offsets):
-            reference.lora_expand(y, reference.lora_shrink(x, a, self.slots, r), b, self.slots, r, off, add_inputs)
+            buf = reference.lora_shrink(x, a, self.slots, r, self.rows_of)
+            reference.lora_expand(y, buf, b, self.slots, r, off, add_inputs, self.rows_of)
 
     def _shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks) -> torch.Tensor:
-        return reference.lora_shrink(x, a, self.slots, ranks.host[0])
+        return reference.lora_shrink(x, a, self.slots, ranks.host[0], self.rows_of)
 
     def _expand(self, y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, ranks: SlotRanks, offset: int,
                 add_inputs: bool) -> None:
-        reference.lora_expand(y, buf, b, self.slots, ranks.host[0], offset, add_inputs)
+        reference.lora_expand(y, buf, b, self.slots, ranks.host[0], offset, add_inputs, self.rows_of)
 
 
 class TritonLoRABatch(LoRABatch):

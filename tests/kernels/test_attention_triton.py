@@ -186,3 +186,17 @@ def test_kernels_under_interpreter() -> None:
     # Every selected case ran its kernel: none may skip (a child without a kernel device would skip them all).
     assert " passed" in proc.stdout and " failed" not in proc.stdout and " skipped" not in proc.stdout, \
         proc.stdout[-3000:]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", HEADS, ids=["gqa4", "mha"])
+def test_reference_backend_batched_decode(heads: tuple[int, int], dtype: torch.dtype) -> None:
+    """The reference backend's one-call decode path (kernels.attention.paged_decode_batched) against the
+    per-sequence loop: contexts of one block, partial blocks and several blocks, padded tables whose
+    padding points at real (wrong) data."""
+    hq, hkv = heads
+    b = _batch(hq, [1, 1, 1, 1], [37, 5, 16, 70], hq, hkv, 64, dtype)
+    out = _run(b, torch.device("cpu"), "reference")
+    _assert_close(out, _ref(b), dtype, "batched decode")
+    one = _batch(3, [1], [9], hq, hkv, 64, dtype)  # a single sequence
+    _assert_close(_run(one, torch.device("cpu"), "reference"), _ref(one), dtype, "batched decode, B=1")

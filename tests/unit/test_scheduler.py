@@ -7,6 +7,7 @@ from engine.config import SchedulerConfig
 from engine.protocol import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence
+from engine.state_snapshots import SnapshotPool
 
 
 def _seq(i: int, n: int) -> Sequence:
@@ -84,3 +85,28 @@ def test_block_manager_accounting() -> None:
     assert not bm.can_grow(t, 49)
     bm.free(t)
     assert bm.num_free == 3 and t == []
+
+
+def test_decode_rows_take_the_budget_before_prompt_chunks() -> None:
+    """The budget goes to decode rows first, then running prompts' chunks, then admissions. A hybrid model's
+    prompt chunks stop at snapshot points, so a prompt admitted earlier can still be prefilling while a later,
+    shorter one decodes: its chunk must not take that row's token (the old running-order rule gave seq 1 its
+    3-token chunk at the fifth step and left seq 2 without its last token)."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4),
+                  BlockManager(128, 4, enable_caching=True), num_state_slots=8, snapshots=SnapshotPool(8),
+                  snapshot_interval=4)
+    for i, n in enumerate((3, 13, 3)):
+        s.add(_seq(i, n))
+    steps = []
+    for _ in range(7):
+        steps.append(_run_step(s))
+        s.step_ran()
+    assert steps == [
+        [(0, 3, True), (1, 1, False)],  # seq 1's chunk stops at the snapshot point 4
+        [(0, 1, True), (1, 3, False)],
+        [(0, 1, True), (1, 3, False)],
+        [(0, 1, True), (1, 1, False), (2, 2, False)],
+        [(0, 1, True), (2, 1, True), (1, 2, False)],  # seq 2's last prompt token before seq 1's chunk
+        [(0, 1, True), (2, 1, True), (1, 2, False)],
+        [(0, 1, True), (1, 1, True), (2, 1, True)],
+    ]
