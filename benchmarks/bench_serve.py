@@ -3,7 +3,9 @@ user gets over HTTP (a real `python -m server`, concurrent streaming clients) ne
 with the same requests and the same number in flight. One JSON line per concurrency:
 
     server_tokens_per_s, offline_tokens_per_s, ratio (server / offline), ttft_s p50/p99, itl_s p50/p99
-    (inter-token latency: the gaps between a stream's chunks), offline_ms_per_step.
+    (inter-token latency: the gaps between a stream's chunks), offline_ms_per_step; and bench_e2e's pure
+    decode at the same batch on the same engine (decode_tokens_per_s, decode_ms_per_step): server_vs_decode
+    and offline_step_vs_decode are the issue's two ratios (server tokens/s vs bench_e2e, loop step vs its).
 
 Requests: token-id prompts of 16-64 tokens, greedy, ignore_eos, max_tokens between half and all of
 --new-tokens, spread round-robin over the adapters and the base model (every (adapters+1)-th request).
@@ -28,7 +30,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_e2e import emit, engine_config, model_args, write_model
+from benchmarks.bench_e2e import emit, engine_config, model_args, ours, write_model
 from engine import LLMEngine, SamplingParams
 from tools.loadgen import percentile
 from tools.serverlib import ServerProcess
@@ -173,6 +175,10 @@ def main() -> int:
         offline(e, reqs[: min(8, len(reqs))], 8)  # warm-up
         for i, c in enumerate(a.batches):
             rows[c] = offline(e, reqs, c, texts if i == 0 else None)
+            # bench_e2e's pure decode at this batch, same engine: what the loop could reach without arrivals
+            dec = ours(e, c, n, min(64, a.new_tokens))
+            rows[c] |= {"decode_tokens_per_s": dec["tokens_per_s"], "decode_ms_per_step": dec["ms_per_step"],
+                        "offline_step_vs_decode": rows[c]["offline_ms_per_step"] / dec["ms_per_step"]}
             emit(case="offline", concurrency=c, **rows[c])  # kept should the server fail
     srv = ServerProcess(path, server_flags(device.type, adapters[:n], max_batch), Path(a.root) / "server.log")
     try:
@@ -184,6 +190,7 @@ def main() -> int:
             r = asyncio.run(served(srv, base, reqs, c, texts))
             row = {"case": "serve", "concurrency": c, "requests": len(reqs), "adapters": n, **rows[c], **r}
             row["ratio"] = row["server_tokens_per_s"] / row["offline_tokens_per_s"]
+            row["server_vs_decode"] = row["server_tokens_per_s"] / row["decode_tokens_per_s"]
             failed |= bool(r["errors"] or r["wrong_length"])
             emit(**row)
     finally:

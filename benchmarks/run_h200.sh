@@ -72,5 +72,14 @@ case "${1:-}" in
     timeout 200 python3 benchmarks/profile_step.py --layers 8 --batches 32 --adapters 0 1 32 --top 12 2>&1 \
       | grep -E '^\{|Error' | tee "$OUT/profile_lora.txt"
     ;;
-  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36"; exit 2 ;;
+  serve)  # the engine-core issue on one H200: fast paths vs reference (quick), then the server vs the offline loop vs
+          # pure decode on the 36-layer model with 32 adapters (one model, one engine, one server)
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    timeout 150 python3 benchmarks/gpu_engine_check.py --quick --device cuda 2>&1 | grep -E '^\{|PASS|FAIL|Error' \
+      | tee "$OUT/engine_check.txt"
+    timeout 420 python3 benchmarks/bench_serve.py --layers 36 --adapters 32 --batches 32 64 --requests 256 \
+      --new-tokens 128 --root /tmp/serve36 2>&1 | grep -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
+    tail -n 60 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
+    ;;
+  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve"; exit 2 ;;
 esac
