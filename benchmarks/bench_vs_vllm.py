@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -44,17 +45,22 @@ def emit(**kw: object) -> None:
     print(json.dumps(kw), flush=True)
 
 
+def no_peer(why: str) -> NoReturn:
+    print(f"bench_vs_vllm: {why}\n{PEER_HELP}", file=sys.stderr)
+    sys.exit(2)
+
+
 def check_peer(python: str) -> None:
     """Exit 2 with the install recipe unless `python` runs and imports vllm."""
     if not os.access(python, os.X_OK):
-        raise SystemExit(f"bench_vs_vllm: --peer-python {python}: no such executable; {PEER_HELP}")
+        no_peer(f"--peer-python {python}: no such executable")
     try:
         proc = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
                               text=True, timeout=300)
     except subprocess.TimeoutExpired:
-        raise SystemExit(f"bench_vs_vllm: {python} -c 'import vllm' hung for 300 s") from None
+        no_peer(f"{python} -c 'import vllm' hung for 300 s")
     if proc.returncode != 0:
-        raise SystemExit(f"bench_vs_vllm: {python} cannot import vllm:\n{proc.stderr[-1500:]}\n{PEER_HELP}")
+        no_peer(f"{python} cannot import vllm:\n{proc.stderr[-1500:]}")
     emit(case="peer", python=python, vllm=proc.stdout.strip())
 
 
@@ -132,7 +138,7 @@ def main() -> int:
     ap.add_argument("--root", default="/tmp/bench-vs-vllm", help="cache dir: checkpoint, adapters, server logs")
     ap.add_argument("--streams", type=int, default=16, help="concurrent streams per round")
     ap.add_argument("--tokens", type=int, default=32, help="tokens per stream (ignore_eos)")
-    ap.add_argument("--rounds", type=int, default=5, help="measured rounds per case per start")
+    ap.add_argument("--rounds", type=int, default=10, help="measured rounds per case per start")
     ap.add_argument("--starts", type=int, default=2, help="starts of each server, alternated")
     ap.add_argument("--cases", nargs="+", choices=["base", "adapters"], default=["base", "adapters"])
     ap.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for a server to come up")

