@@ -167,7 +167,7 @@ def main() -> int:
                     prev = acc.get((kind, case), ([], 0.0))
                     acc[kind, case] = (prev[0] + res, prev[1] + wall)
                     emit(case=case, server=kind, start=s, rounds=a.rounds, failures=failures[:3],
-                         **stats(res, wall))
+                         loadavg_1m=os.getloadavg()[0], **stats(res, wall))  # other work on the machine shows
             finally:
                 rc = srv.stop()
                 if rc not in (0, -signal.SIGTERM):
