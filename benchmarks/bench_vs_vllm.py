@@ -8,8 +8,9 @@ exactly --tokens tokens). The servers run one at a time and alternate (xpulora, 
 --starts of each); each start runs one warm-up round per case, then --rounds measured rounds per case.
 
 One JSON line per (start, server, case), then one summary line per case: tokens/s of each server over all its
-measured rounds, ratio = xpulora / vLLM, TTFT p50/p99 and inter-token latency p50/p99 (a stream's mean gap:
-(latency - TTFT) / (tokens - 1)). Exit 1 if any request failed or came back short; 2 if the peer is missing.
+measured rounds, ratio = xpulora / vLLM (pooled, and per start: each such pair ran back to back, under the same
+load on the machine), TTFT p50/p99 and inter-token latency p50/p99 (a stream's mean gap: (latency - TTFT) /
+(tokens - 1)). Exit 1 if any request failed or came back short; 2 if the peer is missing.
 
     python benchmarks/bench_vs_vllm.py --peer-python /work/peer-venv/bin/python --root /tmp/bvv
 """
@@ -25,7 +26,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -122,7 +123,7 @@ def rounds(srv: ServerProcess, case: str, a: argparse.Namespace) -> tuple[list[R
     return results, wall, failures
 
 
-def stats(results: list[Result], wall: float) -> dict[str, object]:
+def stats(results: list[Result], wall: float) -> dict[str, Any]:
     tokens = sum(r.completion_tokens or 0 for r in results)
     ttft = [r.ttft for r in results if r.ttft is not None]
     itl = [(r.latency - r.ttft) / (r.completion_tokens - 1) for r in results
@@ -132,6 +133,15 @@ def stats(results: list[Result], wall: float) -> dict[str, object]:
             "itl_s": {"p50": percentile(itl, 50), "p99": percentile(itl, 99)}}
 
 
+def pooled(starts: list[tuple[list[Result], float]]) -> dict[str, Any]:
+    return stats([r for res, _ in starts for r in res], sum(wall for _, wall in starts))
+
+
+def ratio(x: dict[str, Any], v: dict[str, Any]) -> float | None:
+    """xpulora / vLLM tokens/s."""
+    return round(x["tokens_per_s"] / v["tokens_per_s"], 3) if v["tokens_per_s"] else None
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--peer-python", required=True, help="python of the venv holding vLLM's CPU build")
@@ -139,7 +149,7 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=16, help="concurrent streams per round")
     ap.add_argument("--tokens", type=int, default=32, help="tokens per stream (ignore_eos)")
     ap.add_argument("--rounds", type=int, default=10, help="measured rounds per case per start")
-    ap.add_argument("--starts", type=int, default=2, help="starts of each server, alternated")
+    ap.add_argument("--starts", type=int, default=3, help="starts of each server, alternated")
     ap.add_argument("--cases", nargs="+", choices=["base", "adapters"], default=["base", "adapters"])
     ap.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for a server to come up")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds for one request")
@@ -152,7 +162,7 @@ def main() -> int:
     root.mkdir(parents=True, exist_ok=True)
     model, adapters = build(root)
     flags = server_flags(adapters, a.streams)
-    acc: dict[tuple[str, str], tuple[list[Result], float]] = {}
+    acc: dict[tuple[str, str], list[tuple[list[Result], float]]] = {}  # (server, case) -> one entry per start
     failed = False
     for s in range(a.starts):
         for kind in ("xpulora", "vllm"):
@@ -164,8 +174,7 @@ def main() -> int:
                 for case in a.cases:
                     res, wall, failures = rounds(srv, case, a)
                     failed |= bool(failures)
-                    prev = acc.get((kind, case), ([], 0.0))
-                    acc[kind, case] = (prev[0] + res, prev[1] + wall)
+                    acc.setdefault((kind, case), []).append((res, wall))
                     emit(case=case, server=kind, start=s, rounds=a.rounds, failures=failures[:3],
                          loadavg_1m=os.getloadavg()[0], **stats(res, wall))  # other work on the machine shows
             finally:
@@ -173,10 +182,12 @@ def main() -> int:
                 if rc not in (0, -signal.SIGTERM):
                     emit(case="stop", server=kind, start=s, returncode=rc, log=str(srv.log_path))
     for case in a.cases:
-        x, v = stats(*acc["xpulora", case]), stats(*acc["vllm", case])
+        x, v = pooled(acc["xpulora", case]), pooled(acc["vllm", case])
+        # start s of each ran back to back, so their ratio sees the same load on the machine
+        pairs = [ratio(stats(*xs), stats(*vs)) for xs, vs in zip(acc["xpulora", case], acc["vllm", case])]
         emit(case="summary", which=case, streams=a.streams, tokens=a.tokens, rounds=a.rounds * a.starts,
-             checkpoint="auto-round int4 (W4A16 sym g128), both servers", xpulora=x, vllm=v,
-             ratio=round(x["tokens_per_s"] / v["tokens_per_s"], 3) if v["tokens_per_s"] else None)
+             checkpoint="auto-round int4 (W4A16 sym g128), both servers", xpulora=x, vllm=v, ratio=ratio(x, v),
+             ratio_per_start=pairs)
     return 1 if failed else 0
 
 
