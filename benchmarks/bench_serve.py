@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_e2e import emit, engine_config, model_args, ours, write_model
 from engine import LLMEngine, SamplingParams
-from tools.loadgen import percentile
+from tools.loadgen import percentile, sse_lines
 from tools.serverlib import ServerProcess
 
 
@@ -100,7 +100,7 @@ async def one(client: httpx.AsyncClient, base: str, r: Req) -> Stream:
         if resp.status_code != 200:
             s.error = f"HTTP {resp.status_code}: {(await resp.aread())[:300]!r}"
             return s
-        async for line in resp.aiter_lines():
+        async for line in sse_lines(resp):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             ev = json.loads(line[6:])

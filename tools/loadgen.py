@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import shutil
 import statistics
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -189,6 +191,25 @@ async def run_one(client: httpx.AsyncClient, spec: Spec, first_chunk: asyncio.Ev
     return r
 
 
+_EOL = re.compile(r"\r\n|\r|\n")
+
+
+async def sse_lines(resp: httpx.Response) -> AsyncIterator[str]:
+    """The body's lines as SSE splits them (CRLF, CR or LF). httpx's aiter_lines also splits on U+0085, U+2028,
+    U+2029, ... which a JSON data line may hold unescaped (a random model's text does), and then the JSON of
+    that chunk looks cut."""
+    buf = ""
+    async for text in resp.aiter_text():
+        buf += text
+        cut = len(buf) - buf.endswith("\r")  # a CR at the end may be the first half of a CRLF
+        *lines, rest = _EOL.split(buf[:cut])
+        buf = rest + buf[cut:]
+        for line in lines:
+            yield line
+    if buf:
+        yield buf.rstrip("\r")
+
+
 async def _stream(client: httpx.AsyncClient, spec: Spec, r: Result, t0: float,
                   first_chunk: asyncio.Event | None) -> None:
     async with client.stream("POST", spec.path, json=spec.body()) as resp:
@@ -197,7 +218,7 @@ async def _stream(client: httpx.AsyncClient, spec: Spec, r: Result, t0: float,
             r.error = (await resp.aread()).decode(errors="replace")[:500]
             return
         lp = 0
-        async for line in resp.aiter_lines():
+        async for line in sse_lines(resp):
             if not line.startswith("data: "):
                 continue
             payload = line[6:]

