@@ -433,14 +433,14 @@ def test_unload_between_resolve_and_add_user_is_a_404_not_a_dead_engine() -> Non
 
 
 def test_name_locks_do_not_accumulate() -> None:
-    """AsyncEngine kept one asyncio.Lock per adapter name ever loaded: a churn of new names grew it forever."""
-    from engine import AsyncEngine
+    """The engine client kept one asyncio.Lock per adapter name ever loaded: a churn of new names grew it forever."""
+    from engine import EngineClient
     from tests.helpers import make_lora_engine
 
     llm = make_lora_engine(str(DEMO / "model"), {}, max_model_len=512)
 
     async def main() -> int:
-        ae = AsyncEngine(llm)
+        ae = EngineClient.in_thread(llm)
         await ae.start()
         try:
             for i in range(20):
