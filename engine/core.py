@@ -61,6 +61,7 @@ class EngineCore:
         self._replies: queue.SimpleQueue[Reply] = queue.SimpleQueue()
         self._pending_calls = 0
         self._stop = False
+        self.failed = False
         self._got = False  # a message arrived this iteration: send fresh stats
 
     def send(self, msg: Outbound) -> None:
@@ -87,6 +88,7 @@ class EngineCore:
                     self.send(reply)
         except Exception as e:  # the model step failed: nothing is served any more
             log.exception("engine step failed; the engine core stops")
+            self.failed = True
             self.send(Failed(repr(e)))
         finally:
             self._pool.shutdown(wait=False, cancel_futures=True)
@@ -214,13 +216,15 @@ def core_main(config: EngineConfig, in_addr: str, out_addr: str, progress: bool)
         log.info("engine start-up failed: %s", e)
         code = 1
     else:
+        core = EngineCore(llm, inbox, outbox, alive, parent_fd)
         try:
-            core = EngineCore(llm, inbox, outbox, alive, parent_fd)
             core.send(ready(llm))
             core.run()
-            code = 0 if core.parent_alive() else 1
         finally:
+            if not core.parent_alive():  # orphaned: exit now; the ranks exit on their pipe's EOF (worker.py)
+                os._exit(1)
             llm.shutdown()  # the tensor-parallel ranks
+        code = 0 if not core.failed else 1
     inbox.close(linger=0)
     outbox.close(linger=1000)
     ctx.term()

@@ -288,7 +288,9 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         failures.append(e)
         log.error("the engine failed (%r); shutting the server down", e)
         server.should_exit = True
-        threading.Timer(0.9, os._exit, (ENGINE_FAILED_EXIT,)).start()
+        backstop = threading.Timer(0.8, os._exit, (ENGINE_FAILED_EXIT,))
+        backstop.daemon = True
+        backstop.start()
 
     limit = args.max_waiting_requests
     try:  # the engine-core process: its start-up errors are reported as before, with exit code 2
