@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -204,6 +205,10 @@ def core_main(config: EngineConfig, in_addr: str, out_addr: str, progress: bool)
     """The engine-core process (spawned by the API process): build the engine, say Ready, serve, exit.
     A start-up failure is sent as StartupFailed (the API process reports it as the server did before)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # Ctrl-C or a SIGTERM to the whole process group is the API process's to handle: it drains, then
+    # tells the core to stop (the tensor-parallel ranks inherit the ignore).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     alive, parent_fd = parent_watch()
     ctx = zmq.Context()
     inbox, outbox = _sockets(ctx, in_addr, out_addr)

@@ -24,16 +24,15 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import zmq
 
 from engine.config import EngineConfig
+from engine.core_adapters import AdapterCalls
 from engine.core_stream import EngineStats, RequestStream
-from engine.errors import AdapterError, EngineDeadError, EngineFailedError, OverloadedError, RequestError
-from engine.lora.adapter import validate_name
-from engine.lora.adapter_files import resolve_under_roots
+from engine.errors import EngineDeadError, EngineFailedError, OverloadedError, RequestError
 from engine.messages import (
     Abort,
     AdapterCall,
@@ -60,7 +59,7 @@ log = logging.getLogger(__name__)
 _Item = list[int] | RequestOutput | BaseException  # accepted (prompt ids), an output, or a failure
 
 
-class EngineClient:
+class EngineClient(AdapterCalls):
     def __init__(self, config: EngineConfig, ready: Ready, ctx: zmq.Context, push: zmq.Socket, pull: zmq.Socket,
                  max_waiting_requests: int | None, on_failure: Callable[[BaseException], None] | None,
                  llm: LLMEngine | None = None) -> None:
@@ -88,7 +87,7 @@ class EngineClient:
         self._accepting = False
         self._closing = False
         self._load_locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
-        self._unloaded: set[str] = set()  # names explicitly unloaded and not explicitly loaded since
+        self._unloaded: set[str] = set()
         self.error: BaseException | None = None
 
     # -- construction --------------------------------------------------------------------------------
@@ -267,66 +266,6 @@ class EngineClient:
         if reply.error is not None:
             raise raise_error(reply.error)
         return reply
-
-    # -- adapters ------------------------------------------------------------------------------------
-    async def load_adapter(self, name: str, path: str, roots: Sequence[str] = (), replace: bool = False) -> None:
-        """Load (validated, on a thread of the core); serialized per name with autoload. roots: confine the
-        load (and later re-reads) to these folders, checked on the opened files. An explicit load lifts
-        an earlier explicit unload (see unload_adapter); replace swaps a loaded adapter of that name."""
-        async with self._name_lock(name):
-            await self._call(AdapterCall(next(self._call_ids), "load", name, path, tuple(roots), replace))
-            self._unloaded.discard(name)
-
-    async def unload_adapter(self, name: str) -> None:
-        """Unregister; until an explicit load_adapter of this name, autoload does not bring it back
-        (an operator who unloads an adapter to retire it expects it gone, DESIGN.md §6)."""
-        if name in self.served.names:
-            raise AdapterError(f"{name!r} is the base model; it cannot be unloaded")
-        async with self._name_lock(name):  # not between an autoload's check and its load
-            await self._call(AdapterCall(next(self._call_ids), "unload", name))
-            if self._autoload_path(name) is not None:  # only names autoload could find: a bounded set
-                self._unloaded.add(name)
-
-    def _autoload_path(self, name: str) -> str | None:
-        """The folder autoload would load `name` from, or None (autoload off, or no such folder)."""
-        cfg = self.config.lora
-        if not self.served.lora_enabled or not cfg.lora_autoload or name in self.served.names:
-            return None
-        try:
-            validate_name(name)
-            path = resolve_under_roots(name, cfg.lora_roots)
-        except AdapterError:
-            return None  # not a loadable name: add_request answers "model not found"
-        return path if os.path.isdir(path) else None
-
-    async def ensure_adapter(self, name: str) -> None:
-        """Autoload: a model name that is not loaded but names a folder under a lora root is loaded
-        once (concurrent first requests wait for the same load), unless it was explicitly unloaded."""
-        if not self.served.lora_enabled or name in self._adapters or name in self._unloaded:
-            return
-        path = self._autoload_path(name)
-        if path is None:
-            return
-        async with self._name_lock(name):
-            if name in self._adapters or name in self._unloaded:
-                return
-            try:
-                await self._call(AdapterCall(next(self._call_ids), "load", name, path, self.config.lora.lora_roots))
-            except AdapterError as e:
-                raise RequestError(f"model {name!r}: loading it from {path} failed: {e}") from e
-            log.info("autoloaded adapter %r from %s", name, path)
-
-    @contextlib.asynccontextmanager
-    async def _name_lock(self, name: str) -> AsyncIterator[None]:
-        lock, users = self._load_locks.setdefault(name, (asyncio.Lock(), [0]))
-        users[0] += 1
-        try:
-            async with lock:
-                yield
-        finally:
-            users[0] -= 1
-            if users[0] == 0:
-                del self._load_locks[name]
 
     # -- the receiver thread ---------------------------------------------------------------------------
     def _receive(self) -> None:
