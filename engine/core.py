@@ -66,7 +66,7 @@ class EngineCore:
         self._got = False  # a message arrived this iteration: send fresh stats
 
     def send(self, msg: Outbound) -> None:
-        self.outbox.send(self._enc.encode(msg), copy=False)
+        self.outbox.send(self._enc.encode(msg))
 
     def run(self) -> None:
         llm = self.llm
@@ -102,7 +102,7 @@ class EngineCore:
             self.parent_alive = lambda: False
         while not self._stop:
             try:
-                raw = self.inbox.recv(zmq.NOBLOCK, copy=False)
+                raw = self.inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
             msg = self._dec.decode(raw.buffer)

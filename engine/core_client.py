@@ -211,7 +211,7 @@ class EngineClient(AdapterCalls):
             self._streams[request_id] = queue
             self._params[request_id] = params
             self._queued += 1
-            self._push.send(self._enc.encode(Add(request_id, prompt, params, lora_name)), copy=False)
+            self._push.send(self._enc.encode(Add(request_id, prompt, params, lora_name)))
         try:
             first = await queue.get()
         except BaseException:  # cancelled while queued: the core may still add it, so abort after it
@@ -247,7 +247,7 @@ class EngineClient(AdapterCalls):
     def _send(self, msg: Inbound) -> None:
         with self._lock:
             if not self._closing:
-                self._push.send(self._enc.encode(msg), copy=False)
+                self._push.send(self._enc.encode(msg))
 
     async def _call(self, msg: AdapterCall | Utility) -> Reply:
         """Send a call and wait for its reply; its error is raised as the same engine.errors class."""
@@ -295,7 +295,7 @@ class EngineClient(AdapterCalls):
                     items.append((acc.request_id, acc.prompt_token_ids))
             outs, stopped = self._processor.process(msg.deltas)
             if stopped and not self._closing:  # a stop string ended them: free their KV blocks now
-                self._push.send(self._enc.encode(Abort(stopped)), copy=False)
+                self._push.send(self._enc.encode(Abort(stopped)))
             if msg.stats is not None:
                 self._stats = EngineStats.of(msg.stats)
         items.extend((o.request_id, o) for o in outs)
