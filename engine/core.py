@@ -105,7 +105,7 @@ class EngineCore:
                 raw = self.inbox.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            msg = self._dec.decode(raw.buffer)
+            msg = self._dec.decode(raw)
             self._got = True
             if isinstance(msg, Add):
                 accepted.append(self._add(msg))
