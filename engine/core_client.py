@@ -32,7 +32,7 @@ import zmq
 from engine.config import EngineConfig
 from engine.core_adapters import AdapterCalls
 from engine.core_stream import EngineStats, RequestStream
-from engine.errors import EngineDeadError, EngineFailedError, OverloadedError, RequestError
+from engine.errors import EngineCoreExitedError, EngineDeadError, EngineFailedError, OverloadedError, RequestError
 from engine.messages import (
     Abort,
     AdapterCall,
@@ -201,6 +201,13 @@ class EngineClient(AdapterCalls):
             await self.ensure_adapter(lora_name)
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._check_accepting()
+        params.validate(self.config.max_logprobs, self.served.vocab_size)  # the core's check, before encoding
+        if params.max_tokens > self.served.max_model_len:  # may not fit msgpack's 64-bit integers
+            raise RequestError(f"max_tokens ({params.max_tokens}) exceeds max_model_len {self.served.max_model_len}")
+        try:
+            wire = self._enc.encode(Add(request_id, prompt, params, lora_name))
+        except OverflowError as e:  # msgpack carries 64-bit integers; nothing valid is larger
+            raise RequestError(f"a request field is out of range: {e}") from e
         limit = self.max_waiting_requests
         with self._lock:
             free = max(0, self.max_num_seqs - self._stats.num_running)
@@ -211,7 +218,7 @@ class EngineClient(AdapterCalls):
             self._streams[request_id] = queue
             self._params[request_id] = params
             self._queued += 1
-            self._push.send(self._enc.encode(Add(request_id, prompt, params, lora_name)))
+            self._push.send(wire)
         try:
             first = await queue.get()
         except BaseException:  # cancelled while queued: the core may still add it, so abort after it
@@ -321,9 +328,12 @@ class EngineClient(AdapterCalls):
     def _watch(self, proc: mp.process.BaseProcess) -> None:
         """The core's process exiting unasked is a failure, seen within milliseconds of it."""
         mp.connection.wait([proc.sentinel])
+        deadline = time.monotonic() + 0.1  # a Failed message sent just before the exit is read first
+        while self.error is None and not self._closing and time.monotonic() < deadline:
+            time.sleep(0.01)
         if not self._closing and self.error is None:
             log.error("the engine-core process (pid %s) exited with code %s", proc.pid, proc.exitcode)
-            self._fail(EngineDeadError(f"the engine-core process exited with code {proc.exitcode}"))
+            self._fail(EngineCoreExitedError(f"the engine-core process exited with code {proc.exitcode}"))
 
     def _fail(self, e: BaseException) -> None:
         self.error = e

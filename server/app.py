@@ -30,7 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine import CheckpointError, EngineClient, EngineConfig, LLMEngine
+from engine import CheckpointError, EngineClient, EngineConfig, EngineCoreExitedError, LLMEngine
 from server.adapters import router as adapters_router
 from server.chat_tools import ChatOptions, think_close_id
 from server.cli_args import VERSION
@@ -284,13 +284,13 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     def engine_failed(e: BaseException) -> None:
         # A dead engine serves nothing again: shut down (in-flight requests already got their error)
         # and exit non-zero so that a supervisor restarts the server instead of it idling unhealthy.
-        # The timer is the backstop that keeps "within a second" if uvicorn's shutdown stalls.
         failures.append(e)
         log.error("the engine failed (%r); shutting the server down", e)
         server.should_exit = True
-        backstop = threading.Timer(0.8, os._exit, (ENGINE_FAILED_EXIT,))
-        backstop.daemon = True
-        backstop.start()
+        if isinstance(e, EngineCoreExitedError):  # the core vanished: be gone within a second whatever stalls
+            backstop = threading.Timer(0.6, os._exit, (ENGINE_FAILED_EXIT,))
+            backstop.daemon = True
+            backstop.start()
 
     limit = args.max_waiting_requests
     try:  # the engine-core process: its start-up errors are reported as before, with exit code 2
@@ -338,6 +338,9 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         signal.signal(sig, _ignore_signal)
     server = _Server(config)
     server.run()  # the lifespan stops the engine core (and it its tensor-parallel ranks)
+    if failures and isinstance(failures[0], EngineCoreExitedError):
+        logging.shutdown()  # then skip the interpreter's teardown (half a second): nothing is left to stop
+        os._exit(ENGINE_FAILED_EXIT)
     if failures:
         return ENGINE_FAILED_EXIT
     return 0 if server.started else 1

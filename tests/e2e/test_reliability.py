@@ -498,7 +498,9 @@ def _tp_server(tmp: Path, name: str) -> tuple[ServerProcess, list[psutil.Process
     srv = ServerProcess(str(DEMO / "model"), ["--tensor-parallel-size", "2"], tmp / f"{name}.log")
     srv.wait_ready()
     kids = psutil.Process(srv.proc.pid).children(recursive=True)
-    worker = next(k for k in kids if "spawn_main" in " ".join(k.cmdline()))
+    # The server's spawned child is the engine-core process; the TP rank is the core's spawned child.
+    core = next(k for k in kids if "spawn_main" in " ".join(k.cmdline()) and k.ppid() == srv.proc.pid)
+    worker = next(k for k in core.children() if "spawn_main" in " ".join(k.cmdline()))
     return srv, kids, worker
 
 
