@@ -1,6 +1,5 @@
 """xpulora engine: what the server and the CLI may use."""
 
-from engine.async_engine import AsyncEngine, EngineStats, RequestStream
 from engine.config import (
     CacheConfig,
     EngineConfig,
@@ -10,6 +9,8 @@ from engine.config import (
     ParallelConfig,
     SchedulerConfig,
 )
+from engine.core_client import EngineClient
+from engine.core_stream import EngineStats, RequestStream
 from engine.device import DEVICE_CHOICES
 from engine.errors import (
     AdapterError,
@@ -18,6 +19,7 @@ from engine.errors import (
     AdapterPathForbiddenError,
     CheckpointError,
     ConfigError,
+    EngineCoreExitedError,
     EngineFailedError,
     ModelNotFoundError,
     OverloadedError,
@@ -38,11 +40,12 @@ __all__ = [
     "AdapterNotFoundError",
     "AdapterNotLoadedError",
     "AdapterPathForbiddenError",
-    "AsyncEngine",
     "CacheConfig",
     "CheckpointError",
     "ConfigError",
+    "EngineClient",
     "EngineConfig",
+    "EngineCoreExitedError",
     "EngineFailedError",
     "EngineStats",
     "ErrorKind",

@@ -81,6 +81,10 @@ class EngineDeadError(RuntimeError):
     """A tensor-parallel rank died or failed; the engine cannot continue."""
 
 
+class EngineCoreExitedError(EngineDeadError):
+    """The engine-core process exited without reporting a failure (killed, crashed)."""
+
+
 class OverloadedError(RuntimeError):
     """The server cannot take the request now: waiting queue full, shutting down (HTTP 503)."""
 

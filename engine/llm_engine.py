@@ -1,8 +1,9 @@
 """The engine: add_request / step / abort over a scheduler and a model runner.
 
-Requests are validated here (bad input raises RequestError and leaves nothing behind); each step
-schedules, runs the model, appends sampled tokens, detokenizes, applies stop conditions and
-reports per-request deltas.
+Requests are validated here (bad input raises RequestError and leaves nothing behind); each core step
+schedules, runs the model, appends sampled tokens, applies the token-level stop conditions and reports
+per-request token deltas (what the engine-core process sends). `step()` (the offline API) passes those
+through the OutputProcessor that the API process uses too: detokenization and stop strings.
 """
 
 from __future__ import annotations
@@ -18,20 +19,15 @@ from transformers.utils import GENERATION_CONFIG_NAME
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from engine.device import Device, detect
 from engine.errors import AdapterError, ConfigError, ModelNotFoundError, RequestError
 from engine.loader import inspect_checkpoint
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.manager import LoRAManager
+from engine.messages import TokenDelta
 from engine.model_runner import ModelRunner
-from engine.protocol import (
-    ErrorKind,
-    FinishReason,
-    RequestOutput,
-    SamplingParams,
-    TokenLogprob,
-)
+from engine.output_processor import OutputProcessor
+from engine.protocol import ErrorKind, FinishReason, RequestOutput, SamplingParams, TokenLogprob
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import Sequence
 from engine.state_snapshots import SnapshotPool
@@ -44,15 +40,6 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Request:
     seq: Sequence
-    detok: IncrementalDetokenizer
-    emitted: int = 0
-    """Characters of text already reported."""
-    logprobs: list[TokenLogprob] | None = None
-    reported_tokens: int = 0
-    text_override: str | None = None
-    """Final text when a stop string cut it."""
-    stop_floor: int = 0
-    """Text length after the first min_tokens tokens: a stop string must end beyond it."""
 
 
 @dataclass
@@ -123,6 +110,8 @@ class LLMEngine:
         """Structured output: a matcher per request that has one; rank 0's runner reads its bitmasks."""
         self.runner.grammar = self.grammar
         self.requests: dict[str, _Request] = {}
+        self.output = OutputProcessor(self.tokenizer, self.eos_ids)
+        """Text for step() (offline); the engine-core process leaves it empty (add_core, core_step)."""
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
 
@@ -156,8 +145,15 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
                     lora_name: str | None = None) -> list[int]:
-        """Queue a request (lora_name None: the base model); raises RequestError, queuing nothing,
-        if it cannot be served. Returns the prompt's token ids."""
+        """Queue a request for step() (lora_name None: the base model); raises RequestError, queuing
+        nothing, if it cannot be served. Returns the prompt's token ids."""
+        ids = self.add_core(request_id, prompt, params, lora_name)
+        self.output.add(request_id, ids, params)
+        return ids
+
+    def add_core(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                 lora_name: str | None = None) -> list[int]:
+        """add_request without the text side (core_step reports token deltas only)."""
         lora_id = self._resolve_lora(lora_name)
         if request_id in self.requests:
             raise RequestError(f"duplicate request id {request_id!r}")
@@ -177,10 +173,9 @@ class LLMEngine:
         seq = Sequence(next(self._seq_ids), request_id, ids, params, lora_id)
         if params.structured is not None:
             self.grammar.add(seq.seq_id, params.structured)  # RequestError if invalid (the server compiled it)
-        detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
         if lora_id is not None and self.lora is not None:
             self.lora.add_user(lora_id)
-        self.requests[request_id] = _Request(seq, detok, logprobs=[] if params.logprobs is not None else None)
+        self.requests[request_id] = _Request(seq)
         self.scheduler.add(seq)
         return ids
 
@@ -220,6 +215,7 @@ class LLMEngine:
             self.lora.remove_user(req.seq.lora_id)
 
     def abort(self, request_id: str) -> bool:
+        self.output.drop(request_id)
         req = self.requests.get(request_id)
         if req is None:
             return False
@@ -235,12 +231,19 @@ class LLMEngine:
 
     # -- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One core step with its text: what a client sees (requests a stop string ended are aborted)."""
+        outputs, stopped = self.output.process(self.core_step())
+        for rid in stopped:
+            self.abort(rid)
+        return outputs
+
+    def core_step(self) -> list[TokenDelta]:
         step = self.scheduler.schedule()
         self.num_preemptions += step.num_preempted
         if not step.seqs:
             return []
         seqs = self.scheduler.scheduled_sequences()
-        outputs: list[RequestOutput] = []
+        outputs: list[TokenDelta] = []
         loads: list[tuple[int, LoRAAdapter]] = []
         if step.lora_loads:
             step, seqs, outputs, loads = self._resolve_loads(step, seqs)
@@ -259,58 +262,27 @@ class LLMEngine:
             outputs.append(self._append(seq, tok, lp))
         return outputs
 
-    def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> RequestOutput:
-        req = self.requests[seq.request_id]
+    def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> TokenDelta:
         p = seq.params
         seq.output_token_ids.append(tok)
         grammar_done = self.grammar.accept(seq.seq_id, tok)
-        if req.logprobs is not None and lp is not None:
-            req.logprobs.append(lp)
-        # As vLLM: the first min_tokens tokens cannot end the output (the sampler masks EOS and the stop ids,
-        # stop strings are matched only in the text after them); a stop token's own text is left out unless
-        # include_stop_str_in_output.
+        # As vLLM: EOS and the stop ids end the output only after the first min_tokens tokens (the sampler
+        # masks them before); stop strings are the output processor's (text) business.
         checks = len(seq.output_token_ids) > p.min_tokens
         stop_tok = checks and ((not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids)
-        if not stop_tok or p.include_stop_str_in_output:
-            req.detok.add(tok)
-        text = req.detok.text
         reason: FinishReason | None = None
         if stop_tok or grammar_done:  # a complete grammar allows nothing more (vLLM stops there too)
             reason = "stop"
-        elif p.stop and checks:
-            cut = find_stop(text, p.stop, req.emitted, req.stop_floor)
-            if cut is not None:
-                if p.include_stop_str_in_output:
-                    cut += len(next(s for s in p.stop if text.startswith(s, cut)))
-                reason, req.text_override = "stop", text[:cut]
-        elif p.stop:
-            req.stop_floor = len(text)
-        if reason is None and (len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
+        out = TokenDelta(seq.request_id, [tok], [lp] if lp is not None and p.logprobs is not None else None,
+                         reason, seq.num_prompt_tokens, seq.num_cached_tokens)
         if reason is not None:
-            if req.text_override is None:
-                req.detok.flush()
-                req.text_override = req.detok.text
-            text = req.text_override
-            new_text = text[req.emitted:]
-        else:
-            hold = stop_holdback(text, p.stop) if p.stop and checks else 0
-            new_text = text[req.emitted: len(text) - hold]
-        req.emitted += len(new_text)
-        new_tokens = seq.output_token_ids[req.reported_tokens:]
-        req.reported_tokens = len(seq.output_token_ids)
-        out = RequestOutput(
-            request_id=seq.request_id, new_token_ids=new_tokens, new_text=new_text,
-            new_logprobs=req.logprobs[-len(new_tokens):] if req.logprobs is not None else None,
-            finished=reason is not None, finish_reason=reason,
-            num_prompt_tokens=seq.num_prompt_tokens, num_output_tokens=len(seq.output_token_ids),
-            num_cached_tokens=seq.num_cached_tokens)
-        if reason is not None:
-            self._end(req)
+            self._end(self.requests[seq.request_id])
         return out
 
     def _resolve_loads(self, step: SchedulerOutput, seqs: list[Sequence]
-                       ) -> tuple[SchedulerOutput, list[Sequence], list[RequestOutput], list[tuple[int, LoRAAdapter]]]:
+                       ) -> tuple[SchedulerOutput, list[Sequence], list[TokenDelta], list[tuple[int, LoRAAdapter]]]:
         """Fetch the adapters that must be copied into slots; requests whose adapter can no longer be read
         fail with its error, and nothing a file holds stops the step loop."""
         assert self.lora is not None
@@ -334,8 +306,8 @@ class LLMEngine:
                 req = self.requests[s.request_id]
                 self._end(req)
                 message, kind = failed[e.lora_slot]
-                outputs.append(RequestOutput(s.request_id, [], "", None, True, "error", error=message,
-                                             error_kind=kind, num_prompt_tokens=s.num_prompt_tokens))
+                outputs.append(TokenDelta(s.request_id, [], None, "error", s.num_prompt_tokens, error=message,
+                                          error_kind=kind))
         for slot in failed:
             self.lora.forget_slot(slot)
         step = SchedulerOutput([e for e, _ in keep], [], step.finished_seq_ids, step.num_preempted)

@@ -1,7 +1,8 @@
 """What the server may read of a running engine: the served model (fixed at start-up) and LoRA counters.
 
-The server sees the engine only through AsyncEngine and these plain objects, never through the
-LLMEngine, the scheduler or the adapter manager behind it.
+The server sees the engine only through the EngineClient (engine/core_client.py) and these plain
+objects, never through the LLMEngine, the scheduler or the adapter manager behind it (they live in the
+engine-core process).
 """
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.config import LoRAConfig
+from engine.config import EngineConfig, LoRAConfig
+from engine.messages import Ready
 from kernels.registry import Choice
 
 if TYPE_CHECKING:
@@ -54,8 +56,16 @@ class LoRAStats:
     max_loras: int
 
 
-def served_model(llm: LLMEngine) -> ServedModel:
-    cfg = llm.config
-    names = (llm.served_model_name, *cfg.model.extra_served_model_names)
-    return ServedModel(names, cfg.model.path, llm.max_model_len, llm.vocab_size, llm.tokenizer,
-                       cfg.lora, llm.lora is not None, llm.grammar.compiler, tuple(llm.runner.kernel_choices))
+def served_from_ready(config: EngineConfig, ready: Ready, llm: LLMEngine | None = None) -> ServedModel:
+    """The API process's view from the core's Ready: its own tokenizer and grammar compiler (the server
+    compiles to validate; the core compiles again from its cache), or the in-thread engine's."""
+    from engine.structured import GrammarCompiler
+
+    if llm is not None:
+        tok, grammar = llm.tokenizer, llm.grammar.compiler
+    else:
+        tok = AutoTokenizer.from_pretrained(config.model.path)
+        grammar = GrammarCompiler(tok, ready.vocab_size, frozenset(ready.eos_ids))
+    kernels = tuple(Choice(op, chosen, tuple(rejected), checked) for op, chosen, rejected, checked in ready.kernels)
+    return ServedModel(ready.names, config.model.path, ready.max_model_len, ready.vocab_size, tok, config.lora,
+                       ready.lora_enabled, grammar, kernels)

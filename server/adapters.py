@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from engine import AsyncEngine, resolve_under_roots, validate_name
+from engine import EngineClient, resolve_under_roots, validate_name
 from server.errors import ApiError
 from server.openai_protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 
@@ -24,11 +24,11 @@ router = APIRouter()
 _CREATED = int(time.time())
 
 
-def _engine(request: Request) -> AsyncEngine:
+def _engine(request: Request) -> EngineClient:
     return request.app.state.engine
 
 
-def list_models(engine: AsyncEngine) -> dict[str, Any]:
+def list_models(engine: EngineClient) -> dict[str, Any]:
     served = engine.served
 
     def card(name: str, root: str, parent: str | None) -> dict[str, Any]:

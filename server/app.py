@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import signal
+import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -29,7 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine import AsyncEngine, CheckpointError, EngineConfig, LLMEngine
+from engine import CheckpointError, EngineClient, EngineConfig, EngineCoreExitedError, LLMEngine
 from server.adapters import router as adapters_router
 from server.chat_tools import ChatOptions, think_close_id
 from server.cli_args import VERSION
@@ -119,30 +120,35 @@ class BodyLimit:
         await self.app(scope, replayed, send)
 
 
-def create_app(engine_config: EngineConfig, *, engine: LLMEngine | None = None, api_key: str | None = None,
+def create_app(engine_config: EngineConfig, *, engine: LLMEngine | None = None, client: EngineClient | None = None,
+               api_key: str | None = None,
                max_waiting_requests: int | None = None, progress: bool = False,
                max_request_bytes: int = MAX_REQUEST_BYTES,
                on_engine_failure: Callable[[BaseException], None] | None = None,
                chat: ChatOptions | None = None) -> FastAPI:
-    """The app; its lifespan builds the engine (unless one is given) and starts/stops the step thread.
-    on_engine_failure is called on the event loop once if the step loop dies (run_server exits then)."""
+    """The app; its lifespan starts the engine core unless given one: `client` (already spawned, see
+    run_server), else `engine` (an LLMEngine of this process: its core loop runs on a thread), else a
+    new engine-core process. on_engine_failure is called on the event loop once if the core dies."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        llm = engine if engine is not None else await asyncio.to_thread(LLMEngine, engine_config, progress)
-        limit = max_waiting_requests if max_waiting_requests is not None else llm.config.scheduler.max_waiting_requests
-        async_engine = AsyncEngine(llm, limit, on_failure=on_engine_failure)
-        metrics = Metrics(async_engine)
-        app.state.engine, app.state.metrics = async_engine, metrics
-        app.state.serving = Serving(async_engine, metrics, chat)
-        await async_engine.start()
+        limit = (max_waiting_requests if max_waiting_requests is not None
+                 else engine_config.scheduler.max_waiting_requests)
+        if client is not None:
+            core = client
+        elif engine is not None:
+            core = EngineClient.in_thread(engine, limit, on_engine_failure)
+        else:
+            core = await EngineClient.spawn(engine_config, progress, limit, on_engine_failure)
+        metrics = Metrics(core)
+        app.state.engine, app.state.metrics = core, metrics
+        app.state.serving = Serving(core, metrics, chat)
+        await core.start()
         try:
             yield
         finally:
-            await async_engine.shutdown(grace_s=5.0)
+            await core.shutdown(grace_s=5.0)
             app.state.serving.close()
-            if engine is None:  # built here, so stopped here (TP workers); a given engine is the caller's
-                llm.shutdown()
 
     app = FastAPI(title="xpulora", version=VERSION, lifespan=lifespan)
     app.openapi = lambda: _openapi(app, bool(api_key))  # type: ignore[method-assign]
@@ -163,7 +169,7 @@ def create_app(engine_config: EngineConfig, *, engine: LLMEngine | None = None, 
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        e: AsyncEngine = request.app.state.engine
+        e: EngineClient = request.app.state.engine
         if e.healthy:
             return Response(json.dumps({"status": "healthy"}), media_type="application/json")
         return error_response(503, f"the engine is not running: {e.error!r}")
@@ -235,17 +241,23 @@ def _openapi(app: FastAPI, api_key: bool) -> dict[str, Any]:
 
 
 # -- xpulora serve -----------------------------------------------------------------------------------
-def _ready_lines(host: str, port: int, llm: LLMEngine, demo: bool, api_key: bool) -> str:
+def _ready_lines(host: str, port: int, core: EngineClient, demo: bool, api_key: bool) -> str:
     shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     url = f"http://{shown}:{port}"
-    adapters = [n for n, _, _ in llm.lora.list_adapters()] if llm.lora is not None else []
-    model = adapters[0] if adapters else llm.served_model_name
+    adapters = [n for n, _ in core.list_adapters()]
+    base = core.served.name
+    model = adapters[0] if adapters else base
     prompt = "words: cat dog fox =>" if demo else "Hello, my name is"
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0})
     auth = ' -H "Authorization: Bearer $XPULORA_API_KEY"' if api_key else ""
     listed = f"; adapters: {', '.join(adapters)}" if adapters else ""
-    return (f"xpulora ready: {url}/v1 (base model {llm.served_model_name!r}{listed})\n"
+    return (f"xpulora ready: {url}/v1 (base model {base!r}{listed})\n"
             f"  try: curl {url}/v1/completions -H 'Content-Type: application/json'{auth} -d '{body}'")
+
+
+async def _stop(core: EngineClient) -> None:
+    await core.start()
+    await core.shutdown(0)
 
 
 def _ignore_signal(sig: int, _frame: object) -> None:
@@ -267,13 +279,6 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     if chat.enable_auto_tool_choice and chat.tool_call_parser is None:
         print("xpulora: --enable-auto-tool-choice needs --tool-call-parser (hermes)")
         return 2
-    try:
-        llm = LLMEngine(engine_config, progress=True)
-        if chat.reasoning_parser is not None:
-            think_close_id(llm.tokenizer.get_vocab())
-    except (CheckpointError, OSError, ValueError) as e:  # ConfigError, AdapterError are ValueErrors
-        print(f"xpulora: cannot start: {e}")
-        return 2
     failures: list[BaseException] = []
 
     def engine_failed(e: BaseException) -> None:
@@ -282,11 +287,30 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         failures.append(e)
         log.error("the engine failed (%r); shutting the server down", e)
         server.should_exit = True
+        if isinstance(e, EngineCoreExitedError):  # the core vanished: be gone within a second whatever stalls
+            backstop = threading.Timer(0.6, os._exit, (ENGINE_FAILED_EXIT,))
+            backstop.daemon = True
+            backstop.start()
 
-    app = create_app(engine_config, engine=llm, api_key=args.api_key,
+    limit = args.max_waiting_requests
+    try:  # the engine-core process: its start-up errors are reported as before, with exit code 2
+        core = asyncio.run(EngineClient.spawn(engine_config, True, limit if limit is not None
+                                              else engine_config.scheduler.max_waiting_requests, engine_failed))
+    except (CheckpointError, OSError, ValueError) as e:  # ConfigError, AdapterError are ValueErrors
+        print(f"xpulora: cannot start: {e}")
+        return 2
+    if chat.reasoning_parser is not None:
+        try:
+            think_close_id(core.served.tokenizer.get_vocab())
+        except ValueError as e:
+            print(f"xpulora: cannot start: {e}")
+            asyncio.run(_stop(core))
+            return 2
+
+    app = create_app(engine_config, client=core, api_key=args.api_key,
                      max_waiting_requests=args.max_waiting_requests,
                      on_engine_failure=engine_failed, chat=chat)
-    ready = _ready_lines(args.host, args.port, llm, demo, bool(args.api_key))
+    ready = _ready_lines(args.host, args.port, core, demo, bool(args.api_key))
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
@@ -297,7 +321,7 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
         async def shutdown(self, sockets: Any = None) -> None:
             # Drain for GRACE_S, then abort what still runs so that every client gets a complete
             # response (finish_reason "abort" / 503) rather than a connection cut by uvicorn's backstop.
-            engine: AsyncEngine | None = getattr(app.state, "engine", None)
+            engine: EngineClient | None = getattr(app.state, "engine", None)
             timer = None
             if engine is not None:
                 engine.stop_accepting()
@@ -313,10 +337,10 @@ def run_server(args: argparse.Namespace, engine_config: EngineConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _ignore_signal)
     server = _Server(config)
-    try:
-        server.run()
-    finally:
-        llm.shutdown()
+    server.run()  # the lifespan stops the engine core (and it its tensor-parallel ranks)
+    if failures and isinstance(failures[0], EngineCoreExitedError):
+        logging.shutdown()  # then skip the interpreter's teardown (half a second): nothing is left to stop
+        os._exit(ENGINE_FAILED_EXIT)
     if failures:
         return ENGINE_FAILED_EXIT
     return 0 if server.started else 1

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine import AsyncEngine, RequestOutput
+from engine import EngineClient, RequestOutput
 
 P = "xpulora:"
 VLLM = "vllm:"
@@ -36,7 +36,7 @@ MODEL = "model_name"
 class _EngineCollector(Collector):
     """Gauges and engine-side counters read at scrape time from the step thread's latest snapshot."""
 
-    def __init__(self, engine: AsyncEngine, model: str) -> None:
+    def __init__(self, engine: EngineClient, model: str) -> None:
         self.engine, self.model = engine, model
 
     def collect(self) -> Iterator[Metric]:
@@ -103,7 +103,7 @@ class _VllmNames(Collector):
 
 
 class Metrics:
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.registry = r = CollectorRegistry()
         self.model = engine.served.name
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", [MODEL], registry=r)

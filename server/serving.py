@@ -1,4 +1,4 @@
-"""OpenAI completions and chat completions over the AsyncEngine: request -> one engine request per
+"""OpenAI completions and chat completions over the EngineClient: request -> one engine request per
 (prompt, choice), outputs -> a JSON body or SSE chunks ending with `data: [DONE]`.
 
 Prompts are tokenized here, so the engine always gets token ids, on one dedicated thread with its own
@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from engine import (
-    AsyncEngine,
+    EngineClient,
     ErrorKind,
     OverloadedError,
     RequestError,
@@ -77,7 +77,7 @@ class _Choice:
 
 
 class Serving:
-    def __init__(self, engine: AsyncEngine, metrics: Metrics, chat: ChatOptions | None = None) -> None:
+    def __init__(self, engine: EngineClient, metrics: Metrics, chat: ChatOptions | None = None) -> None:
         self.engine, self.metrics = engine, metrics
         served = engine.served
         self.chat_opts = chat or ChatOptions()

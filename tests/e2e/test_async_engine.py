@@ -1,6 +1,6 @@
-"""The AsyncEngine and the app in-process (no subprocess): cancel/close aborts and frees KV blocks,
-shutdown aborts what is in flight and joins the step thread, a failed step makes /health 503, and
-autoload stays off with lora_autoload=False."""
+"""The engine client and the app in-process (the core loop on a thread, same messages as the engine-core
+process): cancel/close aborts and frees KV blocks, shutdown aborts what is in flight and stops the core,
+a failed step makes /health 503, and autoload stays off with lora_autoload=False."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI
 
 from engine import (
-    AsyncEngine,
+    EngineClient,
     EngineConfig,
     LLMEngine,
     LoRAConfig,
@@ -50,7 +50,7 @@ def test_close_cancel_and_shutdown_abort(llm: LLMEngine) -> None:
     total = llm.blocks.num_blocks
 
     async def main() -> None:
-        ae = AsyncEngine(llm)
+        ae = EngineClient.in_thread(llm)
         await ae.start()
         gen = ae.generate("r1", "hello world", LONG)
         await gen.__anext__()
@@ -114,7 +114,7 @@ def test_engine_failure_makes_health_503(llm: LLMEngine, monkeypatch: pytest.Mon
             def boom() -> list:
                 raise RuntimeError("device lost")
 
-            monkeypatch.setattr(llm, "step", boom)
+            monkeypatch.setattr(llm, "core_step", boom)
             r = await client.post("/v1/completions", json=body)
             assert r.status_code == 503 and "device lost" in r.json()["error"]["message"]
             r = await client.get("/health")
@@ -133,6 +133,14 @@ def test_metrics_registry_is_private(llm: LLMEngine) -> None:
 
     from server.metrics import Metrics
 
-    a, b = Metrics(AsyncEngine(llm)), Metrics(AsyncEngine(llm))  # two in one process: no duplicate error
-    assert b"xpulora:kv_cache_usage_perc" in a.render() and b"xpulora:lora_requests_info" in b.render()
-    assert not any(n.startswith("xpulora:") for n in REGISTRY._names_to_collectors)
+    async def main() -> None:
+        clients = [EngineClient.in_thread(llm), EngineClient.in_thread(llm)]
+        for c in clients:
+            await c.start()
+        a, b = Metrics(clients[0]), Metrics(clients[1])  # two in one process: no duplicate error
+        assert b"xpulora:kv_cache_usage_perc" in a.render() and b"xpulora:lora_requests_info" in b.render()
+        assert not any(n.startswith("xpulora:") for n in REGISTRY._names_to_collectors)
+        for c in clients:
+            await c.shutdown(0)
+
+    asyncio.run(main())

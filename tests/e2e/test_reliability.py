@@ -433,14 +433,14 @@ def test_unload_between_resolve_and_add_user_is_a_404_not_a_dead_engine() -> Non
 
 
 def test_name_locks_do_not_accumulate() -> None:
-    """AsyncEngine kept one asyncio.Lock per adapter name ever loaded: a churn of new names grew it forever."""
-    from engine import AsyncEngine
+    """The engine client kept one asyncio.Lock per adapter name ever loaded: a churn of new names grew it forever."""
+    from engine import EngineClient
     from tests.helpers import make_lora_engine
 
     llm = make_lora_engine(str(DEMO / "model"), {}, max_model_len=512)
 
     async def main() -> int:
-        ae = AsyncEngine(llm)
+        ae = EngineClient.in_thread(llm)
         await ae.start()
         try:
             for i in range(20):
@@ -498,7 +498,9 @@ def _tp_server(tmp: Path, name: str) -> tuple[ServerProcess, list[psutil.Process
     srv = ServerProcess(str(DEMO / "model"), ["--tensor-parallel-size", "2"], tmp / f"{name}.log")
     srv.wait_ready()
     kids = psutil.Process(srv.proc.pid).children(recursive=True)
-    worker = next(k for k in kids if "spawn_main" in " ".join(k.cmdline()))
+    # The server's spawned child is the engine-core process; the TP rank is the core's spawned child.
+    core = next(k for k in kids if "spawn_main" in " ".join(k.cmdline()) and k.ppid() == srv.proc.pid)
+    worker = next(k for k in core.children() if "spawn_main" in " ".join(k.cmdline()))
     return srv, kids, worker
 
 
