@@ -10,7 +10,8 @@ with the same requests and the same number in flight. One JSON line per concurre
 Requests: token-id prompts of 16-64 tokens, greedy, ignore_eos, max_tokens between half and all of
 --new-tokens, spread round-robin over the adapters and the base model (every (adapters+1)-th request).
 
-    python benchmarks/bench_serve.py --layers 36 --adapters 32 --batches 32 64 --requests 256 --new-tokens 128
+    python benchmarks/bench_serve.py --layers 36 --adapters 32 --batches 32 64 --requests 256 --new-tokens 128 \
+        --clients 4
     python benchmarks/bench_serve.py --quick          # tiny shapes on the CPU (smoke test)
 """
 
@@ -19,10 +20,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing as mp
 import os
 import random
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,30 +122,59 @@ async def one(client: httpx.AsyncClient, base: str, r: Req) -> Stream:
     return s
 
 
-async def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int,
-                 texts: list[str] | None = None) -> dict[str, object]:
-    """The plan over HTTP with at most `concurrency` streams open; text_mismatch counts the requests whose
-    text differs from texts (the offline run's; informational: on a GPU a different batch composition can
-    flip a near tie)."""
+async def _streams(url: str, headers: dict[str, str], base: str, reqs: list[Req], concurrency: int
+                   ) -> tuple[list[Stream], float]:
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=srv.url, headers=srv.headers, timeout=600, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=600, limits=limits) as client:
         async def bounded(r: Req) -> Stream:
             async with sem:
                 return await one(client, base, r)
 
         t0 = time.perf_counter()
         streams = await asyncio.gather(*(bounded(r) for r in reqs))
+        return list(streams), time.perf_counter() - t0
+
+
+def _client(url: str, headers: dict[str, str], base: str, reqs: list[Req], concurrency: int
+            ) -> tuple[list[Stream], float]:
+    """One client process's share of the plan: its streams and the CPU seconds it used."""
+    c0 = time.process_time()
+    streams, _ = asyncio.run(_streams(url, headers, base, reqs, concurrency))
+    return streams, time.process_time() - c0
+
+
+def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, texts: list[str] | None = None,
+           clients: int = 1) -> dict[str, object]:
+    """The plan over HTTP with at most `concurrency` streams open, spread over `clients` processes (request i
+    goes to client i % clients, each with concurrency / clients streams): one Python client parsing every SSE
+    event of 64 fast streams can saturate its core, and then it, not the server, sets the latencies.
+    client_cpu is the busiest client's CPU time over the wall time (near 1: the client was the limit).
+    text_mismatch counts the requests whose text differs from texts (the offline run's; informational: on a
+    GPU a different batch composition can flip a near tie)."""
+    clients = max(1, min(clients, concurrency))
+    parts = [list(range(i, len(reqs), clients)) for i in range(clients)]
+    streams: list[Stream] = [Stream()] * len(reqs)
+    with ProcessPoolExecutor(clients, mp_context=mp.get_context("spawn")) as pool:
+        list(pool.map(abs, range(clients)))  # the workers start before the clock does
+        t0 = time.perf_counter()
+        futures = [pool.submit(_client, srv.url, srv.headers, base, [reqs[j] for j in idx],
+                               max(1, concurrency // clients)) for idx in parts]
+        done = [f.result() for f in futures]
         dt = time.perf_counter() - t0
-    errors = [s.error for s in streams if s.error]
-    wrong = sum(s.tokens != r.max_tokens for s, r in zip(streams, reqs) if not s.error)
-    ttft = [s.ttft for s in streams if s.ttft is not None]
-    gaps = [g for s in streams for g in s.gaps]
-    return {"server_tokens_per_s": sum(s.tokens for s in streams) / dt,
+    for idx, (part, _) in zip(parts, done):
+        for j, st in zip(idx, part):
+            streams[j] = st
+    errors = [st.error for st in streams if st.error]
+    wrong = sum(st.tokens != r.max_tokens for st, r in zip(streams, reqs) if not st.error)
+    ttft = [st.ttft for st in streams if st.ttft is not None]
+    gaps = [g for st in streams for g in st.gaps]
+    return {"server_tokens_per_s": sum(st.tokens for st in streams) / dt, "clients": clients,
+            "client_cpu": round(max(cpu for _, cpu in done) / dt, 3),
             "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
             "itl_s": {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99)},
             "errors": len(errors), "wrong_length": wrong,
-            "text_mismatch": None if texts is None else sum(s.text != t for s, t in zip(streams, texts)),
+            "text_mismatch": None if texts is None else sum(st.text != t for st, t in zip(streams, texts)),
             "first_error": errors[0] if errors else None}
 
 
@@ -162,6 +194,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     model_args(ap, [32, 64], [32], "/tmp/xpulora-serve")
     ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--clients", type=int, default=1, help="client processes sharing the streams")
     a = ap.parse_args()
     device, s, _, path, adapters = write_model(a)  # --quick: tiny shapes, batches [1, 4], 2 adapters
     if a.quick:
@@ -172,7 +205,10 @@ def main() -> int:
     rows: dict[int, dict] = {}
     texts = [""] * len(reqs)
     with LLMEngine(engine_config(path, adapters[:n], max_batch, device.type)) as e:
-        offline(e, reqs[: min(8, len(reqs))], 8)  # warm-up
+        # Warm-up: one request per adapter and the base, so that every adapter sits in its slot as in a server
+        # that has run a while (first slot fills are measured apart: docs/PERFORMANCE.md).
+        warm = reqs[: n + 1]
+        offline(e, warm, max_batch)
         for i, c in enumerate(a.batches):
             rows[c] = offline(e, reqs, c, texts if i == 0 else None)
             # bench_e2e's pure decode at this batch, same engine: what the loop could reach without arrivals
@@ -184,10 +220,10 @@ def main() -> int:
     try:
         srv.wait_ready(timeout=600)
         base = httpx.get(srv.url + "/v1/models", headers=srv.headers, timeout=30).json()["data"][0]["id"]
-        asyncio.run(served(srv, base, reqs[: min(8, len(reqs))], 8))  # warm-up
+        served(srv, base, warm, max_batch, clients=a.clients)  # warm-up, as offline
         failed = False
         for c in a.batches:
-            r = asyncio.run(served(srv, base, reqs, c, texts))
+            r = served(srv, base, reqs, c, texts, a.clients)
             row = {"case": "serve", "concurrency": c, "requests": len(reqs), "adapters": n, **rows[c], **r}
             row["ratio"] = row["server_tokens_per_s"] / row["offline_tokens_per_s"]
             row["server_vs_decode"] = row["server_tokens_per_s"] / row["decode_tokens_per_s"]

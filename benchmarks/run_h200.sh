@@ -78,7 +78,7 @@ case "${1:-}" in
     timeout 150 python3 benchmarks/gpu_engine_check.py --quick --device cuda 2>&1 | grep -E '^\{|PASS|FAIL|Error' \
       | tee "$OUT/engine_check.txt"
     timeout 420 python3 benchmarks/bench_serve.py --layers 36 --adapters 32 --batches 32 64 --requests 256 \
-      --new-tokens 128 --root /tmp/serve36 2>&1 | grep -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
+      --new-tokens 128 --clients 4 --root /tmp/serve36 2>&1 | grep -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
     tail -n 60 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
     ;;
   *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve"; exit 2 ;;
