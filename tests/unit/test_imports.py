@@ -34,7 +34,7 @@ _ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 def _server_reach_ins(source: str) -> list[str]:
     """What DESIGN.md's import rule forbids in server code: importing an engine submodule, or reaching
-    through AsyncEngine into the LLMEngine behind it (`<...>.engine.engine`)."""
+    through the engine client into an LLMEngine behind it (`<...>.engine.engine`)."""
     bad = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("engine."):
@@ -53,7 +53,7 @@ def test_the_rule_checker_finds_reach_ins() -> None:
     source = ("from engine.protocol import RequestError\nimport engine.config\n"
               "def f(self, engine):\n    return engine.engine.lora, self.engine.engine.config\n")
     assert len(_server_reach_ins(source)) == 4
-    assert _server_reach_ins("from engine import AsyncEngine\nx = request.app.state.engine.served\n") == []
+    assert _server_reach_ins("from engine import EngineClient\nx = request.app.state.engine.served\n") == []
 
 
 def test_server_uses_only_what_engine_exports() -> None:
