@@ -83,8 +83,8 @@ def build(root: Path) -> tuple[str, dict[str, str]]:
 
 
 def server_flags(adapters: dict[str, str], streams: int) -> list[str]:
-    """Flags both servers take with the same meaning (each keeps its default dtype: vLLM bf16 on the CPU,
-    xpulora float32)."""
+    """Flags both servers take with the same meaning (the dtype is each one's default: vLLM bf16 on the CPU,
+    xpulora float32, unless --xpulora-dtype says otherwise)."""
     return ["--served-model-name", NAME, "--max-model-len", "512", "--max-num-seqs", str(streams), "--enable-lora",
             "--max-loras", str(ADAPTERS), "--max-lora-rank", "8", "--lora-modules",
             *(f"{n}={p}" for n, p in adapters.items())]
@@ -152,6 +152,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=10, help="measured rounds per case per start")
     ap.add_argument("--starts", type=int, default=3, help="starts of each server, alternated")
     ap.add_argument("--cases", nargs="+", choices=["base", "adapters"], default=["base", "adapters"])
+    ap.add_argument("--xpulora-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="xpulora's --dtype (auto: float32 on the CPU; bfloat16 computes as vLLM's CPU build does)")
     ap.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for a server to come up")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds for one request")
     a = ap.parse_args()
@@ -167,7 +169,8 @@ def main() -> int:
     failed = False
     for s in range(a.starts):
         for kind in ("xpulora", "vllm"):
-            srv = start(kind, model, flags, a.peer_python, root / f"{kind}{s}.log", a.ready_timeout)
+            own = flags + (["--dtype", a.xpulora_dtype] if kind == "xpulora" else [])
+            srv = start(kind, model, own, a.peer_python, root / f"{kind}{s}.log", a.ready_timeout)
             try:
                 for case in a.cases:  # warm-up
                     asyncio.run(run_load(srv.url, srv.headers, plan(case, a.streams, a.tokens, 99), a.streams,
@@ -189,7 +192,8 @@ def main() -> int:
         # other work on the machine only ever slows a server down: the best start of each is the least disturbed
         bx, bv = (max(t, key=lambda r: r["tokens_per_s"]) for t in (xs, vs))
         emit(case="summary", which=case, streams=a.streams, tokens=a.tokens, rounds=a.rounds * a.starts,
-             checkpoint="auto-round int4 (W4A16 sym g128), both servers", xpulora=x, vllm=v, ratio=ratio(x, v),
+             checkpoint="auto-round int4 (W4A16 sym g128), both servers", xpulora_dtype=a.xpulora_dtype,
+             xpulora=x, vllm=v, ratio=ratio(x, v),
              ratio_per_start=[ratio(p, q) for p, q in zip(xs, vs)], best_start_tokens_per_s={
                  "xpulora": bx["tokens_per_s"], "vllm": bv["tokens_per_s"]}, ratio_best_start=ratio(bx, bv))
     return 1 if failed else 0
