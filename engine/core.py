@@ -16,6 +16,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -164,7 +165,8 @@ class EngineCore:
         waiting = {n for s in e.scheduler.waiting if s.lora_id is not None and (n := name_of(s.lora_id))}
         counts = (lora.num_loads, lora.num_unloads, lora.num_evictions) if lora is not None else (0, 0, 0)
         return Stats(len(e.scheduler.running), len(e.scheduler.waiting), e.blocks.usage, e.num_preemptions,
-                     e.blocks.num_queries, e.blocks.num_hits, tuple(sorted(running)), tuple(sorted(waiting)), *counts)
+                     e.blocks.num_queries, e.blocks.num_hits, tuple(sorted(running)), tuple(sorted(waiting)), *counts,
+                     time.time())
 
 
 def ready(llm: LLMEngine) -> Ready:

@@ -75,7 +75,7 @@ class EngineClient(AdapterCalls):
         self._processor = OutputProcessor(copy.deepcopy(self.served.tokenizer), ready.eos_ids)
         self._params: dict[str, SamplingParams] = {}  # sent adds whose acceptance has not arrived
         self._queued = 0
-        self._stats = EngineStats()
+        self._stats = EngineStats(timestamp=time.time())
         self._adapters: dict[str, str] = dict(ready.adapters)  # the core's registry after its last reply
         self._streams: dict[str, asyncio.Queue[_Item]] = {}  # event loop only
         self._calls: dict[int, asyncio.Future[Reply]] = {}
@@ -304,7 +304,7 @@ class EngineClient(AdapterCalls):
             if stopped and not self._closing:  # a stop string ended them: free their KV blocks now
                 self._push.send(self._enc.encode(Abort(stopped)))
             if msg.stats is not None:
-                self._stats = EngineStats.of(msg.stats)
+                self._stats = msg.stats
         items.extend((o.request_id, o) for o in outs)
         return items
 

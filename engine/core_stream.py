@@ -3,36 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from engine.messages import Stats
 from engine.protocol import RequestOutput
 
-
-@dataclass(frozen=True)
-class EngineStats:
-    """The core's counters as of its last message (read lock-free by /metrics)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_usage: float = 0.0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    running_adapters: tuple[str, ...] = ()
-    waiting_adapters: tuple[str, ...] = ()
-    lora_loads: int = 0
-    lora_unloads: int = 0
-    lora_evictions: int = 0
-    timestamp: float = field(default_factory=time.time)
-
-    @classmethod
-    def of(cls, s: Stats) -> EngineStats:
-        return cls(s.num_running, s.num_waiting, s.kv_usage, s.num_preemptions, s.prefix_cache_queries,
-                   s.prefix_cache_hits, s.running_adapters, s.waiting_adapters, s.lora_loads, s.lora_unloads,
-                   s.lora_evictions)
+EngineStats = Stats
+"""The core's counters as of its last message (read lock-free by /metrics)."""
 
 
 _Item = list[int] | RequestOutput | BaseException

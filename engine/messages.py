@@ -78,7 +78,9 @@ class TokenDelta(msgspec.Struct, array_like=True):
     error_kind: ErrorKind = "internal"
 
 
-class Stats(msgspec.Struct, array_like=True):
+class Stats(msgspec.Struct, array_like=True, frozen=True):
+    """The core's counters as the API process exposes them (/metrics reads the last one, lock-free)."""
+
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
@@ -90,6 +92,8 @@ class Stats(msgspec.Struct, array_like=True):
     lora_loads: int = 0
     lora_unloads: int = 0
     lora_evictions: int = 0
+    timestamp: float = 0.0
+    """When the core took these counts (time.time())."""
 
 
 class Outputs(msgspec.Struct, tag=True, array_like=True):
