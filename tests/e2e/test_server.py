@@ -28,7 +28,7 @@ RANKS = [8, 16, 4, 8, 16]
 class Env:
     def __init__(self, srv: ServerProcess, model: str, paths: dict[str, str]) -> None:
         self.srv, self.url, self.paths = srv, srv.url, paths
-        self.engine = make_lora_engine(model, paths, max_loras=5)
+        self.engine = make_lora_engine(model, paths, max_loras=5, max_model_len=1024)  # as the server
         self.tok = self.engine.tokenizer
         self.client = openai.OpenAI(base_url=srv.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
         self.http = httpx.Client(base_url=srv.url, headers=srv.headers, timeout=120)
@@ -206,7 +206,7 @@ def _lora_info(metrics: dict[str, float]) -> dict[str, str]:
 def test_64_concurrent_streams_while_loading_and_unloading(env: Env) -> None:
     combos = [(p, f"a{j}") for p in SHORT for j in range(4)]
     # Request 63 (adapter a3) is long, so it surely still runs when a3 is unloaded and a4 loaded.
-    lengths = [48 if k == 63 else 8 for k in range(64)]
+    lengths = [400 if k == 63 else 8 for k in range(64)]
     refs = {(k % 16, n): env.ref(*combos[k % 16], max_tokens=n, ignore_eos=True).text  # each run alone
             for k, n in enumerate(lengths)}
 
