@@ -266,12 +266,10 @@ class LLMEngine:
         p = seq.params
         seq.output_token_ids.append(tok)
         grammar_done = self.grammar.accept(seq.seq_id, tok)
-        # As vLLM: EOS and the stop ids end the output only after the first min_tokens tokens (the sampler
-        # masks them before); stop strings are the output processor's (text) business.
-        checks = len(seq.output_token_ids) > p.min_tokens
-        stop_tok = checks and ((not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids)
+        # Stop strings are the output processor's (text) business.
         reason: FinishReason | None = None
-        if stop_tok or grammar_done:  # a complete grammar allows nothing more (vLLM stops there too)
+        # A complete grammar allows nothing more (vLLM stops there too).
+        if p.ends_with(tok, len(seq.output_token_ids), self.eos_ids) or grammar_done:
             reason = "stop"
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"

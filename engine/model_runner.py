@@ -175,15 +175,24 @@ class ModelRunner:
             w.set_slot(slot, adapter.modules)
 
     # -- one step ----------------------------------------------------------------------------------
-    def _prepare(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
-        """The step's inputs from per-sequence host lists (one Python pass over the sequences, never over
-        tokens), sent in one copy per dtype; per-token positions and KV slots are derived on the device."""
+    def _token_slots(self, step: SchedulerOutput) -> list[int]:
+        """Each token's adapter slot (-1: none); empty when LoRA is off."""
+        out: list[int] = []
+        if self.lora_layers:
+            for s in step.seqs:
+                out += [s.lora_slot] * len(s.token_ids)
+        return out
+
+    def _prepare(self, step: SchedulerOutput, lora_batch: bool = True
+                 ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
+        """The step's inputs from per-sequence host lists (one Python pass over the sequences), sent in one
+        copy per dtype; per-token positions and KV slots are derived on the device. lora_batch False: no
+        LoRABatch (the mixed-step graphs update their own in place)."""
         bs, seqs = self.kv.block_size, step.seqs
         ids: list[int] = []
         starts: list[int] = []
         lens: list[int] = []
         cu = [0]
-        lora_slots: list[int] = []
         sample_rows: list[int] = []
         width = max(len(s.block_table) for s in seqs)
         table: list[int] = []
@@ -195,8 +204,6 @@ class ModelRunner:
             cu.append(cu[-1] + n)
             table += s.block_table
             table += [0] * (width - len(s.block_table))
-            if self.lora_layers:
-                lora_slots += [s.lora_slot] * n
             if s.sample:
                 sample_rows.append(cu[-1] - 1)
         ctx_lens = [a + n for a, n in zip(starts, lens)]
@@ -213,7 +220,8 @@ class ModelRunner:
         slot_mapping = table_t[seq_of, positions // bs].long() * bs + positions % bs
         meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=table_t, context_lens=ctx_t, cu_q=cu_t,
                                  cu_q_list=cu, context_lens_list=ctx_lens, max_q_len=max(lens))
-        lora = build_mapping(lora_slots, dev, self.lora_impl, self.config.lora.max_loras) if self.lora_layers else None
+        lora = (build_mapping(self._token_slots(step), dev, self.lora_impl, self.config.lora.max_loras)
+                if self.lora_layers and lora_batch else None)
         ctx = ForwardContext(attn=meta, lora=lora, state_slots=states if self.gdn_layers else None,
                              state_index=index if self.gdn_layers else None)
         return input_ids, positions, ctx, sample_rows
@@ -275,11 +283,11 @@ class ModelRunner:
             # One row per sequence; a 1-token prefill chunk that is not a prompt's last does not sample.
             rows = [i for i, s in enumerate(step.seqs) if s.sample]
         else:
-            input_ids, positions, ctx, rows = self._prepare(step)
-            if self.mixed is not None and self.mixed.can_run(input_ids.numel()):
+            mixed = self.mixed if self.mixed is not None and self.mixed.can_run(step.num_tokens) else None
+            input_ids, positions, ctx, rows = self._prepare(step, lora_batch=mixed is None)
+            if mixed is not None:
                 assert ctx.attn is not None
-                h = self.mixed.run(input_ids, positions, ctx.attn,
-                                   [s.lora_slot for s in step.seqs for _ in s.token_ids])
+                h = mixed.run(input_ids, positions, ctx.attn, self._token_slots(step))
             else:
                 with forward_context(ctx):
                     h = self.model(input_ids, positions)

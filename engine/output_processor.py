@@ -72,14 +72,11 @@ class OutputProcessor:
         override: str | None = None
         for tok in d.new_token_ids:
             st.num_output_tokens += 1
-            # As vLLM: the first min_tokens tokens cannot end the output (the sampler masks EOS and the stop
-            # ids, stop strings are matched only in the text after them); a stop token's own text is left out
-            # unless include_stop_str_in_output.
-            checks = st.num_output_tokens > p.min_tokens
-            stop_tok = checks and ((not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids)
-            if not stop_tok or p.include_stop_str_in_output:
+            # A stop token's own text is left out unless include_stop_str_in_output.
+            if p.include_stop_str_in_output or not p.ends_with(tok, st.num_output_tokens, self.eos_ids):
                 st.detok.add(tok)
         text = st.detok.text
+        # As vLLM, stop strings are matched only in the text after the first min_tokens tokens.
         checks = st.num_output_tokens > p.min_tokens
         if reason != "stop" and p.stop and checks:  # the core's "stop" is a token or a grammar: no string check
             cut = find_stop(text, p.stop, st.emitted, st.stop_floor)

@@ -124,6 +124,14 @@ class SamplingParams:
         """The penalties need the tokens seen so far (the runner keeps them on the device)."""
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    def ends_with(self, token: int, num_output_tokens: int, eos_ids: frozenset[int]) -> bool:
+        """Whether `token`, the num_output_tokens-th of the output, ends it as vLLM does: EOS (unless
+        ignore_eos) or a stop_token_id, and only after the first min_tokens tokens (the sampler masks them
+        before). The core finishes the request on it; the output processor leaves its text out unless
+        include_stop_str_in_output."""
+        return num_output_tokens > self.min_tokens and (
+            (not self.ignore_eos and token in eos_ids) or token in self.stop_token_ids)
+
     @property
     def uses_processors(self) -> bool:
         """Anything beyond temperature / top-k / top-p / min-p touches the logits."""

@@ -28,13 +28,14 @@ class Staging:
         flat = [x for p in parts for x in p]
         n = len(flat)
         src = torch.tensor(flat, dtype=self.dtype)
-        if self.device.kind == "cpu":
-            out = src  # the tensors are already where the model runs
+        if not self.device.pins_memory:
+            out = src  # the host is the device: the tensors are already where the model runs
         else:
             if self._pending and self._event is not None:
                 self._event.synchronize()  # type: ignore[attr-defined]
             if n > self.host.numel():
                 self.host = torch.empty(max(n, 2 * self.host.numel()), dtype=self.dtype, pin_memory=True)
+                self._pending = False  # the old buffer may still be read by its copy; it is not reused
             self.host[:n].copy_(src)
             out = torch.empty(n, dtype=self.dtype, device=self.device.torch_device)
             out.copy_(self.host[:n], non_blocking=True)
