@@ -15,6 +15,8 @@ import json
 import os
 import sys
 import time
+import traceback
+import warnings
 
 import torch
 
@@ -39,18 +41,24 @@ CHECKS = Checks("gpu_engine_check")
 ARGS = argparse.Namespace(device="cuda", lora_kernel="auto")
 
 
-def run(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]], eager: bool, reference: bool,
-        dtype: str, gdn: str | None = None, max_batched: int = 2048) -> tuple[list[list[int]], float]:
+def config(path: str, adapters: list[str], eager: bool, reference: bool, dtype: str, gdn: str | None = None,
+           max_batched: int = 2048, async_scheduling: bool | None = None) -> EngineConfig:
     ref = "reference" if reference else "auto"
     kernels = KernelConfig(lora="reference" if reference else ARGS.lora_kernel, attention=ref, fused=ref, int4=ref,
                            gdn=gdn or "auto")  # type: ignore[arg-type]
     lora = LoRAConfig(enable_lora=True, max_loras=4, max_lora_rank=16,
                       lora_modules=tuple((f"a{i}", p) for i, p in enumerate(adapters)))
-    cfg = EngineConfig(ModelConfig(path, dtype=dtype, max_model_len=512), cache=CacheConfig(num_blocks=2048),
-                       scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_batched), lora=lora,
-                       enforce_eager=eager,
-                       parallel=ParallelConfig(device=ARGS.device), kernels=kernels)
-    with LLMEngine(cfg) as e:
+    return EngineConfig(ModelConfig(path, dtype=dtype, max_model_len=512), cache=CacheConfig(num_blocks=2048),
+                        scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_batched), lora=lora,
+                        enforce_eager=eager, parallel=ParallelConfig(device=ARGS.device), kernels=kernels,
+                        async_scheduling=async_scheduling)
+
+
+def run(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]], eager: bool, reference: bool,
+        dtype: str, gdn: str | None = None, max_batched: int = 2048, async_scheduling: bool | None = None
+        ) -> tuple[list[list[int]], float]:
+    """Greedy ids of the batch (async_scheduling None: the engine's default, on for GPUs at tp=1)."""
+    with LLMEngine(config(path, adapters, eager, reference, dtype, gdn, max_batched, async_scheduling)) as e:
         for c in e.runner.kernel_choices:
             if c.rejected:  # the engine fell back to a slower kernel: the fast one computes wrong here
                 CHECKS.expect(f"{c.op} kernel passes its start-up check", False, chosen=c.chosen,
@@ -65,6 +73,37 @@ def run(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]
             CHECKS.expect(f"mixed steps replayed piecewise graphs, batch {len(batch)}, chunks of {max_batched}",
                           mixed is not None and mixed.replays > 0, replays=mixed.replays if mixed else None)
         return [r.token_ids for r in out], took
+
+
+def check_no_host_sync(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]]) -> None:
+    """Async scheduling's steady state must never make the host wait for the device except for the one read
+    back per step: every implicit synchronization torch makes in the steps of a mixed batch (adapters warm in
+    their slots, graphs captured, chunked prefill beside decodes) is recorded with the line that made it."""
+    found: dict[str, int] = {}
+
+    def record(message: Warning | str, category: type[Warning], filename: str, lineno: int, file: object = None,
+               line: str | None = None) -> None:
+        if "synchroniz" not in str(message):
+            return
+        ours = [f for f in traceback.extract_stack()[:-1] if "/engine/" in f.filename or "/kernels/" in f.filename]
+        where = f"{ours[-1].filename.rsplit('/', 2)[-2:]}:{ours[-1].lineno} {ours[-1].name}" if ours else filename
+        found[where] = found.get(where, 0) + 1
+
+    with LLMEngine(config(path, adapters, eager=False, reference=False, dtype="bfloat16", max_batched=64,
+                          async_scheduling=True)) as e:
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        e.generate([p for p, _ in batch], params, [n for _, n in batch])  # warm: slots filled, kernels tuned
+        for i, (p, n) in enumerate(batch):
+            e.add_request(f"s{i}", p, params, n)
+        steps = 0
+        with warnings.catch_warnings(), e.device.sync_debug():  # catch_warnings restores showwarning
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            while e.has_unfinished():
+                e.step()
+                steps += 1
+    CHECKS.expect("async scheduling: no implicit host sync in steady-state steps", not found, steps=steps,
+                  syncs=found)
 
 
 def main() -> None:
@@ -90,10 +129,15 @@ def main() -> None:
                       matching_requests=sum(a == b for a, b in zip(eager, ref)), of=n)
         CHECKS.expect(f"fast kernels + graphs == torch reference, float32, batch {n}", graphs == ref,
                       matching_requests=sum(a == b for a, b in zip(graphs, ref)), of=n)
+        sync, _ = run(path, adapters, batch, eager=False, reference=False, dtype="float32", async_scheduling=False)
+        CHECKS.expect(f"graphs, synchronous scheduling == torch reference, float32, batch {n}", sync == ref,
+                      matching_requests=sum(a == b for a, b in zip(sync, ref)), of=n)
         if n >= 17:  # prefill chunks of 64 tokens share steps with decodes: the piecewise graphs' case
             chunked, _ = run(path, adapters, batch, eager=False, reference=False, dtype="float32", max_batched=64)
             CHECKS.expect(f"mixed-step graphs (64-token chunks) == torch reference, float32, batch {n}",
                           chunked == ref, matching_requests=sum(a == b for a, b in zip(chunked, ref)), of=n)
+    if ARGS.device != "cpu":
+        check_no_host_sync(path, adapters, batch)
     if ARGS.quick:
         exit_with(CHECKS)
     hs = Shape(1024, 2048, 4, 8, 2, 128, 2048, hybrid=True, lin_k_heads=4, lin_v_heads=8, lin_dim=128)

@@ -169,3 +169,7 @@ class EngineConfig:
     mixed_graphs: bool = True
     """Also capture steps that hold a prefill chunk, as graphs split at attention (engine/piecewise.py; dense
     models on GPUs, up to 512 tokens); off: those steps run eagerly, decode-only steps still replay graphs."""
+    async_scheduling: bool | None = None
+    """Schedule and launch step N+1 before step N's sampled ids are read back, feeding them to step N+1 on the
+    device (engine/llm_engine.py). None: on where the host can run ahead of the device (GPUs, tensor parallel
+    size 1), off on the CPU; True also on the CPU (the same code path, nothing to overlap; tests use it)."""

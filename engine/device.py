@@ -183,6 +183,21 @@ class Device:
     def end_capture(self, graph: object) -> None:
         graph.capture_end()  # type: ignore[attr-defined]
 
+    @contextlib.contextmanager
+    def sync_debug(self) -> Iterator[None]:
+        """Warn at every implicit host-device synchronization torch makes meanwhile (a blocking copy, .item(),
+        a nonzero): the GPU checks count them in the steady-state steps of async scheduling, which must have
+        none. CUDA only (torch has no such mode for other devices); elsewhere nothing is reported."""
+        if self.kind != "cuda":
+            yield
+            return
+        before = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+
     @property
     def supports_graphs(self) -> bool:
         if self.kind == "cuda":

@@ -64,6 +64,13 @@ def all_reduce_min(value: int, device: torch.device) -> int:
     return int(t.item())
 
 
+def broadcast(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's x on every rank, in place; identity at tp=1."""
+    if _GROUP.size > 1:
+        dist.broadcast(x, src=0)
+    return x
+
+
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """Concatenate every rank's x along dim (rank order); identity at tp=1."""
     if _GROUP.size == 1:

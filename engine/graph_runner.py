@@ -40,7 +40,8 @@ class DecodeGraphs:
         self.cu_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.state_index = torch.full((n,), scratch_state or 0, dtype=torch.long, device=dev)
         self._longs, self._ints = Staging(device, torch.long), Staging(device, torch.int32)
-        """The replay's inputs go to the device in one copy per dtype, then into the static buffers."""
+        """The replay's inputs go to the device in one copy per dtype (no host wait), then into the static
+        buffers."""
         self.graphs: dict[tuple[int, bool], tuple[object, torch.Tensor, TritonLoRABatch | None]] = {}
         pool = device.graph_pool()
         for size in reversed(self.sizes):
@@ -85,8 +86,10 @@ class DecodeGraphs:
         return all(len(s.token_ids) == 1 for s in step.seqs) and len(step.seqs) <= self.sizes[-1]
 
     @torch.inference_mode()
-    def run(self, step: SchedulerOutput) -> torch.Tensor:
-        """Hidden states [B, hidden] of a decode-only step."""
+    def run(self, step: SchedulerOutput, pending_at: list[int], pending_rows: list[int], prev_tokens: torch.Tensor
+            ) -> torch.Tensor:
+        """Hidden states [B, hidden] of a decode-only step. Rows pending_at take their token from
+        prev_tokens[pending_rows] (the last step's sampled ids, under async scheduling)."""
         b = len(step.seqs)
         size = next(s for s in self.sizes if s >= b)
         bs = self.block_size
@@ -96,11 +99,13 @@ class DecodeGraphs:
         width = max(len(s.block_table) for s in step.seqs)
         table = [blk for s in step.seqs for blk in s.block_table + [self.scratch] * (width - len(s.block_table))]
         states = [s.state_slot for s in step.seqs] if self.scratch_state is not None else []
-        ids, positions, slot_t, index = self._longs.send([
+        ids, positions, slot_t, index, at_t, rows_t = self._longs.send([
             [s.token_ids[0] for s in step.seqs], pos,
-            [s.block_table[p // bs] * bs + p % bs for s, p in zip(step.seqs, pos)], states])
+            [s.block_table[p // bs] * bs + p % bs for s, p in zip(step.seqs, pos)], states, pending_at, pending_rows])
         ctx, table_t = self._ints.send([[p + 1 for p in pos], table])
         self.input_ids[:b].copy_(ids)
+        if pending_at:
+            self.input_ids.index_copy_(0, at_t, prev_tokens.index_select(0, rows_t))
         self.positions[:b].copy_(positions)
         self.slot_mapping[:b].copy_(slot_t)
         self.block_tables[:b, :width].copy_(table_t.view(b, width))

@@ -4,6 +4,12 @@ Requests are validated here (bad input raises RequestError and leaves nothing be
 schedules, runs the model, appends sampled tokens, applies the token-level stop conditions and reports
 per-request token deltas (what the engine-core process sends). `step()` (the offline API) passes those
 through the OutputProcessor that the API process uses too: detokenization and stop strings.
+
+Async scheduling (on GPUs at tp=1 by default): a core step schedules and launches step N+1 before it waits for
+step N's sampled ids, so the host's scheduling and input preparation run while the device computes, and the
+device never waits for the host between steps. Step N+1 feeds the ids step N sampled straight from the device
+(ScheduledSeq.pending); the deltas a core step returns are step N's. A step whose sequences need their last
+token on the host first (a grammar's bitmask, the penalties' history) waits for step N before it is scheduled.
 """
 
 from __future__ import annotations
@@ -12,14 +18,14 @@ import itertools
 import logging
 import os
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
 from transformers.utils import GENERATION_CONFIG_NAME
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.device import Device, detect
+from engine.device import Device, detect, rank_device
 from engine.errors import AdapterError, ConfigError, ModelNotFoundError, RequestError
 from engine.loader import inspect_checkpoint
 from engine.lora.adapter import LoRAAdapter
@@ -28,8 +34,9 @@ from engine.messages import TokenDelta
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.protocol import ErrorKind, FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from engine.sampler import StepFuture
 from engine.scheduler import Scheduler, SchedulerOutput
-from engine.sequence import Sequence
+from engine.sequence import SeqStatus, Sequence
 from engine.state_snapshots import SnapshotPool
 from engine.structured import GrammarCompiler, GrammarMatchers
 from engine.worker import make_executor
@@ -40,6 +47,15 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Request:
     seq: Sequence
+
+
+@dataclass
+class _Launched:
+    """A step on the device whose sampled ids the host has not read yet."""
+
+    step: SchedulerOutput
+    seqs: list[Sequence]
+    future: StepFuture
 
 
 @dataclass
@@ -74,7 +90,12 @@ def _eos_ids(path: str, tokenizer: PreTrainedTokenizerBase, hf: dict) -> frozens
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = False) -> None:
+        kind = detect(config.parallel.device)
+        if config.async_scheduling is None:  # on where the host can run ahead (not the CPU), at tp=1 (see config)
+            config = replace(config, async_scheduling=rank_device(kind, 0).pins_memory
+                             and config.parallel.tensor_parallel_size == 1)
         self.config = config
+        self.async_scheduling: bool = bool(config.async_scheduling)
         info = inspect_checkpoint(config.model.path)
         self.hf_config = info.text_config
         limit = int(self.hf_config.get("max_position_embeddings", 32768))
@@ -87,7 +108,6 @@ class LLMEngine:
             os.path.normpath(config.model.path))
         self.base_names = frozenset((self.served_model_name, *config.model.extra_served_model_names))
         """Every name that means the base model (the first served name is the one reported)."""
-        kind = detect(config.parallel.device)
         self.executor = make_executor(config, info, kind, self.max_model_len, progress, self.eos_ids)
         self.vocab_size = int(self.hf_config["vocab_size"])
         kv = self.executor.kv
@@ -114,6 +134,7 @@ class LLMEngine:
         """Text for step() (offline); the engine-core process leaves it empty (add_core, core_step)."""
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
+        self._launched: _Launched | None = None
 
     @property
     def runner(self) -> ModelRunner:
@@ -170,7 +191,8 @@ class LLMEngine:
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                f"max_model_len {self.max_model_len}")
-        seq = Sequence(next(self._seq_ids), request_id, ids, params, lora_id)
+        seq = Sequence(next(self._seq_ids), request_id, ids, params, lora_id,
+                       max_total=min(len(ids) + params.max_tokens, self.max_model_len))
         if params.structured is not None:
             self.grammar.add(seq.seq_id, params.structured)  # RequestError if invalid (the server compiled it)
         if lora_id is not None and self.lora is not None:
@@ -227,7 +249,7 @@ class LLMEngine:
         self.scheduler.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.num_unfinished > 0
+        return self.scheduler.num_unfinished > 0 or self._launched is not None
 
     # -- one step ----------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -238,28 +260,63 @@ class LLMEngine:
         return outputs
 
     def core_step(self) -> list[TokenDelta]:
+        """Schedule and launch the next step, then read back the previous one (async scheduling) or this one;
+        the deltas of the step read back."""
+        outputs: list[TokenDelta] = []
+        if self._launched is not None and self._needs_ids(self._launched):
+            outputs += self._read_back()
+        launched = self._launch(outputs)
+        if self._launched is not None:
+            outputs += self._read_back()
+        self._launched = launched
+        if not self.async_scheduling and launched is not None:
+            outputs += self._read_back()
+        return outputs
+
+    def _launch(self, outputs: list[TokenDelta]) -> _Launched | None:
+        """Schedule and launch a step (None: nothing to run); adapter failures go to outputs."""
         step = self.scheduler.schedule()
         self.num_preemptions += step.num_preempted
         if not step.seqs:
-            return []
+            return None
         seqs = self.scheduler.scheduled_sequences()
-        outputs: list[TokenDelta] = []
         loads: list[tuple[int, LoRAAdapter]] = []
         if step.lora_loads:
-            step, seqs, outputs, loads = self._resolve_loads(step, seqs)
+            step, seqs, failed, loads = self._resolve_loads(step, seqs)
+            outputs += failed
             if not step.seqs:
                 self.scheduler.keep_ended(step.finished_seq_ids)
-                return outputs
-        sampled = self.executor.execute(step, loads)  # EngineDeadError once a rank is gone, at every later step too
+                return None
+        future = self.executor.launch(step, loads)  # EngineDeadError once a rank is gone, at every later step too
         self.scheduler.step_ran()
-        k = 0
         for entry, seq in zip(step.seqs, seqs):
             seq.num_computed_tokens += len(entry.token_ids)
+            seq.num_pending += entry.sample
+        return _Launched(step, seqs, future)
+
+    def _needs_ids(self, launched: _Launched) -> bool:
+        """The launched step sampled for a running sequence whose next step needs that token on the host: its
+        grammar's bitmask, or the penalties' token history."""
+        return any(e.sample and s.status is SeqStatus.RUNNING and (e.params.structured is not None
+                                                                   or e.params.uses_history)
+                   for e, s in zip(launched.step.seqs, launched.seqs))
+
+    def _read_back(self) -> list[TokenDelta]:
+        """Wait for the launched step's sampled ids and append them (sequences ended meanwhile are skipped: an
+        abort, or an EOS read back after the next step was launched)."""
+        launched, self._launched = self._launched, None
+        assert launched is not None
+        sampled = launched.future.result()
+        outputs: list[TokenDelta] = []
+        k = 0
+        for entry, seq in zip(launched.step.seqs, launched.seqs):
             if not entry.sample:
                 continue
             tok, lp = sampled.token_ids[k], sampled.logprobs[k]
             k += 1
-            outputs.append(self._append(seq, tok, lp))
+            seq.num_pending -= 1
+            if seq.status is not SeqStatus.FINISHED:
+                outputs.append(self._append(seq, tok, lp))
         return outputs
 
     def _append(self, seq: Sequence, tok: int, lp: TokenLogprob | None) -> TokenDelta:

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from engine.sampler import Upload
 from engine.scheduler import ScheduledSeq
 from engine.structured import TokenBitmask, apply_bitmask
 
@@ -34,8 +35,10 @@ def output_len(s: ScheduledSeq) -> int:
 
 
 class LogitsProcessors:
-    def __init__(self, vocab: int, device: torch.device, eos_ids: Iterable[int]) -> None:
+    def __init__(self, vocab: int, device: torch.device, eos_ids: Iterable[int], upload: Upload | None = None) -> None:
+        """upload: host lists -> device without a host wait (engine.staging.Uploader); default a blocking copy."""
         self.vocab, self.device = vocab, device
+        self.upload: Upload = upload or (lambda values, dtype: torch.tensor(values, dtype=dtype, device=device))
         self.eos_ids = tuple(sorted(eos_ids))
         self._rows: dict[int, int] = {}  # seq_id -> history row
         self._free: list[int] = []
@@ -81,16 +84,16 @@ class LogitsProcessors:
             p_ids += s.token_ids[:k]
             o_rows += [row] * (len(s.token_ids) - k)
             o_ids += s.token_ids[k:]
-        dev = self.device
+        dev, up = self.device, self.upload
         if fresh:
-            idx = torch.tensor(fresh, dtype=torch.long, device=dev)
+            idx = up(fresh, torch.long)
             self.prompt_seen.index_fill_(0, idx, False)
             self.output_counts.index_fill_(0, idx, 0)
         if p_ids:
-            where = (torch.tensor(p_rows, device=dev), torch.tensor(p_ids, device=dev))
+            where = (up(p_rows, torch.long), up(p_ids, torch.long))
             self.prompt_seen.index_put_(where, torch.ones((), dtype=torch.bool, device=dev))
         if o_ids:
-            where = (torch.tensor(o_rows, device=dev), torch.tensor(o_ids, device=dev))
+            where = (up(o_rows, torch.long), up(o_ids, torch.long))
             self.output_counts.index_put_(where, torch.ones(len(o_ids), dtype=torch.int32, device=dev),
                                           accumulate=True)
 
@@ -120,12 +123,13 @@ class LogitsProcessors:
                 b_parts.append(self._bias_of(s))
             if p.uses_history:
                 h_batch.append(i)
+        up = self.upload
         if m_ids:
-            where = (torch.tensor(m_rows, device=dev), torch.tensor(m_ids, device=dev))
-            out.index_put_(where, torch.tensor(float("-inf"), device=dev))
+            where = (up(m_rows, torch.long), up(m_ids, torch.long))
+            out.index_put_(where, torch.full((), float("-inf"), device=dev))
         if b_parts:
-            counts = torch.tensor([len(ids) for ids, _ in b_parts], device=dev)
-            rows = torch.repeat_interleave(torch.tensor(b_rows, device=dev), counts)
+            sizes = [len(ids) for ids, _ in b_parts]
+            rows = torch.repeat_interleave(up(b_rows, torch.long), up(sizes, torch.long), output_size=sum(sizes))
             ids = torch.cat([ids for ids, _ in b_parts])
             out.index_put_((rows, ids), torch.cat([v for _, v in b_parts]), accumulate=True)
         if h_batch:
@@ -137,18 +141,17 @@ class LogitsProcessors:
     def _bias_of(self, s: ScheduledSeq) -> tuple[torch.Tensor, torch.Tensor]:
         got = self._bias.get(s.seq_id)
         if got is None:
-            ids = torch.tensor([t for t, _ in s.params.logit_bias], dtype=torch.long, device=self.device)
-            vals = torch.tensor([b for _, b in s.params.logit_bias], dtype=torch.float32, device=self.device)
+            ids = self.upload([t for t, _ in s.params.logit_bias], torch.long)
+            vals = self.upload([b for _, b in s.params.logit_bias], torch.float32)
             got = self._bias[s.seq_id] = (ids, vals)
         return got
 
     def _penalize(self, out: torch.Tensor, batch_rows: list[int], seqs: list[ScheduledSeq]) -> None:
-        dev = out.device
-        b = torch.tensor(batch_rows, dtype=torch.long, device=dev)
-        pool = torch.tensor([self._rows[s.seq_id] for s in seqs], dtype=torch.long, device=dev)
+        b = self.upload(batch_rows, torch.long)
+        pool = self.upload([self._rows[s.seq_id] for s in seqs], torch.long)
 
         def col(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=dev).unsqueeze(1)
+            return self.upload(values, torch.float32).unsqueeze(1)
 
         rep = col([s.params.repetition_penalty for s in seqs])
         freq = col([s.params.frequency_penalty for s in seqs])

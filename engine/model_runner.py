@@ -11,7 +11,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.device import Device
-from engine.distributed import all_reduce_min, tp_rank
+from engine.distributed import all_reduce_min, broadcast, tp_rank, tp_size
 from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
 from engine.graph_runner import DecodeGraphs
 from engine.kernel_check import check_kernels, kernel_shapes
@@ -24,9 +24,9 @@ from engine.lora.layers import BaseLayerWithLoRA, wrap_model
 from engine.lora.punica import LoRABatch, ReferenceLoRABatch, TritonLoRABatch, build_mapping, choose_impl
 from engine.piecewise import MIXED_SIZES, MixedGraphs
 from engine.protocol import SamplingParams
-from engine.sampler import Sampler, SamplerOutput, make_generator
+from engine.sampler import DeviceSample, Sampler, SamplerOutput, StepFuture, make_generator
 from engine.scheduler import ScheduledSeq, SchedulerOutput
-from engine.staging import Staging
+from engine.staging import Staging, Uploader
 from engine.structured import GrammarMatchers
 from kernels.registry import Choice
 
@@ -84,9 +84,15 @@ class ModelRunner:
         self.on_kv_overwrite: Callable[[], None] | None = None
         """Called when KV blocks are written outside a scheduled step (prompt_logits): the engine's prefix
         cache forgets what those blocks held."""
-        self.sampler = Sampler()
+        self.upload = Uploader(device)
+        self.sampler = Sampler(self.upload)
         self._longs, self._ints = Staging(device, torch.long), Staging(device, torch.int32)
-        self.processors = LogitsProcessors(int(info.text_config["vocab_size"]), device.torch_device, eos_ids)
+        self.processors = LogitsProcessors(int(info.text_config["vocab_size"]), device.torch_device, eos_ids,
+                                           self.upload)
+        self._prev_tokens = torch.zeros(0, dtype=torch.long, device=device.torch_device)
+        self._prev_rows: dict[int, int] = {}
+        """The last launched step's sampled ids on the device and each sampled sequence's row in them: what
+        the next step's placeholders (ScheduledSeq.pending) read under async scheduling."""
         self.generators: dict[int, torch.Generator] = {}
         self.grammar: GrammarMatchers | None = None
         """Rank 0: the engine's structured-output matchers (set by the engine)."""
@@ -208,7 +214,10 @@ class ModelRunner:
                 sample_rows.append(cu[-1] - 1)
         ctx_lens = [a + n for a, n in zip(starts, lens)]
         states = [s.state_slot for s in seqs] if self.gdn_layers else []
-        input_ids, start_t, len_t, index = self._longs.send([ids, starts, lens, states])
+        at, rows = self._pending(step)
+        input_ids, start_t, len_t, index, at_t, rows_t = self._longs.send([ids, starts, lens, states, at, rows])
+        if at:
+            input_ids.index_copy_(0, at_t, self._prev_tokens.index_select(0, rows_t))
         ctx_t, cu_t, table_t = self._ints.send([ctx_lens, cu, table])
         table_t = table_t.view(len(seqs), width)
         t, dev = cu[-1], self.device.torch_device
@@ -226,12 +235,24 @@ class ModelRunner:
                              state_index=index if self.gdn_layers else None)
         return input_ids, positions, ctx, sample_rows
 
+    def _pending(self, step: SchedulerOutput) -> tuple[list[int], list[int]]:
+        """Flat token index of every placeholder of the step and its row in the last step's sampled ids."""
+        at: list[int] = []
+        rows: list[int] = []
+        end = 0
+        for s in step.seqs:
+            end += len(s.token_ids)
+            if s.pending:
+                at.append(end - 1)
+                rows.append(self._prev_rows[s.seq_id])
+        return at, rows
+
     def _reset_states(self, step: SchedulerOutput) -> None:
         """A sequence's first chunk starts from zero state (new, or recomputed after preemption)."""
         fresh = [s.state_slot for s in step.seqs if s.start_pos == 0 and s.state_slot >= 0]
         if not fresh or not self.gdn_layers:
             return
-        index = torch.tensor(fresh, dtype=torch.long, device=self.device.torch_device)
+        index = self.upload(fresh, torch.long)
         for m in self.gdn_layers:  # two launches per layer, however many sequences start
             m.conv_state.index_fill_(0, index, 0)
             m.ssm_state.index_fill_(0, index, 0)
@@ -243,7 +264,7 @@ class ModelRunner:
                  for s in step.seqs if (s.state_restore if restore else s.state_save) >= 0]
         if not pairs or not self._snapshots:
             return
-        src, dst = (torch.tensor(x, dtype=torch.long, device=self.device.torch_device) for x in zip(*pairs))
+        src, dst = (self.upload(list(x), torch.long) for x in zip(*pairs))
         for m, (conv, ssm) in zip(self.gdn_layers, self._snapshots):
             for state, snap in ((m.conv_state, conv), (m.ssm_state, ssm)):
                 if restore:
@@ -252,22 +273,25 @@ class ModelRunner:
                     snap.index_copy_(0, dst, state.index_select(0, src))
 
     def execute(self, step: SchedulerOutput, lora_loads: Iterable[tuple[int, LoRAAdapter]] = ()) -> SamplerOutput:
-        """Copy the step's new adapters into their slots, run the step on this rank; only rank 0 samples
-        (the others return an empty output). Rows come back in step.seqs' order."""
+        """launch, then wait for the sampled ids (tests, tensor-parallel ranks > 0)."""
+        return self.launch(step, lora_loads).result()
+
+    def launch(self, step: SchedulerOutput, lora_loads: Iterable[tuple[int, LoRAAdapter]] = ()) -> StepFuture:
+        """Copy the step's new adapters into their slots and queue the step on this rank, with no host wait
+        for the device; only rank 0 samples (the others' futures are empty). Rows come back in step.seqs'
+        order."""
         if not self.lora_layers or self.lora_impl is not ReferenceLoRABatch:
-            return self._execute(step, lora_loads)
+            return StepFuture(self._launch(step, lora_loads), self.device)
         # The reference LoRA ops read a slot's tokens as a slice (no gathers) when they are contiguous: run
         # the sequences grouped by slot (row order is free: every per-row input travels with its sequence).
         order = sorted(range(len(step.seqs)), key=lambda i: step.seqs[i].lora_slot)
-        out = self._execute(replace(step, seqs=[step.seqs[i] for i in order]), lora_loads)
-        if not out.token_ids:
-            return out
+        sample = self._launch(replace(step, seqs=[step.seqs[i] for i in order]), lora_loads)
         sampled = [i for i in order if step.seqs[i].sample]  # original index of each returned row
         back = sorted(range(len(sampled)), key=sampled.__getitem__)
-        return SamplerOutput([out.token_ids[j] for j in back], [out.logprobs[j] for j in back])
+        return StepFuture(sample, self.device, back)
 
     @torch.inference_mode()
-    def _execute(self, step: SchedulerOutput, lora_loads: Iterable[tuple[int, LoRAAdapter]]) -> SamplerOutput:
+    def _launch(self, step: SchedulerOutput, lora_loads: Iterable[tuple[int, LoRAAdapter]]) -> DeviceSample | None:
         for slot, adapter in lora_loads:
             self.load_lora(slot, adapter)
         for sid in step.finished_seq_ids:
@@ -279,7 +303,8 @@ class ModelRunner:
             self.processors.release(step.finished_seq_ids)
             self.processors.observe(step.seqs)
         if self.graphs is not None and self.graphs.can_run(step):
-            h = self.graphs.run(step)
+            at, rows_prev = self._pending(step)
+            h = self.graphs.run(step, at, rows_prev, self._prev_tokens)
             # One row per sequence; a 1-token prefill chunk that is not a prompt's last does not sample.
             rows = [i for i, s in enumerate(step.seqs) if s.sample]
         else:
@@ -294,17 +319,28 @@ class ModelRunner:
         self._copy_states(step, restore=False)
         sampled = [s for s in step.seqs if s.sample]
         if not sampled:
-            return SamplerOutput([], [])
+            return None
         # The lm_head gathers logits across ranks, so every rank computes them; only rank 0 samples.
-        logits = self.model.compute_logits(h if len(rows) == h.size(0) else h[torch.tensor(rows, device=h.device)])
+        logits = self.model.compute_logits(h if len(rows) == h.size(0) else h[self.upload(rows, torch.long)])
         if not sampling_rank:
-            return SamplerOutput([], [])
+            if self.config.async_scheduling:  # the next step's placeholders read rank 0's ids
+                self._keep_sampled(broadcast(torch.empty(len(sampled), dtype=torch.long, device=logits.device)),
+                                   sampled)
+            return None
         # Grammar bitmasks are filled on the host here, while a GPU still runs the launched step.
         bitmask = self.grammar.fill([s.seq_id for s in sampled]) if self.grammar is not None else None
         gens = [self._generator(s.seq_id, s.params.seed) for s in sampled]
         logits = logits.float()
-        return self.sampler(self.processors.apply(logits, sampled, bitmask), [s.params for s in sampled], gens,
-                            raw=logits)
+        sample = self.sampler.sample(self.processors.apply(logits, sampled, bitmask), [s.params for s in sampled],
+                                     gens, raw=logits)
+        if self.config.async_scheduling and tp_size() > 1:
+            broadcast(sample.tokens)
+        self._keep_sampled(sample.tokens, sampled)
+        return sample
+
+    def _keep_sampled(self, tokens: torch.Tensor, sampled: list[ScheduledSeq]) -> None:
+        self._prev_tokens = tokens
+        self._prev_rows = {s.seq_id: i for i, s in enumerate(sampled)}
 
     def _generator(self, seq_id: int, seed: int | None) -> torch.Generator | None:
         if seed is None:

@@ -22,6 +22,13 @@ writes a step's K/V before it reads the cache, so the block is filled before the
 Hybrid models also need the linear-attention state at the hit's end: their prompt chunks end on
 multiples of the snapshot interval, where the state is kept (engine.state_snapshots), and a hit is cut
 back to the last point that has a snapshot (no snapshot: no hit, never a partial state).
+
+Async scheduling (the engine schedules step N+1 while step N runs): a sequence that step N samples has one
+pending token whose id is not on the host yet. Its next entry feeds a placeholder (`pending`) that the
+runner replaces on the device; a sequence whose pending token is its last for certain (max_tokens) is not
+scheduled again; one whose pending token turns out to end it (EOS) computes one wasted row. A block is
+registered in the prefix cache once its tokens are all known (one step late when the pending token fills
+it), and a preempted sequence is not admitted again until its pending token has arrived.
 """
 
 from __future__ import annotations
@@ -58,6 +65,9 @@ class ScheduledSeq:
     """Snapshot slot the runner copies into state_slot before this step (a prefix-cache hit; -1: none)."""
     state_save: int = -1
     """Snapshot slot the runner copies state_slot into after this step (-1: none)."""
+    pending: bool = False
+    """Async scheduling: the last of token_ids is a placeholder for the token the previous step samples for
+    this sequence, which the runner takes from that step's device output."""
 
 
 @dataclass(frozen=True)
@@ -153,24 +163,25 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
         """Tokens to compute from start; a hybrid model's chunk stops at the next snapshot point."""
-        n = min(seq.num_tokens - start, budget)
+        n = min(seq.num_total - start, budget)
         if self.snapshots is not None:
             n = min(n, (start // self.snapshot_interval + 1) * self.snapshot_interval - start)
         return n
 
     def _entry(self, seq: Sequence, n: int, restore: int = -1) -> ScheduledSeq:
-        start = seq.num_computed_tokens
-        full = (start + n) // self.blocks.block_size
+        start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+        known = min(end, seq.num_tokens)  # a pending token is the entry's last one (end - known <= 1)
+        full = known // self.blocks.block_size
         if self.blocks.enable_caching and full > seq.num_cached_blocks:  # register the full blocks this step fills
             for i, key in enumerate(self._keys(seq, full)[seq.num_cached_blocks:], seq.num_cached_blocks):
                 self.blocks.register(seq.block_table[i], key)
             seq.num_cached_blocks = full
         save = -1
-        if self.snapshots is not None and (start + n) % self.snapshot_interval == 0:
+        if self.snapshots is not None and end == known and end % self.snapshot_interval == 0:
             save = self.snapshots.reserve(seq.block_keys[full - 1], seq.seq_id)
-        return ScheduledSeq(seq.seq_id, seq.token_slice(start, start + n), start, list(seq.block_table),
-                            start + n == seq.num_tokens, seq.params, seq.lora_slot, seq.state_slot,
-                            seq.num_prompt_tokens, restore, save)
+        tokens = seq.token_slice(start, known) + [0] * (end - known)
+        return ScheduledSeq(seq.seq_id, tokens, start, list(seq.block_table), end == seq.num_total, seq.params,
+                            seq.lora_slot, seq.state_slot, seq.num_prompt_tokens, restore, save, end > known)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -179,8 +190,9 @@ class Scheduler:
         preempted = 0
         # Decode rows first, then the running prompts' next chunks (arrival order), then admissions: a long
         # prompt's chunk takes only what the decode rows leave, so it never stalls them.
-        decoding = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefilling = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        live = [s for s in self.running if not s.ends_for_certain]
+        decoding = [s for s in live if s.num_total - s.num_computed_tokens == 1]
+        prefilling = [s for s in live if s.num_total - s.num_computed_tokens > 1]
         for seq in decoding + prefilling:
             if budget <= 0:
                 break
@@ -206,7 +218,7 @@ class Scheduler:
         for seq in list(self.waiting) if not preempted else []:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if seq.lora_id is not None and lora_blocked:
+            if (seq.lora_id is not None and lora_blocked) or seq.num_pending:
                 continue
             hit, restore = self._cached_prefix(seq)
             start = len(hit) * self.blocks.block_size

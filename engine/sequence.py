@@ -38,10 +38,25 @@ class Sequence:
     """Leading blocks of block_table that are registered in (or were hit from) the prefix cache."""
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache at first admission (usage.prompt_tokens_details)."""
+    num_pending: int = 0
+    """Tokens sampled by a launched step whose ids have not reached the host yet (async scheduling: 0 or 1)."""
+    max_total: int = 1 << 62
+    """num_tokens at which the sequence ends for certain (prompt + max_tokens, capped at max_model_len)."""
 
     @property
     def num_tokens(self) -> int:
+        """Tokens known on the host: the prompt and the outputs read back so far."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_total(self) -> int:
+        """Tokens the sequence has, pending ones included (what the scheduler plans with)."""
+        return self.num_tokens + self.num_pending
+
+    @property
+    def ends_for_certain(self) -> bool:
+        """Its pending token is its last one (max_tokens or max_model_len): nothing more to schedule."""
+        return self.num_pending > 0 and self.num_total >= self.max_total
 
     @property
     def num_prompt_tokens(self) -> int:

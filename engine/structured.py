@@ -192,12 +192,14 @@ def apply_bitmask(logits: torch.Tensor, bm: TokenBitmask) -> None:
     """Set the disallowed logits of bm's rows to -inf, in place, on logits' device (columns past the mask's
     width, if the logits are wider, are disallowed too)."""
     dev = logits.device
-    words = bm.mask.to(dev, non_blocking=True)
+    # Page-locked, non_blocking: a copy from pageable memory would wait for the step queued before it.
+    words = bm.mask if bm.mask.device == dev else bm.mask.pin_memory().to(dev, non_blocking=True)
     shifts = torch.arange(32, dtype=torch.int32, device=dev)
     allowed = ((words.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)  # [rows, words * 32]
     width = logits.shape[1]
     if allowed.shape[1] < width:
         allowed = torch.nn.functional.pad(allowed, (0, width - allowed.shape[1]), value=False)
-    idx = torch.tensor(bm.rows, dtype=torch.long, device=dev)
+    idx = torch.tensor(bm.rows, dtype=torch.long)
+    idx = idx if idx.device == dev else idx.pin_memory().to(dev, non_blocking=True)
     x = logits.index_select(0, idx).masked_fill_(~allowed[:, :width], float("-inf"))
     logits.index_copy_(0, idx, x)

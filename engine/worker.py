@@ -27,7 +27,7 @@ from engine.errors import EngineDeadError
 from engine.loader import CheckpointInfo, inspect_checkpoint
 from engine.lora.adapter import LoRAAdapter
 from engine.model_runner import KVCacheSpec, ModelRunner
-from engine.sampler import SamplerOutput
+from engine.sampler import SamplerOutput, StepFuture
 from engine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -72,6 +72,10 @@ class _Executor:
     def lora_target_shapes(self) -> dict[str, tuple[int, int]]:
         return self.runner.lora_target_shapes()
 
+    def execute(self, step: SchedulerOutput, lora_loads: list[tuple[int, LoRAAdapter]]) -> SamplerOutput:
+        """launch and wait for the sampled ids."""
+        return self.launch(step, lora_loads).result()
+
 
 class LocalExecutor(_Executor):
     """tp = 1: the runner in this process (nothing else can die, so `dead` stays None)."""
@@ -82,8 +86,8 @@ class LocalExecutor(_Executor):
         device.activate()
         self.runner = ModelRunner(config, info, device, max_model_len, progress, eos_ids)
 
-    def execute(self, step: SchedulerOutput, lora_loads: list[tuple[int, LoRAAdapter]]) -> SamplerOutput:
-        return self.runner.execute(step, lora_loads)
+    def launch(self, step: SchedulerOutput, lora_loads: list[tuple[int, LoRAAdapter]]) -> StepFuture:
+        return self.runner.launch(step, lora_loads)
 
     def shutdown(self) -> None:
         return None
@@ -192,7 +196,7 @@ class MultiprocExecutor(_Executor):
         dead = [f"{p.name} exited with code {_exit_code(p)}" for p in self.procs if p.sentinel in exited]
         return "; ".join(dead + msgs) or "a tensor-parallel collective failed"
 
-    def execute(self, step: SchedulerOutput, lora_loads: list[tuple[int, LoRAAdapter]]) -> SamplerOutput:
+    def launch(self, step: SchedulerOutput, lora_loads: list[tuple[int, LoRAAdapter]]) -> StepFuture:
         if self.dead is None and any(not p.is_alive() for p in self.procs):
             self.dead = f"tensor-parallel worker died: {self._failure()}"
         if self.dead is not None:
@@ -201,10 +205,13 @@ class MultiprocExecutor(_Executor):
         try:
             for conn in self.conns:
                 conn.send(msg)
-            return self.runner.execute(step, lora_loads)
+            return _GuardedFuture(self, self.runner.launch(step, lora_loads))
         except (RuntimeError, OSError, EOFError) as e:
-            self.dead = f"tensor-parallel step failed ({e}); {self._failure()}"
-            raise EngineDeadError(self.dead) from e
+            raise self._step_failed(e) from e
+
+    def _step_failed(self, e: BaseException) -> EngineDeadError:
+        self.dead = f"tensor-parallel step failed ({e}); {self._failure()}"
+        return EngineDeadError(self.dead)
 
     def shutdown(self) -> None:
         self._closing = True
@@ -221,6 +228,20 @@ class MultiprocExecutor(_Executor):
         for conn in self.conns:
             conn.close()
         destroy_tp()
+
+
+class _GuardedFuture(StepFuture):
+    """A tensor-parallel step's future: a collective that failed on the way (a dead peer) surfaces when the
+    result is read, and is reported as the engine's death, as a failure at launch is."""
+
+    def __init__(self, executor: MultiprocExecutor, inner: StepFuture) -> None:
+        self.executor, self.inner = executor, inner
+
+    def result(self) -> SamplerOutput:
+        try:
+            return self.inner.result()
+        except (RuntimeError, OSError, EOFError) as e:
+            raise self.executor._step_failed(e) from e
 
 
 def _exit_code(p: mp.process.BaseProcess, wait_s: float = 1.0) -> int | None:

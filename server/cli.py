@@ -66,7 +66,8 @@ def build_engine_config(a: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),
         kernels=kernel_config(a),
         seed=a.seed, enforce_eager=a.enforce_eager,
-        mixed_graphs=a.mixed_graphs)
+        mixed_graphs=a.mixed_graphs,
+        async_scheduling={"auto": None, "on": True, "off": False}[a.async_scheduling])
 
 
 def is_demo(model: str) -> bool:

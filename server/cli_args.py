@@ -127,6 +127,9 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="disable graph capture")
     g.add_argument("--no-mixed-graphs", dest="mixed_graphs", action="store_false",
                    help="run steps that hold a prefill chunk eagerly (default: captured, split at attention)")
+    g.add_argument("--async-scheduling", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
+                   help="launch each step before the previous one's tokens are read back (auto: on GPUs at tensor "
+                        "parallel size 1; the flag alone means on)")
     g.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters")
     g.add_argument("--max-loras", type=int, default=4, help="adapters per step (device slots)")
     g.add_argument("--max-lora-rank", type=int, default=64, help="largest adapter rank accepted")

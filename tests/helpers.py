@@ -46,21 +46,22 @@ def tp_device(size: int) -> DeviceName:
 
 def make_engine(path: str, max_model_len: int = 256, num_blocks: int | None = None, max_num_seqs: int = 64,
                 max_num_batched_tokens: int = 2048, prefix_caching: bool = True,
-                kernels: KernelConfig | None = None, device: DeviceName = "auto") -> LLMEngine:
+                kernels: KernelConfig | None = None, device: DeviceName = "auto",
+                async_scheduling: bool | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(
         ModelConfig(path, dtype="float32", max_model_len=max_model_len),
         cache=CacheConfig(num_blocks=kv_blocks(max_model_len, max_num_seqs) if num_blocks is None else num_blocks,
                           enable_prefix_caching=prefix_caching),
         parallel=ParallelConfig(device=device),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-        kernels=kernels or KernelConfig()))
+        kernels=kernels or KernelConfig(), async_scheduling=async_scheduling))
 
 
 def make_lora_engine(path: str, adapters: dict[str, str] | None = None, max_loras: int = 4, max_lora_rank: int = 64,
                      max_cpu_loras: int | None = None, max_model_len: int = 256, max_num_seqs: int = 64,
                      num_blocks: int | None = None, tp: int = 1, fully_sharded: bool = False,
                      prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
-                     kernels: KernelConfig | None = None) -> LLMEngine:
+                     kernels: KernelConfig | None = None, async_scheduling: bool | None = None) -> LLMEngine:
     from engine import LoRAConfig
 
     return LLMEngine(EngineConfig(
@@ -71,7 +72,7 @@ def make_lora_engine(path: str, adapters: dict[str, str] | None = None, max_lora
         parallel=ParallelConfig(tensor_parallel_size=tp, device=tp_device(tp)),
         lora=LoRAConfig(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
                         fully_sharded_loras=fully_sharded, lora_modules=tuple((adapters or {}).items())),
-        kernels=kernels or KernelConfig()))
+        kernels=kernels or KernelConfig(), async_scheduling=async_scheduling))
 
 
 def demo_shapes() -> dict[str, tuple[int, int]]:

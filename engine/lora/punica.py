@@ -100,6 +100,16 @@ class LoRABatch(ABC):
         return y
 
 
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A CPU tensor on `device` without waiting for the device's queued work (a blocking copy from pageable
+    memory synchronizes the stream): page-locked staging, non_blocking copy."""
+    return host if host.device == device else host.pin_memory().to(device, non_blocking=True)
+
+
+def _copy_into(dst: torch.Tensor, host: torch.Tensor) -> None:
+    dst.copy_(host if host.device == dst.device else host.pin_memory(), non_blocking=True)
+
+
 def _check_slots(slots: torch.Tensor, num_slots: int) -> None:
     bad = (slots < -1) | (slots >= num_slots)
     if bool(bad.any()):
@@ -120,12 +130,12 @@ class ReferenceLoRABatch(LoRABatch):
     def build(cls, slots: Sequence[int], num_slots: int, device: torch.device) -> ReferenceLoRABatch:
         host = torch.tensor(list(slots), dtype=torch.long)
         _check_slots(host, num_slots)
-        return cls(host.to(device), num_slots, reference.slot_rows(host))
+        return cls(_to_device(host, torch.device(device)), num_slots, reference.slot_rows(host))
 
     def update(self, slots: Sequence[int]) -> None:
         host = torch.tensor(list(slots), dtype=torch.long)
         _check_slots(host, self.num_slots)
-        self.slots.copy_(host)
+        _copy_into(self.slots, host)
         self.rows_of = reference.slot_rows(host)
 
     def _add(self, y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
@@ -262,11 +272,11 @@ def group_tokens(token_slots: torch.Tensor | Sequence[int], num_slots: int, *, d
         has_lora = bool((slots >= 0).any())
     meta = _schedule(slots, num_slots, bm, nb)
     if out is None:
-        return TokenGroups(meta=meta.to(dev), num_tokens=t, num_slots=num_slots, num_blocks=nb, block_m=bm,
-                           has_lora=has_lora)
+        return TokenGroups(meta=_to_device(meta, dev), num_tokens=t, num_slots=num_slots, num_blocks=nb,
+                           block_m=bm, has_lora=has_lora)
     if out.num_tokens != t or out.num_slots != num_slots or out.block_m != bm:
         raise ValueError(f"group_tokens(out=...): out holds T={out.num_tokens}, S={out.num_slots}, "
                          f"block_m={out.block_m}; got T={t}, S={num_slots}, block_m={bm}")
-    out.meta.copy_(meta)
+    _copy_into(out.meta, meta)
     out.has_lora = has_lora
     return out
