@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -125,6 +126,15 @@ def time_decode(e: LLMEngine, prompts: list[list[int]], new_tokens: int,
     return {"steps": steps, "ms_per_step": 1e3 * dt / steps, "tokens_per_s": len(prompts) * steps / dt}
 
 
+def synchronous(e: LLMEngine, run: Callable[[], dict]) -> dict:
+    """run() with the engine's async scheduling off (between runs nothing is in flight, so it may switch)."""
+    saved, e.async_scheduling = e.async_scheduling, False
+    try:
+        return run()
+    finally:
+        e.async_scheduling = saved
+
+
 def peer(s: Shape, layers: int, adapters: list[str], batch: int, n_adapters: int, new_tokens: int,
          device: torch.device) -> dict:
     """transformers + peft, bf16 dense, mixed adapters in one batch via adapter_names."""
@@ -165,6 +175,8 @@ def model_args(ap: argparse.ArgumentParser, batches: list[int], adapters: list[i
                     help="distinct rank-16 adapters on all seven projections")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--root", default=root)
+    ap.add_argument("--sync-too", action="store_true",
+                    help="also time the engine with async scheduling off (same engine, side by side)")
 
 
 def write_model(a: argparse.Namespace) -> tuple[torch.device, Shape, int, str, list[str]]:
@@ -201,7 +213,11 @@ def main() -> None:
             for b in [b for b, m in cases if m == n]:
                 r = ours(e, b, n, a.new_tokens)
                 rows.append({"case": "decode", "batch": b, "adapters": n, "layers": layers, **r,
-                             "floor_ms_per_step": floor_ms, "vs_floor": r["ms_per_step"] / floor_ms})
+                             "async_scheduling": e.async_scheduling, "floor_ms_per_step": floor_ms,
+                             "vs_floor": r["ms_per_step"] / floor_ms})
+                if a.sync_too:
+                    rows[-1]["sync_ms_per_step"] = synchronous(e, lambda b=b, n=n: ours(e, b, n, a.new_tokens))[
+                        "ms_per_step"]
         for row in rows:  # the peer runs after our engine has freed the device
             b = row["batch"]
             if (b, n) in peer_cases:

@@ -58,8 +58,8 @@ class Counter:
     """Wraps the executor to count the prompt tokens each step computes (cache hits are not computed)."""
 
     def __init__(self, e: LLMEngine) -> None:
-        self.e, self.inner, self.prefill_tokens = e, e.executor.execute, 0
-        e.executor.execute = self  # type: ignore[method-assign]
+        self.e, self.inner, self.prefill_tokens = e, e.executor.launch, 0
+        e.executor.launch = self  # type: ignore[method-assign]
 
     def __call__(self, step: SchedulerOutput, loads: list) -> object:
         for s, seq in zip(step.seqs, self.e.scheduler.scheduled_sequences()):
@@ -84,7 +84,7 @@ def run(e: LLMEngine, reqs: list[tuple[list[int], str]], params: SamplingParams,
             queued[rid] = time.perf_counter()
             out[rid] = []
         while e.has_unfinished():
-            for o in e.step():  # sampled ids reach the host inside step(): no extra device sync needed
+            for o in e.step():  # an output is on the host when step() returns it: no extra device sync needed
                 if not out[o.request_id] and o.new_token_ids:
                     ttft.append(time.perf_counter() - queued[o.request_id])
                 out[o.request_id].extend(o.new_token_ids)

@@ -33,7 +33,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_e2e import emit, engine_config, model_args, ours, write_model
+from benchmarks.bench_e2e import emit, engine_config, model_args, ours, synchronous, write_model
 from engine import LLMEngine, SamplingParams
 from tools.loadgen import percentile, sse_lines
 from tools.serverlib import ServerProcess
@@ -217,7 +217,15 @@ def main() -> int:
             # bench_e2e's pure decode at this batch, same engine: what the loop could reach without arrivals
             dec = ours(e, c, n, min(64, a.new_tokens))
             rows[c] |= {"decode_tokens_per_s": dec["tokens_per_s"], "decode_ms_per_step": dec["ms_per_step"],
-                        "offline_step_vs_decode": rows[c]["offline_ms_per_step"] / dec["ms_per_step"]}
+                        "offline_step_vs_decode": rows[c]["offline_ms_per_step"] / dec["ms_per_step"],
+                        "async_scheduling": e.async_scheduling}
+            if a.sync_too:  # the same two runs with async scheduling off, on the same engine
+                off = synchronous(e, lambda c=c: offline(e, reqs, c))
+                dec_off = synchronous(e, lambda c=c: ours(e, c, n, min(64, a.new_tokens)))
+                rows[c] |= {"sync_offline_tokens_per_s": off["offline_tokens_per_s"],
+                            "sync_offline_ms_per_step": off["offline_ms_per_step"],
+                            "sync_decode_tokens_per_s": dec_off["tokens_per_s"],
+                            "sync_decode_ms_per_step": dec_off["ms_per_step"]}
             emit(case="offline", concurrency=c, **rows[c])  # kept should the server fail
     srv = ServerProcess(path, server_flags(device.type, adapters[:n], max_batch), Path(a.root) / "server.log")
     try:

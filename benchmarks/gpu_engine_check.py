@@ -69,8 +69,8 @@ def run(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]
         took = time.perf_counter() - t0
         mixed = e.runner.mixed
         if not eager and not reference and gdn is None and max_batched <= 512 and ARGS.device != "cpu":
-            # Dense models on a GPU run their steps of <= 512 tokens that hold a prefill through the piecewise graphs.
-            CHECKS.expect(f"mixed steps replayed piecewise graphs, batch {len(batch)}, chunks of {max_batched}",
+            # Dense models on a GPU run their steps of <= 512 tokens that hold a prefill through the mixed-step graphs.
+            CHECKS.expect(f"mixed steps replayed mixed-step graphs, batch {len(batch)}, chunks of {max_batched}",
                           mixed is not None and mixed.replays > 0, replays=mixed.replays if mixed else None)
         return [r.token_ids for r in out], took
 
@@ -132,7 +132,7 @@ def main() -> None:
         sync, _ = run(path, adapters, batch, eager=False, reference=False, dtype="float32", async_scheduling=False)
         CHECKS.expect(f"graphs, synchronous scheduling == torch reference, float32, batch {n}", sync == ref,
                       matching_requests=sum(a == b for a, b in zip(sync, ref)), of=n)
-        if n >= 17:  # prefill chunks of 64 tokens share steps with decodes: the piecewise graphs' case
+        if n >= 17:  # prefill chunks of 64 tokens share steps with decodes: the mixed-step graphs' case
             chunked, _ = run(path, adapters, batch, eager=False, reference=False, dtype="float32", max_batched=64)
             CHECKS.expect(f"mixed-step graphs (64-token chunks) == torch reference, float32, batch {n}",
                           chunked == ref, matching_requests=sum(a == b for a, b in zip(chunked, ref)), of=n)

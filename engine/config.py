@@ -167,7 +167,7 @@ class EngineConfig:
     enforce_eager: bool = False
     """Disable graph capture."""
     mixed_graphs: bool = True
-    """Also capture steps that hold a prefill chunk, as graphs split at attention (engine/piecewise.py; dense
+    """Also capture steps that hold a prefill chunk, attention included (engine/graph_runner.MixedGraphs; dense
     models on GPUs, up to 512 tokens); off: those steps run eagerly, decode-only steps still replay graphs."""
     async_scheduling: bool | None = None
     """Schedule and launch step N+1 before step N's sampled ids are read back, feeding them to step N+1 on the

@@ -156,34 +156,6 @@ class Device:
                 gc.enable()
 
     @contextlib.contextmanager
-    def capture_session(self) -> Iterator[None]:
-        """Around captures begun and ended by hand (engine.piecewise): a side stream, since a graph cannot be
-        captured on the default stream, and the garbage collector off, as in graph_capture."""
-        self.synchronize()
-        gc.collect()
-        was_enabled = gc.isenabled()
-        gc.disable()
-        mod = torch.cuda if self.kind == "cuda" else torch.xpu
-        stream = mod.Stream()
-        stream.wait_stream(mod.current_stream())
-        try:
-            with mod.stream(stream):
-                yield
-        finally:
-            mod.current_stream().wait_stream(stream)
-            if was_enabled:
-                gc.enable()
-
-    def begin_capture(self, graph: object, pool: object) -> None:
-        if self.kind == "cuda":
-            graph.capture_begin(pool=pool, capture_error_mode="thread_local")  # type: ignore[attr-defined]
-        else:
-            graph.capture_begin(pool=pool)  # type: ignore[attr-defined]
-
-    def end_capture(self, graph: object) -> None:
-        graph.capture_end()  # type: ignore[attr-defined]
-
-    @contextlib.contextmanager
     def sync_debug(self) -> Iterator[None]:
         """Warn at every implicit host-device synchronization torch makes meanwhile (a blocking copy, .item(),
         a nonzero): the GPU checks count them in the steady-state steps of async scheduling, which must have

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from engine.layers.attention import Attention
     from engine.lora.punica import LoRABatch
 
 
@@ -40,8 +39,6 @@ class ForwardContext:
     """Per sequence in the step: its slot in the linear-attention state pool (hybrid models only)."""
     state_index: torch.Tensor | None = None
     """The same slots as a [B] long device tensor (what decode-only steps and graphs read)."""
-    split: Callable[[Attention, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    """Set while engine.piecewise captures a forward: each attention layer hands its q, k, v to it."""
 
 
 _CTX: ForwardContext | None = None

@@ -1,11 +1,21 @@
-"""Captured decode steps (CUDA graphs; XPU graphs where torch has them).
+"""Captured steps (CUDA graphs; XPU graphs where torch has them): decode-only steps and mixed steps.
 
-A decode-only step of B sequences replays the graph captured for the smallest size >= B. Inputs are
-copied into static buffers; rows past B are padding that writes its K/V into a scratch block that no
-sequence owns and attends only to it (in hybrid models they also update a scratch linear-attention
-state slot). Steps with LoRA tokens replay a graph captured with the LoRA
-kernels; the per-step token grouping is rewritten in place into the tensors that graph reads, and the
-adapter buffers and their ranks are updated in place by set_slot, so new adapters stay valid.
+A step replays the graph captured for the smallest size that holds it. Its inputs go to the device in one
+copy per dtype and into static buffers; the graph reads only those, so the host's part of a step is a few
+copies and one launch, whatever the model's depth.
+
+- DecodeGraphs: B sequences of one token each, captured per B. Rows past B are padding that writes its K/V
+  into a scratch block no sequence owns and attends only to it (hybrid models: a scratch state slot too).
+- MixedGraphs (dense attention models): any mix of prefill chunks and decodes, captured per token count T,
+  attention included. The varlen attention kernel reads only device tensors; its grid is sized for T queries
+  and max_num_seqs sequences, and the sequences a step does not use are zero-length (their programs exit at
+  once). Rows past the step's tokens belong to no sequence: they write their K/V into the scratch block, use
+  no adapter and are never sampled; nothing else mixes rows, so whatever they hold stays in them.
+
+Steps with LoRA tokens replay a graph captured with the LoRA kernels; the token grouping is rewritten in place
+into the tensors that graph reads, and set_slot updates adapter buffers and ranks in place, so new adapters
+stay valid. Rows a step marks pending (async scheduling) take their token from the last step's sampled ids on
+the device.
 """
 
 from __future__ import annotations
@@ -22,32 +32,85 @@ from engine.staging import Staging
 
 log = logging.getLogger(__name__)
 
+MIXED_SIZES = (16, 32, 64, 128, 256, 512)
+"""Token counts captured for mixed steps (those up to max_num_batched_tokens); larger steps run eagerly, where
+the device's work dwarfs the launches."""
 
-class DecodeGraphs:
+
+class _Graphs:
+    """Static buffers for up to `tokens` rows and `seqs` sequences, capture and replay (the subclasses fill the
+    buffers from a step)."""
+
+    kind = ""
+
+    def __init__(self, model: torch.nn.Module, device: Device, sizes: list[int], tokens: int, seqs: int,
+                 max_blocks_per_seq: int, block_size: int, scratch_block: int, lora_slots: int) -> None:
+        self.model, self.device, self.sizes = model, device, sorted(sizes)
+        self.block_size, self.scratch, self.lora_slots = block_size, scratch_block, lora_slots
+        dev = device.torch_device
+        self.input_ids = torch.zeros(tokens, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(tokens, dtype=torch.long, device=dev)
+        self.slot_mapping = torch.full((tokens,), scratch_block * block_size, dtype=torch.long, device=dev)
+        self.block_tables = torch.full((seqs, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=dev)
+        self.context_lens = torch.zeros(seqs, dtype=torch.int32, device=dev)
+        self.cu_q = torch.zeros(seqs + 1, dtype=torch.int32, device=dev)
+        self._longs, self._ints = Staging(device, torch.long), Staging(device, torch.int32)
+        self.graphs: dict[tuple[int, bool], tuple[object, torch.Tensor, TritonLoRABatch | None]] = {}
+        self.replays = 0
+        """Steps run through these graphs (checks and benchmarks read it)."""
+
+    def _capture_all(self) -> None:
+        pool = self.device.graph_pool()
+        for size in reversed(self.sizes):
+            for with_lora in ((False, True) if self.lora_slots else (False,)):
+                self.graphs[(size, with_lora)] = self._capture(size, with_lora, pool)
+        log.info("captured %s graphs for sizes %s (LoRA variants: %s)", self.kind, self.sizes, bool(self.lora_slots))
+
+    def _context(self, size: int, info: TritonLoRABatch | None) -> ForwardContext:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def _capture(self, size: int, with_lora: bool, pool: object) -> tuple[object, torch.Tensor, TritonLoRABatch | None]:
+        # Shapes only: every replay rewrites the grouping in place.
+        info = TritonLoRABatch.build([0] * size, self.lora_slots, self.device.torch_device) if with_lora else None
+        ctx = self._context(size, info)
+        with forward_context(ctx):
+            for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
+                self.model(self.input_ids[:size], self.positions[:size])
+        self.device.synchronize()
+        graph = self.device.new_graph()
+        with self.device.graph_capture(graph, pool), forward_context(ctx):
+            out = self.model(self.input_ids[:size], self.positions[:size])
+        return graph, out, info
+
+    def _replay(self, size: int, token_slots: list[int]) -> torch.Tensor:
+        with_lora = any(x >= 0 for x in token_slots) and (size, True) in self.graphs
+        graph, out, info = self.graphs[(size, with_lora)]
+        if with_lora:
+            assert info is not None
+            info.update(token_slots + [-1] * (size - len(token_slots)))
+        self.replays += 1
+        graph.replay()  # type: ignore[attr-defined]
+        return out
+
+    def _fill_pending(self, at_t: torch.Tensor, rows_t: torch.Tensor, prev_tokens: torch.Tensor) -> None:
+        if at_t.numel():
+            self.input_ids.index_copy_(0, at_t, prev_tokens.index_select(0, rows_t))
+
+
+class DecodeGraphs(_Graphs):
+    kind = "decode"
+
     def __init__(self, model: torch.nn.Module, device: Device, sizes: list[int], max_blocks_per_seq: int,
                  block_size: int, scratch_block: int, lora_slots: int, scratch_state: int | None) -> None:
-        self.model, self.device, self.sizes = model, device, sorted(sizes)
-        self.block_size, self.scratch = block_size, scratch_block
+        n = max(sizes)
+        super().__init__(model, device, sizes, n, n, max_blocks_per_seq, block_size, scratch_block, lora_slots)
         self.scratch_state = scratch_state
         """Hybrid models: the linear-attention state slot that padding rows update (None: no such layers)."""
-        self.lora_slots = lora_slots
-        dev, n = device.torch_device, self.sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(n, dtype=torch.long, device=dev)
-        self.slot_mapping = torch.zeros(n, dtype=torch.long, device=dev)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=dev)
-        self.context_lens = torch.ones(n, dtype=torch.int32, device=dev)
-        self.cu_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        self.state_index = torch.full((n,), scratch_state or 0, dtype=torch.long, device=dev)
-        self._longs, self._ints = Staging(device, torch.long), Staging(device, torch.int32)
-        """The replay's inputs go to the device in one copy per dtype (no host wait), then into the static
-        buffers."""
-        self.graphs: dict[tuple[int, bool], tuple[object, torch.Tensor, TritonLoRABatch | None]] = {}
-        pool = device.graph_pool()
-        for size in reversed(self.sizes):
-            for with_lora in ((False, True) if lora_slots else (False,)):
-                self.graphs[(size, with_lora)] = self._capture(size, with_lora, pool)
-        log.info("captured decode graphs for batch sizes %s (LoRA variants: %s)", self.sizes, bool(lora_slots))
+        self.context_lens.fill_(1)
+        self.cu_q.copy_(torch.arange(n + 1, dtype=torch.int32))
+        self.state_index = torch.full((n,), scratch_state or 0, dtype=torch.long, device=device.torch_device)
+        self._capture_all()
 
     def _pad(self, start: int, end: int) -> None:
         """Rows start:end write into and read only the scratch block."""
@@ -60,27 +123,11 @@ class DecodeGraphs:
             self.state_index[start:end] = self.scratch_state
 
     def _context(self, size: int, info: TritonLoRABatch | None) -> ForwardContext:
+        self._pad(0, size)
         meta = AttentionMetadata(self.slot_mapping[:size], self.block_tables[:size], self.context_lens[:size],
                                  self.cu_q[: size + 1], cu_q_list=[], context_lens_list=[], max_q_len=1)
         states = self.state_index[:size] if self.scratch_state is not None else None
         return ForwardContext(attn=meta, lora=info, state_index=states)
-
-    @torch.inference_mode()
-    def _capture(self, size: int, with_lora: bool, pool: object) -> tuple[object, torch.Tensor, TritonLoRABatch | None]:
-        self._pad(0, size)
-        info = None
-        if with_lora:
-            # Shapes only: every replay rewrites the grouping in place.
-            info = TritonLoRABatch.build([0] * size, self.lora_slots, self.device.torch_device)
-        ctx = self._context(size, info)
-        with forward_context(ctx):
-            for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
-                self.model(self.input_ids[:size], self.positions[:size])
-        self.device.synchronize()
-        graph = self.device.new_graph()
-        with self.device.graph_capture(graph, pool), forward_context(ctx):
-            out = self.model(self.input_ids[:size], self.positions[:size])
-        return graph, out, info
 
     def can_run(self, step: SchedulerOutput) -> bool:
         return all(len(s.token_ids) == 1 for s in step.seqs) and len(step.seqs) <= self.sizes[-1]
@@ -104,20 +151,71 @@ class DecodeGraphs:
             [s.block_table[p // bs] * bs + p % bs for s, p in zip(step.seqs, pos)], states, pending_at, pending_rows])
         ctx, table_t = self._ints.send([[p + 1 for p in pos], table])
         self.input_ids[:b].copy_(ids)
-        if pending_at:
-            self.input_ids.index_copy_(0, at_t, prev_tokens.index_select(0, rows_t))
+        self._fill_pending(at_t, rows_t, prev_tokens)
         self.positions[:b].copy_(positions)
         self.slot_mapping[:b].copy_(slot_t)
         self.block_tables[:b, :width].copy_(table_t.view(b, width))
         self.context_lens[:b].copy_(ctx)
         if self.scratch_state is not None:
             self.state_index[:b].copy_(index)
-        slots = [s.lora_slot for s in step.seqs]
         self._pad(b, size)
-        with_lora = any(x >= 0 for x in slots) and (size, True) in self.graphs
-        graph, out, info = self.graphs[(size, with_lora)]
-        if with_lora:
-            padded = slots + [-1] * (size - b)
-            info.update(padded)  # type: ignore[union-attr]
-        graph.replay()  # type: ignore[attr-defined]
-        return out[:b]
+        return self._replay(size, [s.lora_slot for s in step.seqs])[:b]
+
+
+class MixedGraphs(_Graphs):
+    kind = "mixed-step"
+
+    def __init__(self, model: torch.nn.Module, device: Device, sizes: list[int], max_seqs: int,
+                 max_blocks_per_seq: int, block_size: int, scratch_block: int, lora_slots: int) -> None:
+        super().__init__(model, device, sizes, max(sizes), max_seqs, max_blocks_per_seq, block_size, scratch_block,
+                         lora_slots)
+        self.max_seqs = max_seqs
+        self._capture_all()
+
+    def _context(self, size: int, info: TritonLoRABatch | None) -> ForwardContext:
+        # Captured with every sequence empty (cu_q all 0): the kernels' grids are fixed by the sizes, what they
+        # compute is read from the buffers at replay.
+        meta = AttentionMetadata(self.slot_mapping[:size], self.block_tables, self.context_lens, self.cu_q,
+                                 cu_q_list=[], context_lens_list=[], max_q_len=size)
+        return ForwardContext(attn=meta, lora=info)
+
+    def can_run(self, step: SchedulerOutput) -> bool:
+        return step.num_tokens <= self.sizes[-1] and len(step.seqs) <= self.max_seqs
+
+    @torch.inference_mode()
+    def run(self, step: SchedulerOutput, pending_at: list[int], pending_rows: list[int], prev_tokens: torch.Tensor
+            ) -> torch.Tensor:
+        """Hidden states [T, hidden] of a step of T tokens (any mix of prefill chunks and decodes); rows
+        pending_at take their token from prev_tokens[pending_rows]."""
+        seqs, bs = step.seqs, self.block_size
+        t, b = step.num_tokens, len(seqs)
+        size = next(s for s in self.sizes if s >= t)
+        ids: list[int] = []
+        pos: list[int] = []
+        cu = [0]
+        slots: list[int] = []
+        width = max(len(s.block_table) for s in seqs)
+        table: list[int] = []
+        token_slots: list[int] = []
+        for s in seqs:
+            n, start, blocks = len(s.token_ids), s.start_pos, s.block_table
+            ids += s.token_ids
+            p = range(start, start + n)
+            pos += p
+            slots += [blocks[i // bs] * bs + i % bs for i in p]
+            cu.append(cu[-1] + n)
+            table += blocks
+            table += [self.scratch] * (width - len(blocks))
+            token_slots += [s.lora_slot] * n
+        ids_t, pos_t, slot_t, at_t, rows_t = self._longs.send([ids, pos, slots, pending_at, pending_rows])
+        cu_t, ctx_t, table_t = self._ints.send([cu + [t] * (self.max_seqs - b),
+                                                [s.start_pos + len(s.token_ids) for s in seqs], table])
+        self.input_ids[:t].copy_(ids_t)
+        self._fill_pending(at_t, rows_t, prev_tokens)
+        self.positions[:t].copy_(pos_t)
+        self.slot_mapping[:t].copy_(slot_t)
+        self.slot_mapping[t:size] = self.scratch * bs  # padding rows write only the scratch block
+        self.cu_q.copy_(cu_t)
+        self.context_lens[:b].copy_(ctx_t)
+        self.block_tables[:b, :width].copy_(table_t.view(b, width))
+        return self._replay(size, token_slots)[:t]

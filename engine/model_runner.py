@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.device import Device
 from engine.distributed import all_reduce_min, broadcast, tp_rank, tp_size
 from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
-from engine.graph_runner import DecodeGraphs
+from engine.graph_runner import MIXED_SIZES, DecodeGraphs, MixedGraphs
 from engine.kernel_check import check_kernels, kernel_shapes
 from engine.layers.attention import Attention
 from engine.layers.gdn import GatedDeltaNet
@@ -22,7 +22,6 @@ from engine.logits_processors import LogitsProcessors
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.layers import BaseLayerWithLoRA, wrap_model
 from engine.lora.punica import LoRABatch, ReferenceLoRABatch, TritonLoRABatch, build_mapping, choose_impl
-from engine.piecewise import MIXED_SIZES, MixedGraphs
 from engine.protocol import SamplingParams
 from engine.sampler import DeviceSample, Sampler, SamplerOutput, StepFuture, make_generator
 from engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -41,6 +40,16 @@ GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 class KVCacheSpec:
     num_blocks: int
     block_size: int
+
+
+def _sample_rows(step: SchedulerOutput) -> list[int]:
+    """The flat row of each sampling sequence's last token."""
+    rows, end = [], 0
+    for s in step.seqs:
+        end += len(s.token_ids)
+        if s.sample:
+            rows.append(end - 1)
+    return rows
 
 
 def resolve_dtype(name: str, device: Device) -> torch.dtype:
@@ -105,9 +114,11 @@ class ModelRunner:
                                        self.num_state_slots if self.gdn_layers else None)
         self.mixed: MixedGraphs | None = None
         if self.use_graphs and config.mixed_graphs and not self.gdn_layers:
+            bs = self.kv.block_size
             sizes = [s for s in MIXED_SIZES if s <= config.scheduler.max_num_batched_tokens]
-            self.mixed = MixedGraphs(self.model, device, sizes, self.kv.num_blocks, self.kv.block_size,
-                                     self.lora_impl if self.lora_layers else None, config.lora.max_loras)
+            self.mixed = MixedGraphs(self.model, device, sizes or [MIXED_SIZES[0]], config.scheduler.max_num_seqs,
+                                     (max_model_len + bs - 1) // bs, bs, self.kv.num_blocks,
+                                     config.lora.max_loras if self.lora_layers else 0)
 
     # -- KV cache --------------------------------------------------------------------------------
     def _block_bytes(self) -> int:
@@ -189,11 +200,9 @@ class ModelRunner:
                 out += [s.lora_slot] * len(s.token_ids)
         return out
 
-    def _prepare(self, step: SchedulerOutput, lora_batch: bool = True
-                 ) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
+    def _prepare(self, step: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, ForwardContext, list[int]]:
         """The step's inputs from per-sequence host lists (one Python pass over the sequences), sent in one
-        copy per dtype; per-token positions and KV slots are derived on the device. lora_batch False: no
-        LoRABatch (the mixed-step graphs update their own in place)."""
+        copy per dtype; per-token positions and KV slots are derived on the device."""
         bs, seqs = self.kv.block_size, step.seqs
         ids: list[int] = []
         starts: list[int] = []
@@ -230,7 +239,7 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=slot_mapping, block_tables=table_t, context_lens=ctx_t, cu_q=cu_t,
                                  cu_q_list=cu, context_lens_list=ctx_lens, max_q_len=max(lens))
         lora = (build_mapping(self._token_slots(step), dev, self.lora_impl, self.config.lora.max_loras)
-                if self.lora_layers and lora_batch else None)
+                if self.lora_layers else None)
         ctx = ForwardContext(attn=meta, lora=lora, state_slots=states if self.gdn_layers else None,
                              state_index=index if self.gdn_layers else None)
         return input_ids, positions, ctx, sample_rows
@@ -303,19 +312,16 @@ class ModelRunner:
             self.processors.release(step.finished_seq_ids)
             self.processors.observe(step.seqs)
         if self.graphs is not None and self.graphs.can_run(step):
-            at, rows_prev = self._pending(step)
-            h = self.graphs.run(step, at, rows_prev, self._prev_tokens)
+            h = self.graphs.run(step, *self._pending(step), self._prev_tokens)
             # One row per sequence; a 1-token prefill chunk that is not a prompt's last does not sample.
             rows = [i for i, s in enumerate(step.seqs) if s.sample]
+        elif self.mixed is not None and self.mixed.can_run(step):
+            h = self.mixed.run(step, *self._pending(step), self._prev_tokens)
+            rows = _sample_rows(step)
         else:
-            mixed = self.mixed if self.mixed is not None and self.mixed.can_run(step.num_tokens) else None
-            input_ids, positions, ctx, rows = self._prepare(step, lora_batch=mixed is None)
-            if mixed is not None:
-                assert ctx.attn is not None
-                h = mixed.run(input_ids, positions, ctx.attn, self._token_slots(step))
-            else:
-                with forward_context(ctx):
-                    h = self.model(input_ids, positions)
+            input_ids, positions, ctx, rows = self._prepare(step)
+            with forward_context(ctx):
+                h = self.model(input_ids, positions)
         self._copy_states(step, restore=False)
         sampled = [s for s in step.seqs if s.sample]
         if not sampled:

@@ -126,7 +126,7 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
                         "(default: the folder name)")
     g.add_argument("--enforce-eager", action="store_true", help="disable graph capture")
     g.add_argument("--no-mixed-graphs", dest="mixed_graphs", action="store_false",
-                   help="run steps that hold a prefill chunk eagerly (default: captured, split at attention)")
+                   help="run steps that hold a prefill chunk eagerly (default: captured as graphs up to 512 tokens)")
     g.add_argument("--async-scheduling", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                    help="launch each step before the previous one's tokens are read back (auto: on GPUs at tensor "
                         "parallel size 1; the flag alone means on)")

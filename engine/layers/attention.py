@@ -24,8 +24,6 @@ class Attention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
         ctx = get_context()
-        if ctx.split is not None:  # a piecewise capture ends here and attention runs outside the graphs
-            return ctx.split(self, q, k, v)
         assert ctx.attn is not None, "attention needs attention metadata"
         return self.attend(q, k, v, ctx.attn)
 

@@ -124,7 +124,7 @@ def test_penalties_and_grammars_wait_for_their_ids() -> None:
 def test_abort_while_a_step_is_in_flight() -> None:
     prompts, params, models = workload(8)
     with engine(True) as e:
-        for i, (p, sp, m) in enumerate(zip(prompts, params, models)):
+        for i, (p, m) in enumerate(zip(prompts, models)):
             e.add_request(str(i), p, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), m)
         seen: dict[str, int] = {}
         for _ in range(3):

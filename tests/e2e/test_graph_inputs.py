@@ -1,0 +1,95 @@
+"""The captured-step runners' inputs on the CPU: DecodeGraphs and MixedGraphs fill their static buffers from a
+step (padding rows, zero-length sequence slots, the scratch block, pending tokens under async scheduling, the
+LoRA grouping) and replay what they captured. Graphs exist only on GPUs, so here each "graph" re-runs the
+forward eagerly over the same static buffers and metadata the capture recorded, with the Triton attention and
+LoRA kernels under the interpreter: what a replay computes from those buffers must equal the eager engine's
+greedy outputs on mixed adapter batches with chunked prefill. (The captures themselves are checked on CUDA by
+benchmarks/gpu_engine_check.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.interp import run_under_interpreter
+
+REPO = Path(__file__).resolve().parents[2]
+
+CODE = r'''
+import torch
+from pathlib import Path
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.config import CacheConfig, KernelConfig, LoRAConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from engine.device import Device
+from engine.forward_context import forward_context
+from engine.graph_runner import DecodeGraphs, MixedGraphs, _Graphs
+from engine.lora.punica import TritonLoRABatch
+
+DEMO = Path(REPO) / "demo"
+ADAPTERS = tuple((n, str(DEMO / "adapters" / n)) for n in ("reverse", "upper", "sort"))
+
+
+class EagerReplay:
+    """A graph stand-in: replay() runs the forward over the static buffers with the capture's context."""
+
+    def __init__(self, g, size, ctx, out):
+        self.g, self.size, self.ctx, self.out = g, size, ctx, out
+
+    def replay(self):
+        with torch.inference_mode(), forward_context(self.ctx):
+            self.out.copy_(self.g.model(self.g.input_ids[:self.size], self.g.positions[:self.size]))
+
+
+def capture(self, size, with_lora, pool):
+    info = TritonLoRABatch.build([0] * size, self.lora_slots, self.device.torch_device) if with_lora else None
+    ctx = self._context(size, info)
+    with torch.inference_mode(), forward_context(ctx):
+        out = self.model(self.input_ids[:size], self.positions[:size]).clone()
+    return EagerReplay(self, size, ctx, out), out, info
+
+
+_Graphs._capture = capture
+Device.graph_pool = lambda self: None
+
+
+def engine(max_loras=2):
+    return LLMEngine(EngineConfig(
+        ModelConfig(str(DEMO / "model"), dtype="float32", max_model_len=128),
+        cache=CacheConfig(num_blocks=64),
+        parallel=ParallelConfig(device="cpu"),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24),
+        lora=LoRAConfig(enable_lora=True, max_loras=max_loras, max_lora_rank=64, lora_modules=ADAPTERS),
+        kernels=KernelConfig(attention="triton", lora="triton"), async_scheduling=True))
+
+
+def with_graphs(e):
+    r = e.runner
+    assert r.kernels.attention == "triton" and r.lora_impl is TritonLoRABatch
+    for a in r.attn_layers:  # the scratch block the graphs' padding rows write (the GPU runner allocates it)
+        a.k_cache = torch.cat([a.k_cache, torch.zeros_like(a.k_cache[:1])])
+        a.v_cache = torch.cat([a.v_cache, torch.zeros_like(a.v_cache[:1])])
+    bs, n = r.kv.block_size, r.kv.num_blocks
+    r.graphs = DecodeGraphs(r.model, r.device, [1, 2, 4, 8], 128 // bs, bs, n, e.config.lora.max_loras, None)
+    r.mixed = MixedGraphs(r.model, r.device, [16, 32], 8, 128 // bs, bs, n, e.config.lora.max_loras)
+    return e
+
+
+words = "cat ant moon fox owl jam dog hat pig egg bee sun".split()
+prompts = ["words: " + " ".join(words[(i + j) % 12] for j in range(2 + i % 6)) + " =>" for i in range(10)]
+models = [None, "reverse", "upper", "sort"] * 3
+params = [SamplingParams(max_tokens=6 + i % 5, temperature=0.0, ignore_eos=i % 3 == 0) for i in range(10)]
+with engine() as e:
+    want = [r.token_ids for r in e.generate(prompts, params, models[:10])]
+with with_graphs(engine()) as e:
+    got = [r.token_ids for r in e.generate(prompts, params, models[:10])]
+    decode, mixed = e.runner.graphs.replays, e.runner.mixed.replays
+assert decode > 0 and mixed > 0, (decode, mixed)
+assert got == want, (got, want)
+print("ok", decode, mixed)
+'''
+
+
+@pytest.mark.slow
+def test_graph_runners_inputs_equal_the_eager_step() -> None:
+    run_under_interpreter(f"REPO = {str(REPO)!r}\n" + CODE, timeout=600)
