@@ -213,6 +213,9 @@ def main() -> int:
         warm = reqs[: n + 1]
         offline(e, warm, max_batch)
         for i, c in enumerate(a.batches):
+            # Warm at this concurrency first: its first bursts compile kernel variants of new sizes (seconds of
+            # Triton JIT inside a timed run otherwise), on both sides and in both modes.
+            offline(e, reqs[: 2 * c], c)
             rows[c] = offline(e, reqs, c, texts if i == 0 else None)
             # bench_e2e's pure decode at this batch, same engine: what the loop could reach without arrivals
             dec = ours(e, c, n, min(64, a.new_tokens))
@@ -234,6 +237,7 @@ def main() -> int:
         served(srv, base, warm, max_batch, clients=a.clients)  # warm-up, as offline
         failed = False
         for c in a.batches:
+            served(srv, base, reqs[: 2 * c], c, clients=a.clients)  # warm at this concurrency, as offline
             r = served(srv, base, reqs, c, texts, a.clients)
             row = {"case": "serve", "concurrency": c, "requests": len(reqs), "adapters": n, **rows[c], **r}
             row["ratio"] = row["server_tokens_per_s"] / row["offline_tokens_per_s"]

@@ -39,7 +39,7 @@ def instrument(e: LLMEngine) -> dict[str, list[float]]:
     def timed_launch(step, loads=()):  # type: ignore[no-untyped-def]
         graphs, mixed = runner.graphs, runner.mixed
         kind = ("decode_graph" if graphs is not None and graphs.can_run(step) else
-                "mixed_graph" if mixed is not None and mixed.can_run(step.num_tokens) else "eager")
+                "mixed_graph" if mixed is not None and mixed.can_run(step) else "eager")
         t0 = time.perf_counter()
         fut = launch(step, loads)
         times[f"{kind}:launch_ms"].append(1e3 * (time.perf_counter() - t0))

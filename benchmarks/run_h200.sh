@@ -84,16 +84,21 @@ case "${1:-}" in
   async)  # issue 14 after async scheduling, one H200: engine check (async == sync == reference; no implicit host sync in
           # steady-state steps), then the server vs the offline loop vs pure decode, each loop also with async off
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    timeout 200 python3 benchmarks/gpu_engine_check.py --quick --device cuda > "$OUT/engine_check.txt" 2>&1
+    timeout 190 python3 benchmarks/gpu_engine_check.py --quick --device cuda > "$OUT/engine_check.txt" 2>&1
     grep -E '^\{|PASS|FAIL|Error' "$OUT/engine_check.txt"
     timeout 380 python3 benchmarks/bench_serve.py --layers 36 --adapters 32 --batches 32 64 --requests 256 \
       --new-tokens 128 --clients 4 --sync-too --root /tmp/serve36 2>&1 | grep -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
     tail -n 40 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
     ;;
+  serve64)  # the serving run at concurrency 64 only (the last minutes of a session)
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    timeout 290 python3 benchmarks/bench_serve.py --layers 36 --adapters 32 --batches 64 --requests 256 \
+      --new-tokens 128 --clients 4 --sync-too --root /tmp/serve36 2>&1 | grep -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
+    ;;
   plan)  # where the loop's time goes on the serving plan, async scheduling on and off, and its implicit host syncs
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    timeout 400 python3 benchmarks/profile_plan.py --layers 36 --adapters 32 --batch 32 --requests 128 \
-      --root /tmp/plan36 > "$OUT/plan.txt" 2>&1
+    timeout 400 python3 benchmarks/profile_plan.py --layers 36 --adapters 32 --batch ${2:-32} --requests ${3:-128} \
+      --new-tokens 128 --root /tmp/plan36 > "$OUT/plan.txt" 2>&1
     grep -E '^\{|Error|Traceback' "$OUT/plan.txt"
     ;;
   *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|plan"; exit 2 ;;
