@@ -9,7 +9,7 @@ fragment's. A fragment of 16 rows x 32 k splits into 32 lanes (lane = 4 g + c: r
 8 i) and 8 registers per lane; the repacked word (nb, kb, r8, lane) holds exactly the 8 nibbles that lane needs
 for row 16 nb + 8 r8 + g:
 
-    nibble j = p0 + 2 p1 + 4 h  of word (nb, kb, r8, 4 g + c)  =  u(n = 16 nb + 8 r8 + g,  k = 32 kb + 16 p1 + 8 p0 + 2 c + h)
+    nibble p0 + 2 p1 + 4 h of word (nb, kb, r8, 4 g + c) = u(n = 16 nb + 8 r8 + g, k = 32 kb + 16 p1 + 8 p0 + 2 c + h)
 
 so unpacking is elementwise shifts and masks followed by joins and one permute that Triton lays out in
 registers (no shared-memory stage for the unpacked tile), and a warp reads 32 consecutive words (128 B) per load.
@@ -140,7 +140,8 @@ if triton is not None:
 
         Grid (N tiles, token tiles, K splits). Zero points zq + zero_offset are uint8 [K/G, N], or with CONST_ZERO
         one row [N] read once (every group's; a loaded tensor, not a constant, so that Triton still hoists the
-        weight tile's layout conversion onto the packed words). WTYPE 0: the weight tile in bf16 (magic 0x4300), 1: fp16 (0x6400), 2: fp32 (from integers).
+        weight tile's layout conversion onto the packed words). WTYPE 0: the weight tile in bf16 (magic 0x4300),
+        1: fp16 (0x6400), 2: fp32 (from integers).
         F32_DOT: an exact fp32 dot (fp32 activations, and the interpreter, whose bf16 dot is wrong).
         """
         pid_n, pid_t, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -271,6 +272,6 @@ def mma_mm(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: 
         x2, packed, scales, zeros, b, out, ws, _counters(x2.device), m, n, x2.stride(0), packed.stride(0),
         scales.stride(0), zeros.stride(0), kps * 2, kps,
         GROUP=group_size, CONST_ZERO=zeros.dim() == 1, HAS_BIAS=bias is not None, SPLIT_K=c.split_k,
-        WTYPE=_WTYPE[x2.dtype], F32_DOT=x2.dtype == torch.float32 or interpreting(), BN=c.block_n, BT=c.block_t, BK=c.block_k, num_warps=c.num_warps,
-        num_stages=c.num_stages)
+        WTYPE=_WTYPE[x2.dtype], F32_DOT=x2.dtype == torch.float32 or interpreting(), BN=c.block_n, BT=c.block_t,
+        BK=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
     return out

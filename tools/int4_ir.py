@@ -24,11 +24,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-from kernels import int4_mma, int4_triton  # noqa: E402
+from kernels import int4_mma, int4_triton
 
 TTGIR = ["local_alloc", "local_load", "convert_layout", "async_copy_global_to_local", "warp_group_dot ", "tt.dot "]
 SASS = ["HGMMA", "HMMA", "LDS", "STS", "LDSM", "LDGSTS", "LDG", "I2F", "F2FP", "PRMT", "LOP3", "SHF", "HADD2",
@@ -59,7 +59,8 @@ def compile_variant(fn, sig: dict[str, str], const: dict, div16: list[str], num_
     res.update({f"sass_{op}": len(re.findall(r"\b" + op + r"[.\s]", sass)) for op in SASS})
     res["sass_instructions"] = len(re.findall(r"/\*[0-9a-f]{4}\*/", sass))
     if dump:
-        tag = "_".join(f"{k}{v}" for k, v in const.items() if k in ("BN", "BT", "BK", "SPLIT_K", "BLOCK_M", "BLOCK_N", "CONST_ZERO"))
+        named = ("BN", "BT", "BK", "SPLIT_K", "BLOCK_M", "BLOCK_N", "CONST_ZERO")
+        tag = "_".join(f"{k}{v}" for k, v in const.items() if k in named)
         base = os.path.join(dump, f"{fn.__name__}_{tag}_w{num_warps}s{num_stages}")
         for ext, text in (("ttgir", ir), ("ptx", ptx), ("sass", sass)):
             Path(f"{base}.{ext}").write_text(text)
