@@ -23,7 +23,7 @@ from typing import Literal, get_args
 
 import torch
 
-from kernels.int4_mma import MmaConfig, mma_config, mma_mm, repack_mma
+from kernels.int4_mma import MmaConfig, mma_config, mma_mm, mma_zeros, repack_mma
 from kernels.int4_triton import TritonInt4Config, dequant_triton, triton_config, triton_mm
 from kernels.reference import dequant_int4, unpack_int4_cols, unpack_int4_rows
 from kernels.triton_env import FLOATS, usable
@@ -267,10 +267,8 @@ def prepare_int4(
         )
 
     if backend == "triton_mma":
-        zq = _zq(qzeros, layout).to(torch.uint8)
-        zeros = zq[0].contiguous() if bool((zq == zq[0]).all()) else zq.contiguous()  # symmetric: one row
         return PreparedInt4(backend, layout, dtype, weight=repack_mma(qweight.contiguous()),
-                            scales=scales.contiguous(), zeros=zeros)
+                            scales=scales.contiguous(), zeros=mma_zeros(_zq(qzeros, layout)))
 
     u_nk = unpack_int4_rows(qweight).t().to(torch.int32)  # [N, K], values 0..15
 

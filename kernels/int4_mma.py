@@ -29,7 +29,7 @@ import torch
 
 from kernels.triton_env import FLOATS, interpreting, tl, triton
 
-__all__ = ["MMA_K", "MMA_N", "MmaConfig", "mma_config", "mma_mm", "repack_mma", "unpack_mma"]
+__all__ = ["MMA_K", "MMA_N", "MmaConfig", "mma_config", "mma_mm", "mma_zeros", "repack_mma", "unpack_mma"]
 
 MMA_N, MMA_K = 16, 32
 """Output features and input features of one repacked block of 64 words."""
@@ -68,6 +68,13 @@ def repack_mma(qweight: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
             w = w | (u[..., j] << (4 * j))  # int32 shifts wrap: bit 31 set for nibble 7 >= 8
         out[n0 // 16:(n0 + nc) // 16] = w
     return out
+
+
+def mma_zeros(zq: torch.Tensor) -> torch.Tensor:
+    """Zero points zq + zero_offset [K/G, N] (0..16) -> the kernel's uint8 operand: one row [N] when every group
+    has the same (symmetric checkpoints: nothing to read per group), else [K/G, N]."""
+    z = zq.to(torch.uint8)
+    return z[0].contiguous() if bool((z == z[0]).all()) else z.contiguous()
 
 
 def unpack_mma(packed: torch.Tensor) -> torch.Tensor:
