@@ -126,7 +126,7 @@ def test_cache_off_or_unusable_never_stops_the_engine(tmp_path, monkeypatch, cap
 
 
 TUNED = r"""
-import json, os, tempfile
+import json, os, sys, tempfile
 import torch
 import kernels.int4_tune as tu
 from engine.device import Device
@@ -134,36 +134,42 @@ from engine.layers.linear import RowParallelLinear
 from engine.layers.quant import Int4LinearMethod
 from kernels.int4 import Int4Layout
 from kernels.reference import pack_int4_cols, pack_int4_rows
-backends = ["native_cpu", "triton_mma", "triton", "dequant"]
+dev = torch.device(sys.argv[1])
+dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16  # torch's CUDA int4 op takes bf16 only
+tol = 1e-4 if dtype == torch.float32 else 2e-2
+native = f"native_{dev.type}"
+backends = [native, "triton_mma", "triton", "dequant"]
 for sym in (False, True):
     cache = tempfile.mkdtemp()
     os.environ[tu.CACHE_ENV] = cache
     # A table as a tuner on some device might have written it: every kind of path, in several buckets.
-    rows = [[1, "native_cpu"], [4, "triton_mma[16x16x32 s2 w4 st2]"], [16, "triton[16x32x32 s2 w4 st2]"],
+    rows = [[1, native], [4, "triton_mma[16x16x32 s2 w4 st2]"], [16, "triton[16x32x32 s2 w4 st2]"],
             [64, "dequant"], [256, "triton_mma"], [None, "dequant"]]
-    shape = tu.Shape(Int4Layout(128, 1, 256, 64), torch.float32, sym=sym)
-    key = tu.cache_key(shape, backends, Device("cpu").product_name())
+    shape = tu.Shape(Int4Layout(128, 1, 256, 64), dtype, sym=sym)
+    key = tu.cache_key(shape, backends, Device(dev.type, dev.index or 0).product_name())
     with open(os.path.join(cache, tu.CACHE_FILE), "w") as f:
         json.dump({key: rows}, f)
     g = torch.Generator().manual_seed(0)
     layer = RowParallelLinear(256, 64, bias=True, method=Int4LinearMethod(128, 1, "tuned:" + ",".join(backends)),
-                              prefix="l")
+                              prefix="l").to(dev)
+    layer.compute_dtype = dtype
     layer.qweight.data.copy_(pack_int4_rows(torch.randint(0, 16, (256, 64), generator=g)))
     z = torch.full((2, 64), 7) if sym else torch.randint(0, 15, (2, 64), generator=g)
     layer.qzeros.data.copy_(pack_int4_cols(z))
     layer.scales.data.copy_((torch.randn(2, 64, generator=g) * 0.05).half())
-    layer.bias.data.copy_(torch.randn(64, generator=g))
+    layer.bias.data = torch.randn(64, generator=g).to(dtype).to(dev)
     layer.process_after_loading()
     got = [(n, None if w is None else (w.backend, w.config)) for n, w in layer.int4_paths]
-    assert [(n, b and b[0]) for n, b in got] == [(1, "native_cpu"), (4, "triton_mma"), (16, "triton"), (64, None),
+    assert [(n, b and b[0]) for n, b in got] == [(1, native), (4, "triton_mma"), (16, "triton"), (64, None),
                                                (256, "triton_mma"), (None, None)], got
     assert got[1][1][1].split_k == 2 and got[4][1][1] is None  # the cached launch shape; the rule's
     mma = [w for _, w in layer.int4_paths if w is not None and w.backend == "triton_mma"]
     assert mma[0].weight is mma[1].weight  # one repacked copy for both launch shapes
     w = layer.dense_weight().float()
     for m in (1, 3, 4, 5, 16, 17, 64, 65, 256, 257):
-        x = torch.randn(m, 256, generator=g)
-        torch.testing.assert_close(layer(x), x @ w.t() + layer.bias, atol=1e-4, rtol=1e-4)
+        x = torch.randn(m, 256, generator=g).to(dtype).to(dev)
+        want = x.float() @ w.t() + layer.bias.float()
+        torch.testing.assert_close(layer(x).float(), want, atol=tol * float(want.abs().max()), rtol=tol)
 print("ok")
 """
 
@@ -171,7 +177,73 @@ print("ok")
 def test_tuned_layer_runs_every_path_of_its_table_under_the_interpreter() -> None:
     """A tuned layer built from a cached table: each bucket's kernel (native op, triton_mma with a cached launch
     shape and with its rule, the old Triton kernel, dequant + GEMM in two places) equals the dense formula."""
-    run_under_interpreter(TUNED)
+    run_under_interpreter(TUNED.replace("sys.argv[1]", '"cpu"'))
+
+
+def _accelerator() -> str | None:
+    import torch
+
+    acc = getattr(torch, "accelerator", None)
+    return str(acc.current_accelerator()) if acc is not None and acc.is_available() else None
+
+
+def _on_accelerator(code: str) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    acc = _accelerator()
+    if acc is None:
+        pytest.skip("no accelerator")
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code, acc], cwd=repo, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_tuned_layer_runs_every_path_of_its_table_on_accelerator() -> None:
+    _on_accelerator(TUNED)
+
+
+MEASURED = r"""
+import sys
+import torch
+from engine.device import Device
+from kernels.int4 import Int4Layout, int4_mm, prepare_int4
+from kernels.int4_tune import DEQUANT, Shape, _call, measure
+from kernels.reference import dequant_int4
+dev = torch.device(sys.argv[1])
+d = Device(dev.type, dev.index or 0)
+backends = d.int4_backend("tuned").split(":", 1)[1].split(",")
+lay = Int4Layout(128, 1, 512, 256)
+table = measure(Shape(lay, torch.bfloat16, sym=True), backends, d.time_calls, dev, buckets=(1, 16, 64, 1024))
+print(table.describe())
+assert table.rows[-1][0] is None
+for m, times in table.timings:
+    assert table.path_for(m).name == times[0][0] and all(t > 0 for _, t in times), (m, times)
+g = torch.Generator().manual_seed(1)
+qw = torch.randint(-2**31, 2**31 - 1, (64, 256), generator=g, dtype=torch.int32).to(dev)
+qz = torch.full((4, 32), 0x77777777, dtype=torch.int32).to(dev)
+sc = (torch.randn(4, 256, generator=g) * 0.01).half().to(dev)
+ref_w = dequant_int4(qw, qz, sc, 128, 1, dtype=torch.float32)
+for m, _ in table.timings:
+    path = table.path_for(m)
+    w = prepare_int4(qw, qz, sc, lay, "triton" if path.backend == DEQUANT else path.backend, dtype=torch.bfloat16)
+    x = torch.randn(m, 512, generator=g).to(torch.bfloat16).to(dev)
+    y = _call(path, x, w)().float()
+    want = x.float() @ ref_w
+    torch.testing.assert_close(y, want, atol=2e-2 * float(want.abs().max()), rtol=2e-2)
+print("ok")
+"""
+
+
+def test_tuner_measures_with_device_graphs_and_its_choices_are_right_on_accelerator() -> None:
+    """On a GPU: the tuner times every candidate with the device's graph-replay timer, each bucket's choice is the
+    fastest it recorded, and each chosen path gives the reference's result."""
+    _on_accelerator(MEASURED)
 
 
 CHECK = r"""
