@@ -23,7 +23,7 @@ from typing import Literal, get_args
 
 import torch
 
-from kernels.int4_mma import MmaConfig, mma_config, mma_mm, mma_zeros, repack_mma
+from kernels.int4_mma import MmaConfig, mma_config, mma_meta, mma_mm, repack_mma
 from kernels.int4_triton import TritonInt4Config, dequant_triton, triton_config, triton_mm
 from kernels.reference import dequant_int4, unpack_int4_cols, unpack_int4_rows
 from kernels.triton_env import FLOATS, usable
@@ -88,8 +88,8 @@ class PreparedInt4:
     [N/8, K/(16*t), 32, t/2]; native_xpu -> int32 [N, K/8]; triton -> the checkpoint's qweight [K/8, N];
     triton_mma -> int32 [N/16, K/32, 2, 32] (kernels.int4_mma.repack_mma).
     scales / zeros: triton -> scales [K/G, N] and packed qzeros [K/G, N/8]; native_xpu -> scales
-    [K/G, N] (dtype) and int8 zero points [K/G, N]; triton_mma -> scales [K/G, N] as stored and uint8 zero
-    points [K/G, N], or [N] when every group has the same. scales_and_zeros: native_cpu/cuda [K/G, N, 2].
+    [K/G, N] (dtype) and int8 zero points [K/G, N]. scales_and_zeros: native_cpu/cuda [K/G, N, 2];
+    triton_mma int32 [K/G, N], the fp16 scale's bits | zero point << 16 (kernels.int4_mma.mma_meta).
     """
 
     backend: Int4Backend
@@ -268,7 +268,7 @@ def prepare_int4(
 
     if backend == "triton_mma":
         return PreparedInt4(backend, layout, dtype, weight=repack_mma(qweight.contiguous()),
-                            scales=scales.contiguous(), zeros=mma_zeros(_zq(qzeros, layout)))
+                            scales_and_zeros=mma_meta(scales, _zq(qzeros, layout)))
 
     u_nk = unpack_int4_rows(qweight).t().to(torch.int32)  # [N, K], values 0..15
 
@@ -313,9 +313,9 @@ def int4_mm(x: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None = None) 
         y = triton_mm(x2, w, bias, w.config)
         return y.reshape(*lead, n)
     if w.backend == "triton_mma":
-        assert w.scales is not None and w.zeros is not None
+        assert w.scales_and_zeros is not None
         assert w.config is None or isinstance(w.config, MmaConfig)
-        y = mma_mm(x2, w.weight, w.scales, w.zeros, w.layout.group_size, bias, w.config)
+        y = mma_mm(x2, w.weight, w.scales_and_zeros, w.layout.group_size, bias, w.config)
         return y.reshape(*lead, n)
 
     xc = x2.to(w.dtype).contiguous()  # the native ops require a contiguous 2-D A in their dtype

@@ -1,7 +1,8 @@
 """W4A16 for decode batches: weights repacked at load into MMA-fragment order, computed as y^T = W^T x^T.
 
     w = repack_mma(qweight)                  # [K/8, N] GPTQ words -> [N/16, K/32, 2, 32] words (below)
-    y = mma_mm(x, w, scales, zeros, ...)     # y = x @ W + bias, W as in kernels.reference
+    meta = mma_meta(scales, zq)             # [K/G, N] int32: fp16 scale bits | zero point << 16
+    y = mma_mm(x, w, meta, group_size, bias) # y = x @ W + bias, W as in kernels.reference
 
 Why this shape (docs/PERFORMANCE.md "int4 GEMM"): the weights are the MMA's A operand ([out features, K], so a
 tile's rows are output features and the few tokens are the MMA's N), and their register layout is the A
@@ -15,7 +16,9 @@ so unpacking is elementwise shifts and masks followed by joins and one permute t
 registers (no shared-memory stage for the unpacked tile), and a warp reads 32 consecutive words (128 B) per load.
 Each pair (h = 0, 1) shares one 32-bit word: (w >> 4p) & 0x000F000F | MAGIC is two 16-bit floats 128 + u
 (bf16, MAGIC 0x4300) or 1024 + u (fp16, 0x6400) with no int->float conversion; subtracting 128 + zq (or
-1024 + zq) is exact. Scales multiply the fp32 accumulator once per group (K tile <= group). K is split across
+1024 + zq) is exact. Scales multiply the fp32 accumulator once per group (K tile <= group); a group's scale and
+zero point share one 32-bit word, so that Triton's pipeliner copies them ahead like the weights (it does not
+for 1- and 2-byte loads, which would then stall every K step). K is split across
 programs for small grids; the partials are summed in split order by the last program of each tile, so the
 result is the same bits on every run (as kernels.int4_triton).
 """
@@ -29,7 +32,8 @@ import torch
 
 from kernels.triton_env import FLOATS, interpreting, tl, triton
 
-__all__ = ["MMA_K", "MMA_N", "MmaConfig", "mma_config", "mma_mm", "mma_zeros", "repack_mma", "unpack_mma"]
+__all__ = ["MMA_K", "MMA_N", "MmaConfig", "mma_config", "mma_meta", "mma_mm", "repack_mma", "unpack_meta",
+           "unpack_mma"]
 
 MMA_N, MMA_K = 16, 32
 """Output features and input features of one repacked block of 64 words."""
@@ -70,11 +74,19 @@ def repack_mma(qweight: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
     return out
 
 
-def mma_zeros(zq: torch.Tensor) -> torch.Tensor:
-    """Zero points zq + zero_offset [K/G, N] (0..16) -> the kernel's uint8 operand: one row [N] when every group
-    has the same (symmetric checkpoints: nothing to read per group), else [K/G, N]."""
-    z = zq.to(torch.uint8)
-    return z[0].contiguous() if bool((z == z[0]).all()) else z.contiguous()
+def mma_meta(scales: torch.Tensor, zq: torch.Tensor) -> torch.Tensor:
+    """scales [K/G, N] (fp16, or any float dtype whose values fp16 holds exactly) and zero points zq + zero_offset
+    [K/G, N] (0..16) -> int32 [K/G, N] words: the scale's fp16 bits | zero point << 16."""
+    s16 = scales.to(torch.float16)
+    if scales.dtype != torch.float16 and not torch.equal(s16.to(scales.dtype), scales):
+        raise ValueError(f"the mma int4 layout keeps fp16 scales; these {scales.dtype} scales are not fp16 values")
+    return ((zq.to(torch.int32) << 16) | (s16.view(torch.int16).to(torch.int32) & 0xFFFF)).contiguous()
+
+
+def unpack_meta(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of mma_meta: (fp16 scales, int16 zero points)."""
+    scales = (meta & 0xFFFF).to(torch.int16).view(torch.float16)
+    return scales, (meta >> 16).to(torch.int16)
 
 
 def unpack_mma(packed: torch.Tensor) -> torch.Tensor:
@@ -138,17 +150,15 @@ if triton is not None:
 
     @triton.jit
     def _w4a16_mma_kernel(
-        x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
-        M, N, stride_xm, stride_wb, stride_sg, stride_zg, WORDS_PER_SPLIT, K_PER_SPLIT,
-        GROUP: tl.constexpr, CONST_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
+        x_ptr, w_ptr, m_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
+        M, N, stride_xm, stride_wb, stride_mg, WORDS_PER_SPLIT, K_PER_SPLIT,
+        GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
         WTYPE: tl.constexpr, F32_DOT: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     ):  # fmt: skip
         """y[t, n] = sum_k x[t, k] * s[k//G, n] * (u(k, n) - zq(k//G, n)), as acc[n, t] += W^T tile @ x^T tile.
 
-        Grid (N tiles, token tiles, K splits). Zero points zq + zero_offset are uint8 [K/G, N], or with CONST_ZERO
-        one row [N] read once (every group's; a loaded tensor, not a constant, so that Triton still hoists the
-        weight tile's layout conversion onto the packed words). WTYPE 0: the weight tile in bf16 (magic 0x4300),
-        1: fp16 (0x6400), 2: fp32 (from integers).
+        Grid (N tiles, token tiles, K splits). meta[g, n]: the fp16 bits of s(g, n) | zq(g, n) << 16.
+        WTYPE 0: the weight tile in bf16 (magic 0x4300), 1: fp16 (0x6400), 2: fp32 (from integers).
         F32_DOT: an exact fp32 dot (fp32 activations, and the interpreter, whose bf16 dot is wrong).
         """
         pid_n, pid_t, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -167,18 +177,21 @@ if triton is not None:
         MAGIC: tl.constexpr = 0x43004300 if WTYPE == 0 else 0x64006400 if WTYPE == 1 else 0
         WDT: tl.constexpr = tl.bfloat16 if WTYPE == 0 else tl.float16 if WTYPE == 1 else tl.float32
         acc = tl.zeros((BN, BT), dtype=tl.float32)
-        if CONST_ZERO:
-            z_row = (tl.load(z_ptr + offs_n, mask=mask_n, other=0).to(tl.int16) | (MAGIC & 0xFFFF))[:, None]
+        last_g = (k_start + K_PER_SPLIT) // GROUP - 1
+        s_meta = tl.load(m_ptr + (k_start // GROUP) * stride_mg + offs_n, mask=mask_n, other=0)
         for k0 in range(k_start, k_start + K_PER_SPLIT, BK):
             g = k0 // GROUP
             words = tl.load(wp, mask=mask_w, other=0)
             u = _unpack(words, MAGIC, BN, BK)
-            if CONST_ZERO:
-                z16 = z_row
-            else:
-                z8 = tl.load(z_ptr + g * stride_zg + offs_n, mask=mask_n, other=0)
-                z16 = (z8.to(tl.int16) | (MAGIC & 0xFFFF))[:, None]
-            s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            # the zero points feed the weight tile, so the pipeliner copies this load ahead with the words
+            meta = tl.load(m_ptr + g * stride_mg + offs_n, mask=mask_n, other=0)
+            z16 = (((meta >> 16) & 0xFF) | (MAGIC & 0xFFFF)).to(tl.int16)[:, None]
+            # the scales only meet the accumulator, which the pipeliner does not look ahead for: read the next
+            # step's one step early by hand (the last step reads its own again)
+            g_next = tl.minimum((k0 + BK) // GROUP, last_g)
+            s_next = tl.load(m_ptr + g_next * stride_mg + offs_n, mask=mask_n, other=0)
+            s = (s_meta & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            s_meta = s_next
             xt = tl.load(xp, mask=mask_x, other=0.0)
             if WTYPE == 2:
                 w = u.to(tl.float32) - z16.to(tl.float32)
@@ -249,21 +262,18 @@ def _counters(device: torch.device) -> torch.Tensor:
 _WTYPE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
-def mma_mm(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-           bias: torch.Tensor | None, config: MmaConfig | None = None) -> torch.Tensor:
-    """y = x2 @ W + bias, x2 [M, K]; packed from repack_mma, scales [K/G, N], zeros the uint8 zero points
-    zq + zero_offset, [K/G, N], or [N] when every group has the same (symmetric checkpoints)."""
+def mma_mm(x2: torch.Tensor, packed: torch.Tensor, meta: torch.Tensor, group_size: int, bias: torch.Tensor | None,
+           config: MmaConfig | None = None) -> torch.Tensor:
+    """y = x2 @ W + bias, x2 [M, K]; packed from repack_mma, meta from mma_meta ([K/G, N] int32)."""
     if triton is None:
         raise RuntimeError("int4 backend 'triton_mma' needs the triton package")
     m, k = x2.shape
     n = packed.shape[0] * MMA_N
     if x2.dtype not in FLOATS:
         raise TypeError(f"int4_mm: unsupported activation dtype {x2.dtype}")
-    if packed.shape[1] * MMA_K != k or scales.shape != (k // group_size, n):
-        raise ValueError(f"mma int4: x {tuple(x2.shape)}, packed {tuple(packed.shape)}, scales {tuple(scales.shape)} "
-                         f"do not fit group {group_size}")
-    if zeros.dtype != torch.uint8 or tuple(zeros.shape) not in ((n,), tuple(scales.shape)):
-        raise ValueError(f"mma int4: zeros must be uint8 [N] or [K/G, N], got {zeros.dtype} {tuple(zeros.shape)}")
+    if packed.shape[1] * MMA_K != k or meta.shape != (k // group_size, n) or meta.dtype != torch.int32:
+        raise ValueError(f"mma int4: x {tuple(x2.shape)}, packed {tuple(packed.shape)}, meta {tuple(meta.shape)} "
+                         f"{meta.dtype} do not fit group {group_size}")
     c = config or mma_config(m, k, n, group_size)
     if not c.fits(m, k, n, group_size):
         raise ValueError(f"mma int4 config {c} does not fit K={k}, N={n}, group {group_size}")
@@ -276,9 +286,8 @@ def mma_mm(x2: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zeros: 
     b = bias.contiguous() if bias is not None else out  # dummy pointer when HAS_BIAS is False
     kps = k // c.split_k
     _w4a16_mma_kernel[grid](
-        x2, packed, scales, zeros, b, out, ws, _counters(x2.device), m, n, x2.stride(0), packed.stride(0),
-        scales.stride(0), zeros.stride(0), kps * 2, kps,
-        GROUP=group_size, CONST_ZERO=zeros.dim() == 1, HAS_BIAS=bias is not None, SPLIT_K=c.split_k,
+        x2, packed, meta, b, out, ws, _counters(x2.device), m, n, x2.stride(0), packed.stride(0), meta.stride(0),
+        kps * 2, kps, GROUP=group_size, HAS_BIAS=bias is not None, SPLIT_K=c.split_k,
         WTYPE=_WTYPE[x2.dtype], F32_DOT=x2.dtype == torch.float32 or interpreting(), BN=c.block_n, BT=c.block_t,
         BK=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
     return out

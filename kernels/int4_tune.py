@@ -116,7 +116,8 @@ class Shape:
     layout: Int4Layout
     dtype: torch.dtype
     sym: bool
-    """Every group has the same zero point (the symmetric checkpoints; triton_mma then reads one row of zeros)."""
+    """Every group has the same zero point (the symmetric checkpoints): part of the key, as a backend may
+    specialize on it (torch's native ops do not need to; a tuned table stays per kind to be safe)."""
 
     def key(self) -> str:
         lay = self.layout

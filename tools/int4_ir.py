@@ -59,7 +59,7 @@ def compile_variant(fn, sig: dict[str, str], const: dict, div16: list[str], num_
     res.update({f"sass_{op}": len(re.findall(r"\b" + op + r"[.\s]", sass)) for op in SASS})
     res["sass_instructions"] = len(re.findall(r"/\*[0-9a-f]{4}\*/", sass))
     if dump:
-        named = ("BN", "BT", "BK", "SPLIT_K", "BLOCK_M", "BLOCK_N", "CONST_ZERO")
+        named = ("BN", "BT", "BK", "SPLIT_K", "BLOCK_M", "BLOCK_N", "WTYPE")
         tag = "_".join(f"{k}{v}" for k, v in const.items() if k in named)
         base = os.path.join(dump, f"{fn.__name__}_{tag}_w{num_warps}s{num_stages}")
         for ext, text in (("ttgir", ir), ("ptx", ptx), ("sass", sass)):
@@ -67,10 +67,10 @@ def compile_variant(fn, sig: dict[str, str], const: dict, div16: list[str], num_
     return res
 
 
-MMA_SIG = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8", "b_ptr": "*bf16", "out_ptr": "*bf16",
+MMA_SIG = {"x_ptr": "*bf16", "w_ptr": "*i32", "m_ptr": "*i32", "b_ptr": "*bf16", "out_ptr": "*bf16",
            "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "stride_xm": "i32", "stride_wb": "i32",
-           "stride_sg": "i32", "stride_zg": "i32", "WORDS_PER_SPLIT": "i32", "K_PER_SPLIT": "i32"}
-MMA_DIV = [*(a for a in MMA_SIG if a.endswith("_ptr")), "N", "stride_xm", "stride_wb", "stride_sg", "stride_zg",
+           "stride_mg": "i32", "WORDS_PER_SPLIT": "i32", "K_PER_SPLIT": "i32"}
+MMA_DIV = [*(a for a in MMA_SIG if a.endswith("_ptr")), "N", "stride_xm", "stride_wb", "stride_mg",
            "WORDS_PER_SPLIT", "K_PER_SPLIT"]
 OLD_SIG = {"x_ptr": "*bf16", "qw_ptr": "*i32", "s_ptr": "*fp16", "qz_ptr": "*i32", "b_ptr": "*bf16",
            "out_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K_PER_SPLIT": "i32",
@@ -84,12 +84,14 @@ def variants() -> list[tuple[str, object, dict, dict, list[str], int, int]]:
     old = dict(GROUP_SIZE=128, ZERO_OFFSET=1, HAS_BIAS=False, SPLIT_K=4, FP32_DOT=False, BLOCK_M=16, BLOCK_N=64,
                BLOCK_K=128)
     out.append(("old triton M<=16", int4_triton._w4a16_dot_kernel, OLD_SIG, old, OLD_DIV, 4, 3))
-    for bn, bt, warps, stages, zq in ((64, 16, 4, 3, 8), (64, 16, 4, 3, -1), (128, 16, 4, 3, 8), (64, 16, 4, 1, 8),
-                                      (64, 8, 4, 3, 8), (64, 32, 4, 3, 8), (64, 64, 4, 3, 8), (128, 64, 8, 3, 8),
-                                      (256, 16, 8, 3, 8)):
-        c = dict(GROUP=128, CONST_ZERO=zq >= 0, HAS_BIAS=False, SPLIT_K=4, WTYPE=0, F32_DOT=False, BN=bn, BT=bt, BK=128)
-        out.append((f"mma BN{bn} BT{bt} w{warps} s{stages} {'sym' if zq >= 0 else 'asym'}", int4_mma._w4a16_mma_kernel,
-                    MMA_SIG, c, MMA_DIV, warps, stages))
+    for bn, bt, bk, warps, stages, wtype in ((64, 16, 128, 4, 3, 0), (64, 16, 128, 4, 3, 1), (128, 16, 128, 4, 3, 0),
+                                             (64, 16, 128, 4, 1, 0), (64, 16, 128, 4, 4, 0), (64, 8, 128, 4, 3, 0),
+                                             (64, 32, 128, 4, 3, 0), (64, 64, 128, 4, 3, 0), (128, 64, 128, 8, 3, 0),
+                                             (256, 16, 128, 8, 3, 0), (64, 16, 64, 4, 3, 0)):
+        c = dict(GROUP=128, HAS_BIAS=False, SPLIT_K=4, WTYPE=wtype, F32_DOT=False, BN=bn, BT=bt, BK=bk)
+        dt = "bf16" if wtype == 0 else "fp16"
+        out.append((f"mma BN{bn} BT{bt} BK{bk} w{warps} s{stages} {dt}", int4_mma._w4a16_mma_kernel,
+                    {**MMA_SIG, "x_ptr": f"*{dt}", "b_ptr": f"*{dt}", "out_ptr": f"*{dt}"}, c, MMA_DIV, warps, stages))
     return out
 
 

@@ -483,30 +483,42 @@ def _mma_shard_cases() -> list[tuple[str, slice]]:
 @pytest.mark.parametrize("cut,span", _mma_shard_cases(), ids=["column_parallel", "row_parallel"])
 def test_mma_prepare_of_tp_shards_keeps_every_code_zero_and_scale(g: int, zeros: str, cut: str, span: slice) -> None:
     """Repacking happens after TP sharding (process_after_loading runs on each rank's shard): a column-parallel
-    shard (an N slice) and a row-parallel one (a K slice, whole groups) unpack to exactly the shard's qweight
-    and zero points (scales are kept as stored)."""
+    shard (an N slice) and a row-parallel one (a K slice, whole groups) unpack to exactly the shard's qweight,
+    scales and zero points."""
     k, n = 256, 96
     qweight, qzeros, scales = _random_int4(k, n, g, seed=g)
     if zeros == "sym":
         qzeros = torch.full_like(qzeros, 0x77777777)  # every zero point 7 + 1
     if cut == "columns":  # what the loader keeps of a column-parallel layer: output features n0:n1
-        sq, sz = qweight[:, span], qzeros[:, span.start // 8:span.stop // 8]
+        sq, sz, ss = qweight[:, span], qzeros[:, span.start // 8:span.stop // 8], scales[:, span]
         lay = Int4Layout(g, 1, k, span.stop - span.start)
     else:  # row-parallel: input features k0:k1 (whole groups)
         sq, sz = qweight[span.start // 8:span.stop // 8], qzeros[span.start // g:span.stop // g]
+        ss = scales[span.start // g:span.stop // g]
         lay = Int4Layout(g, 1, span.stop - span.start, n)
-    from kernels.int4_mma import mma_zeros, repack_mma, unpack_mma
+    from kernels.int4_mma import mma_meta, repack_mma, unpack_meta, unpack_mma
 
-    # prepare_int4(..., "triton_mma") is repack_mma + mma_zeros (it needs Triton to be allowed; these do not)
+    # prepare_int4(..., "triton_mma") is repack_mma + mma_meta (it needs Triton to be allowed; these do not)
     torch.testing.assert_close(unpack_mma(repack_mma(sq.contiguous())), sq, rtol=0, atol=0)
     zq = unpack_int4_cols(sz.contiguous()) + 1
-    z = mma_zeros(zq)
-    assert z.dtype == torch.uint8
-    if zeros == "sym" or lay.num_groups == 1:  # one zero point per column: one row
-        assert z.shape == (lay.out_features,) and torch.equal(z.long(), zq[0].long())
-    else:
-        assert z.shape == (lay.num_groups, lay.out_features)
-        torch.testing.assert_close(z.long(), zq.long(), rtol=0, atol=0)
+    meta = mma_meta(ss, zq)
+    assert meta.dtype == torch.int32 and meta.shape == (lay.num_groups, lay.out_features)
+    got_s, got_z = unpack_meta(meta)
+    assert got_s.dtype == torch.float16 and torch.equal(got_s, ss)  # every bit of every scale (negative too)
+    torch.testing.assert_close(got_z.long(), zq.long(), rtol=0, atol=0)
+    if zeros == "sym":
+        assert bool((got_z == 8).all())
+
+
+def test_mma_meta_keeps_scales_only_when_fp16_holds_them() -> None:
+    from kernels.int4_mma import mma_meta, unpack_meta
+
+    zq = torch.full((2, 16), 16)  # the largest zero point (v1 stored 15, + 1)
+    exact = (torch.randn(2, 16) * 0.01).half().float()  # fp32 scales that are fp16 values: kept exactly
+    s, z = unpack_meta(mma_meta(exact, zq))
+    assert torch.equal(s.float(), exact) and bool((z == 16).all())
+    with pytest.raises(ValueError, match="fp16"):
+        mma_meta(exact + 1e-7, zq)
 
 
 _MMA_CHECK = r"""
@@ -543,7 +555,7 @@ for m, k, n, gs, dtype, zeros, has_bias, cfg in cases:
         x = torch.randn(m, k, generator=g).to(dtype)
         ref = int4_matmul(x, qw, qz, sc, gs, zo, bias)
         w = prepare_int4(qw.to(dev), qz.to(dev), sc.to(dev), Int4Layout(gs, zo, k, n), "triton_mma", dtype=dtype)
-        assert w.zeros.dim() == (1 if zeros == "sym" or k == gs else 2)  # one group: one row either way
+        assert w.scales_and_zeros.shape == (k // gs, n) and w.scales_and_zeros.dtype == torch.int32
         w = w if cfg is None else __import__("dataclasses").replace(w, config=cfg)
         y = int4_mm(x.to(dev), w, None if bias is None else bias.to(dev))
         assert y.shape == (m, n) and y.dtype == dtype
