@@ -218,6 +218,14 @@ class Device:
             return torch.xpu.get_device_name(self.index)
         return f"cpu {platform.machine()} {os.cpu_count()} threads"
 
+    def empty_cache(self) -> None:
+        """Give the allocator's cached free blocks back to the device (after the int4 tuner's transient copies, so
+        that the KV cache, sized from the free memory, does not lose them)."""
+        if self.kind == "cuda":
+            torch.cuda.empty_cache()
+        elif self.kind == "xpu":
+            torch.xpu.empty_cache()
+
     def time_calls(self, calls: Sequence[Callable[[], object]]) -> float:
         """Mean µs per call of `calls` (the int4 dispatch's tuner: each call on its own weight copy), run as the
         engine runs its decode steps: replayed from a device graph where the device has graphs, else eagerly."""

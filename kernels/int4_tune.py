@@ -263,9 +263,10 @@ _TABLES: dict[str, TunedTable] = {}
 
 
 def tune(shape: Shape, backends: Sequence[str], timer: Timer, device: torch.device, device_name: str,
-         use_cache: bool = True) -> TunedTable:
+         use_cache: bool = True, release: Callable[[], None] | None = None) -> TunedTable:
     """The tuned table for this shape and these (checked) backends: from this process, the cache file, or
-    measured now (then logged and written to the cache)."""
+    measured now (then logged and written to the cache; `release` is called after measuring, to give the
+    transient weight copies' memory back)."""
     key = cache_key(shape, backends, device_name)
     if key in _TABLES:
         return _TABLES[key]
@@ -281,6 +282,8 @@ def tune(shape: Shape, backends: Sequence[str], timer: Timer, device: torch.devi
         except (ValueError, TypeError, IndexError) as e:
             log.warning("int4 dispatch cache %s: entry for %s unreadable (%s); timing again", file, shape.key(), e)
     table = measure(shape, backends, timer, device)
+    if release is not None:
+        release()
     log.info("int4 dispatch %s on %s, measured: %s", shape.key(), device_name, table.describe())
     for m, times in table.timings:
         log.info("  int4 %s M=%d: %s", shape.key(), m, ", ".join(f"{n} {t}us" for n, t in times))

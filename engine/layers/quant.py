@@ -161,7 +161,7 @@ class Int4LinearMethod:
         shape = Shape(lay, dtype, sym=bool((zq == zq.flatten()[0]).all()))
         tdev = layer.qweight.device
         dev = Device(tdev.type, tdev.index or 0)  # type: ignore[arg-type]
-        table = tune(shape, runs, dev.time_calls, tdev, dev.product_name())
+        table = tune(shape, runs, dev.time_calls, tdev, dev.product_name(), release=dev.empty_cache)
         prepared: dict[str, PreparedInt4] = {}
         for max_rows, path in table.rows:
             if path.backend == DEQUANT:
