@@ -47,6 +47,8 @@ LARGE_M = 1024
 DEQUANT = "dequant"
 CACHE_ENV = "XPULORA_KERNEL_CACHE_DIR"
 CACHE_FILE = "int4_dispatch.json"
+TABLE_VERSION = 1
+"""Part of the cache key: bump it when the kernels or their candidates change, so that old tables are timed again."""
 TIMED_BYTES = 256 * 2**20
 """Weight copies timed in turn add up to at least this (several times a large GPU's last-level cache)."""
 
@@ -230,7 +232,8 @@ def cache_dir() -> FsPath | None:
 
 def cache_key(shape: Shape, backends: Sequence[str], device_name: str) -> str:
     triton_version = getattr(triton, "__version__", "none")
-    return f"{device_name} | torch {torch.__version__} | triton {triton_version} | {shape.key()} | {','.join(backends)}"
+    return (f"v{TABLE_VERSION} | {device_name} | torch {torch.__version__} | triton {triton_version} | {shape.key()} | "
+            f"{','.join(backends)}")
 
 
 def _read_cache(path: FsPath) -> dict[str, list]:
@@ -241,10 +244,17 @@ def _read_cache(path: FsPath) -> dict[str, list]:
     return data if isinstance(data, dict) else {}
 
 
-def _table_from_json(rows: list) -> TunedTable:
+def _table_from_json(rows: list, shape: Shape) -> TunedTable:
     table = TunedTable(tuple((r[0], Path.parse(r[1])) for r in rows))
     if not table.rows or table.rows[-1][0] is not None:
         raise ValueError("a tuned table must end with an open bucket")
+    k, n, g = shape.layout.in_features, shape.layout.out_features, shape.layout.group_size
+    for _, p in table.rows:
+        c = p.config
+        if isinstance(c, MmaConfig) and not c.fits(1, k, n, g):
+            raise ValueError(f"{p.name} does not fit this shape")
+        if isinstance(c, TritonInt4Config) and (g % c.block_k or k % (c.block_k * c.split_k) or c.block_k % 8):
+            raise ValueError(f"{p.name} does not fit this shape")
     return table
 
 
@@ -274,7 +284,7 @@ def tune(shape: Shape, backends: Sequence[str], timer: Timer, device: torch.devi
     file = folder / CACHE_FILE if folder is not None else None
     if file is not None and key in (cached := _read_cache(file)):
         try:
-            table = _table_from_json(cached[key])
+            table = _table_from_json(cached[key], shape)
             if {p.backend for _, p in table.rows} <= set(backends):
                 log.info("int4 dispatch %s (cached in %s): %s", shape.key(), file, table.describe())
                 _TABLES[key] = table

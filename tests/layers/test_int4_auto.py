@@ -284,3 +284,27 @@ def test_a_failing_candidate_is_left_out_of_the_tuned_dispatch(monkeypatch) -> N
                                                                                      else 1.0))
     c = ch.check_int4("tuned:native_cpu,reference", s, torch.float32, torch.device("cpu"))
     assert (c.chosen, [n for n, _ in c.rejected]) == ("reference", ["native_cpu"])
+
+
+def test_a_cached_table_must_fit_its_shape() -> None:
+    """Path names survive the file; a launch shape that does not fit the layer (an edited or stale file) is refused,
+    so the tuner times again instead of serving a launch that would fail."""
+    import pytest
+    import torch
+
+    import kernels.int4_tune as tu
+    from kernels.int4 import Int4Layout, MmaConfig, TritonInt4Config
+
+    shape = tu.Shape(Int4Layout(128, 1, 512, 64), torch.bfloat16, sym=True)
+    rows = [[4, "triton_mma[64x16x128 s4 w4 st3]"], [64, "triton[16x64x64 s2 w4 st3]"], [None, "dequant"]]
+    table = tu._table_from_json(rows, shape)
+    assert [(b, p.name) for b, p in table.rows] == [tuple(r) for r in rows]
+    assert table.rows[0][1].config == MmaConfig(64, 16, 128, 4, 4, 3)
+    assert table.rows[1][1].config == TritonInt4Config(16, 64, 64, 2, 4, 3)
+    assert [table.path_for(m).backend for m in (1, 4, 5, 64, 65, 10**6)] == ["triton_mma"] * 2 + ["triton"] * 2 + [
+        "dequant"] * 2
+    for bad in ([[None, "triton_mma[64x16x128 s8 w4 st3]"]],  # K=512 does not split 8 ways into 128-deep tiles
+                [[None, "triton_mma[64x16x48 s1 w4 st3]"]],  # 48 is not a multiple of the 32-deep block
+                [[4, "dequant"]]):  # no open bucket
+        with pytest.raises(ValueError):
+            tu._table_from_json(bad, shape)
