@@ -239,8 +239,9 @@ class Device:
             was_enabled = gc.isenabled()
             gc.disable()  # no finalizer may run mid-capture (see graph_capture); no gc.collect: this runs often
             try:
-                mod = torch.cuda if self.kind == "cuda" else torch.xpu
-                with mod.graph(graph):  # type: ignore[attr-defined]
+                ctx = (torch.cuda.graph(graph, capture_error_mode="thread_local") if self.kind == "cuda"  # type: ignore[arg-type]
+                       else torch.xpu.graph(graph))  # type: ignore[attr-defined]
+                with ctx:  # CUDA: calls from other threads are left out of the capture (as graph_capture)
                     for _ in range(rounds):
                         for c in calls:
                             c()
