@@ -13,8 +13,8 @@ LoRAKernelName = Literal["auto", "triton", "reference"]
 AttentionKernelName = Literal["auto", "triton", "reference"]
 FusedKernelName = Literal["auto", "triton", "reference"]
 GDNKernelName = Literal["auto", "fla", "reference"]
-Int4KernelName = Literal["auto", "reference", "triton", "native_cpu", "native_cuda", "native_xpu", "auto:native_cuda",
-                         "auto:native_xpu"]
+Int4KernelName = Literal["auto", "tuned", "reference", "triton", "triton_mma", "native_cpu", "native_cuda",
+                         "native_xpu", "auto:native_cuda", "auto:native_xpu"]
 
 
 @dataclass(frozen=True)
@@ -142,8 +142,9 @@ class KernelConfig:
     gdn: GDNKernelName = "auto"
     """Gated DeltaNet (Qwen3.5 hybrids): auto (fla-core on GPUs when installed, else the reference)."""
     int4: Int4KernelName = "auto"
-    """int4 GEMM: auto (the device's per-row-count dispatch; the reference on the CPU) or one backend for
-    every row count."""
+    """int4 GEMM: auto (on GPUs `tuned`; the reference on the CPU), tuned (per layer shape and bucket of rows the
+    fastest checked kernel, timed at start-up on this device or read from the cache, kernels.int4_tune),
+    auto:native_X (the fixed per-row-count dispatch measured on an H200) or one backend for every row count."""
 
     def __post_init__(self) -> None:
         for name, kind in (("lora", LoRAKernelName), ("attention", AttentionKernelName), ("fused", FusedKernelName),

@@ -12,7 +12,9 @@ import importlib
 import importlib.util
 import logging
 import os
-from collections.abc import Iterator
+import platform
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -184,10 +186,68 @@ class Device:
                        self.gdn_backend(gdn) if hybrid else "reference", self.int4_backend(int4))
 
     def int4_backend(self, requested: str = "auto") -> str:
-        """int4 matmul backend in kernels.int4 (KernelConfig.int4); auto: the device's per-row-count dispatch."""
-        if requested != "auto":
+        """int4 matmul backend in kernels.int4 (KernelConfig.int4). auto: on GPUs the dispatch tuned by measurement
+        on this device (`tuned`), on the CPU the reference (no timing at start-up unless `tuned` is asked for).
+        tuned -> "tuned:" + the candidates timed per layer shape (engine.layers.quant, kernels.int4_tune)."""
+        if requested == "auto":
+            requested = "reference" if self.kind == "cpu" else "tuned"
+        if requested != "tuned":
             return requested
-        return {"cpu": "reference", "cuda": "auto:native_cuda", "xpu": "auto:native_xpu"}[self.kind]
+        if self.kind == "cpu":
+            return "tuned:native_cpu,reference"
+        return f"tuned:native_{self.kind},triton_mma,triton,dequant"
+
+    def product_name(self) -> str:
+        """The device's model name (keys tuned kernel tables: the same for every rank of one model of GPU)."""
+        if self.kind == "cuda":
+            return torch.cuda.get_device_name(self.index)
+        if self.kind == "xpu":
+            return torch.xpu.get_device_name(self.index)
+        return f"cpu {platform.machine()} {os.cpu_count()} threads"
+
+    def empty_cache(self) -> None:
+        """Give the allocator's cached free blocks back to the device (after the int4 tuner's transient copies, so
+        that the KV cache, sized from the free memory, does not lose them)."""
+        if self.kind == "cuda":
+            torch.cuda.empty_cache()
+        elif self.kind == "xpu":
+            torch.xpu.empty_cache()
+
+    def time_calls(self, calls: Sequence[Callable[[], object]]) -> float:
+        """Mean µs per call of `calls` (the int4 dispatch's tuner: each call on its own weight copy), run as the
+        engine runs its decode steps: replayed from a device graph where the device has graphs, else eagerly."""
+        for c in calls:  # warm-up: compiles, autotuner-free first launches, allocator pools
+            c()
+        self.synchronize()
+        rounds = max(1, 32 // len(calls))
+        replays = 5
+        if self.supports_graphs:
+            graph = self.new_graph()
+            was_enabled = gc.isenabled()
+            gc.disable()  # no finalizer may run mid-capture (see graph_capture); no gc.collect: this runs often
+            try:
+                ctx = (torch.cuda.graph(graph, capture_error_mode="thread_local") if self.kind == "cuda"  # type: ignore[arg-type]
+                       else torch.xpu.graph(graph))  # type: ignore[attr-defined]
+                with ctx:  # CUDA: calls from other threads are left out of the capture (as graph_capture)
+                    for _ in range(rounds):
+                        for c in calls:
+                            c()
+            finally:
+                if was_enabled:
+                    gc.enable()
+            run: Callable[[], object] = graph.replay  # type: ignore[attr-defined]
+        else:
+            def run() -> None:
+                for _ in range(rounds):
+                    for c in calls:
+                        c()
+        run()
+        self.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(replays):
+            run()
+        self.synchronize()
+        return (time.perf_counter() - t0) / (replays * rounds * len(calls)) * 1e6
 
     def attention_backend(self, requested: str = "auto") -> str:
         """Paged attention kernels (kernels.attention): Triton on GPUs, the torch reference on the CPU."""

@@ -14,6 +14,7 @@ from kernels import fused
 from kernels.attention import paged_attention
 from kernels.gdn import delta_rule_decode, delta_rule_varlen
 from kernels.int4 import Int4Layout, dequant_triton, int4_mm, native_supported, prepare_int4
+from kernels.int4_tune import DEQUANT
 from kernels.registry import REFERENCE, Choice, Result, choose
 
 
@@ -62,8 +63,8 @@ def _randn(g: torch.Generator, *shape: int, dtype: torch.dtype, device: torch.de
 
 
 def candidates_for(chosen: str) -> list[str]:
-    """What to try, in order, for an op configured as `chosen`: itself, then (int4's device dispatch) the
-    Triton kernel alone, then the reference."""
+    """What to try, in order, for an op configured as `chosen`: itself, then (int4's fixed device dispatch) the
+    Triton kernel alone, then the reference. (A `tuned:` int4 dispatch is checked part by part: check_int4.)"""
     if chosen == REFERENCE:
         return [REFERENCE]
     return [chosen, "triton", REFERENCE] if chosen.startswith("auto:") else [chosen, REFERENCE]
@@ -75,7 +76,8 @@ def _choose(op: str, chosen: str, run: Callable[[str], Result], dtype: torch.dty
 
 def check_int4(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.device) -> Choice:
     """A [hidden -> intermediate] int4 layer of random codes on a few tokens. An `auto:native_X` candidate is
-    checked on every kernel its dispatch uses (the native op, the Triton GEMM, the Triton dequantization)."""
+    checked on every kernel its dispatch uses (the native op, the Triton GEMM, the Triton dequantization); a
+    `tuned:A,B,...` one on each of its candidates alone, and keeps those that pass (the tuner picks among them)."""
     assert s.int4_group is not None
     k, n = s.hidden, s.intermediate
     layout = Int4Layout(s.int4_group, s.int4_zero_offset, k, n)
@@ -86,7 +88,15 @@ def check_int4(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.de
     x = _randn(g, TOKENS, k, dtype=dtype, device=device)
 
     def mm(backend: str) -> torch.Tensor:
+        if backend == DEQUANT:
+            return x @ dequant_triton(qw, qz, scales, s.int4_group, s.int4_zero_offset, dtype)
         return int4_mm(x, prepare_int4(qw, qz, scales, layout, backend, dtype=dtype))  # type: ignore[arg-type]
+
+    def runs_here(backend: str) -> bool:
+        return native_supported("triton" if backend == DEQUANT else backend, layout, dtype)  # type: ignore[arg-type]
+
+    if chosen.startswith("tuned:"):
+        return _check_tuned(chosen, mm, runs_here, dtype)
 
     def run(name: str) -> Result:
         if name == REFERENCE:
@@ -95,15 +105,36 @@ def check_int4(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.de
         if not name.startswith("auto:"):
             return {"triton" if name == "triton" else "native": mm(name)}
         native = name.split(":", 1)[1]
-        parts = {part: mm(b) for part, b in (("native", native), ("triton", "triton"))
-                 if native_supported(b, layout, dtype)}  # type: ignore[arg-type]
+        parts = {part: mm(b) for part, b in (("native", native), ("triton", "triton")) if runs_here(b)}
         if not parts:
             raise ValueError(f"neither {native} nor triton can run an int4 layer of {layout} here")
         if "triton" in parts:
-            parts["dequant"] = x @ dequant_triton(qw, qz, scales, s.int4_group, s.int4_zero_offset, dtype)
+            parts["dequant"] = mm(DEQUANT)
         return parts
 
     return _choose("int4", chosen, run, dtype)
+
+
+def _check_tuned(chosen: str, mm: Callable[[str], torch.Tensor], runs_here: Callable[[str], bool],
+                 dtype: torch.dtype) -> Choice:
+    """Each candidate of a tuned dispatch alone against the reference; the dispatch keeps the ones that pass (in
+    their order), and is the reference when none does. Candidates that cannot run this layer here are left out."""
+    passed: list[str] = []
+    rejected: list[tuple[str, str]] = []
+    for part in chosen.split(":", 1)[1].split(","):
+        if part == REFERENCE:
+            passed.append(part)
+            continue
+        if not runs_here(part):
+            continue
+        c = choose("int4", [part, REFERENCE], mm, TOLERANCE["int4"][dtype])
+        if c.checked:
+            passed.append(part)
+        else:
+            rejected.extend(c.rejected)
+    if not [p for p in passed if p != REFERENCE]:
+        return Choice("int4", REFERENCE, tuple(rejected), False)
+    return Choice("int4", "tuned:" + ",".join(passed), tuple(rejected), True)
 
 
 def check_attention(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.device) -> Choice:

@@ -9,6 +9,8 @@ Backends (each checked against kernels.reference.int4_matmul by tests/kernels/te
   native_cuda  torch._weight_int4pack_mm                 (tinygemm on tensor cores, bf16 only)
   native_xpu   torch._weight_int4pack_mm_with_scales_and_zeros  (oneDNN: (q - zp) * scale, int8 zp)
   triton       our Triton kernels (kernels.int4_triton), reading qweight / packed qzeros / scales as stored
+  triton_mma   our Triton kernel for decode batches (kernels.int4_mma) on weights repacked at prepare time into
+               MMA-fragment order, zero points unpacked to uint8
 This module never picks a device: the caller (engine/device.py) chooses the backend; a native backend
 only accepts tensors on the device its name says.
 """
@@ -21,6 +23,7 @@ from typing import Literal, get_args
 
 import torch
 
+from kernels.int4_mma import MmaConfig, mma_config, mma_meta, mma_mm, repack_mma
 from kernels.int4_triton import TritonInt4Config, dequant_triton, triton_config, triton_mm
 from kernels.reference import dequant_int4, unpack_int4_cols, unpack_int4_rows
 from kernels.triton_env import FLOATS, usable
@@ -29,17 +32,19 @@ __all__ = [
     "INT4_BACKENDS",
     "Int4Backend",
     "Int4Layout",
+    "MmaConfig",
     "PreparedInt4",
     "TritonInt4Config",
     "dequant_triton",
     "int4_mm",
+    "mma_config",
     "native_supported",
     "prepare_int4",
     "triton_config",
     "triton_mm",
 ]
 
-Int4Backend = Literal["reference", "native_cpu", "native_cuda", "native_xpu", "triton"]
+Int4Backend = Literal["reference", "native_cpu", "native_cuda", "native_xpu", "triton", "triton_mma"]
 INT4_BACKENDS: tuple[Int4Backend, ...] = get_args(Int4Backend)
 
 _TINYGEMM_GROUPS = (32, 64, 128, 256)  # what the CPU and CUDA int4pack ops accept (TORCH_CHECK in aten)
@@ -80,9 +85,11 @@ class PreparedInt4:
     """What one backend needs for y = x @ W; built by prepare_int4, read only by int4_mm.
 
     weight: reference -> dense W [K, N] (dtype); native_cpu -> uint8 [N, K/2]; native_cuda -> int32
-    [N/8, K/(16*t), 32, t/2]; native_xpu -> int32 [N, K/8]; triton -> the checkpoint's qweight [K/8, N].
+    [N/8, K/(16*t), 32, t/2]; native_xpu -> int32 [N, K/8]; triton -> the checkpoint's qweight [K/8, N];
+    triton_mma -> int32 [N/16, K/32, 2, 32] (kernels.int4_mma.repack_mma).
     scales / zeros: triton -> scales [K/G, N] and packed qzeros [K/G, N/8]; native_xpu -> scales
-    [K/G, N] (dtype) and int8 zero points [K/G, N]. scales_and_zeros: native_cpu/cuda [K/G, N, 2].
+    [K/G, N] (dtype) and int8 zero points [K/G, N]. scales_and_zeros: native_cpu/cuda [K/G, N, 2];
+    triton_mma int32 [K/G, N], the fp16 scale's bits | zero point << 16 (kernels.int4_mma.mma_meta).
     """
 
     backend: Int4Backend
@@ -92,6 +99,9 @@ class PreparedInt4:
     scales: torch.Tensor | None = None
     zeros: torch.Tensor | None = None
     scales_and_zeros: torch.Tensor | None = None
+    config: MmaConfig | TritonInt4Config | None = None
+    """Launch shape of the Triton backends (None: the backend's rule); a tuned dispatch keeps copies of one
+    PreparedInt4 that differ only here (dataclasses.replace shares the tensors)."""
 
     @property
     def device(self) -> torch.device:
@@ -133,6 +143,7 @@ def native_supported(backend: Int4Backend, layout: Int4Layout, dtype: torch.dtyp
     native_cuda: group 32/64/128/256, K % 32 == 0, N % 8 == 0, dtype bf16 only, sm80+ (tinygemm).
     native_xpu:  group % 32 == 0, dtype f16/bf16 (oneDNN u4 weights, s8 zero points).
     triton:      group % 16 == 0 (a K tile never straddles two groups), dtype f32/bf16/f16.
+    triton_mma:  group % 32 == 0, N % 16 == 0 (the repacked block is 16 outputs x 32 inputs), dtype f32/bf16/f16.
     reference:   always, for floating dtypes.
     """
     g, k, n = layout.group_size, layout.in_features, layout.out_features
@@ -142,6 +153,8 @@ def native_supported(backend: Int4Backend, layout: Int4Layout, dtype: torch.dtyp
         return True
     if backend == "triton":
         return g % 16 == 0 and usable()
+    if backend == "triton_mma":
+        return g % 32 == 0 and n % 16 == 0 and usable()
     if backend not in INT4_BACKENDS:
         raise ValueError(f"unknown int4 backend {backend!r}; expected one of {INT4_BACKENDS}")
     if not _device_available(_device_type(backend)):
@@ -253,6 +266,10 @@ def prepare_int4(
             zeros=qzeros.contiguous(),
         )
 
+    if backend == "triton_mma":
+        return PreparedInt4(backend, layout, dtype, weight=repack_mma(qweight.contiguous()),
+                            scales_and_zeros=mma_meta(scales, _zq(qzeros, layout)))
+
     u_nk = unpack_int4_rows(qweight).t().to(torch.int32)  # [N, K], values 0..15
 
     if backend == "native_cpu":
@@ -292,7 +309,13 @@ def int4_mm(x: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None = None) 
         return x.new_empty(*lead, n)
 
     if w.backend == "triton":
-        y = triton_mm(x2, w, bias)
+        assert w.config is None or isinstance(w.config, TritonInt4Config)
+        y = triton_mm(x2, w, bias, w.config)
+        return y.reshape(*lead, n)
+    if w.backend == "triton_mma":
+        assert w.scales_and_zeros is not None
+        assert w.config is None or isinstance(w.config, MmaConfig)
+        y = mma_mm(x2, w.weight, w.scales_and_zeros, w.layout.group_size, bias, w.config)
         return y.reshape(*lead, n)
 
     xc = x2.to(w.dtype).contiguous()  # the native ops require a contiguous 2-D A in their dtype

@@ -8,20 +8,24 @@ per layer name, which method a layer gets.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
 
+from engine.device import Device
 from engine.errors import QuantConfigError
 from kernels.int4 import Int4Layout, PreparedInt4, dequant_triton, int4_mm, native_supported, prepare_int4
+from kernels.int4_tune import DEQUANT, Shape, tune
+from kernels.reference import unpack_int4_cols
 
 SUPPORTED_FORMATS = ("auto_round:auto_gptq", "auto_round", "auto_round:gptqmodel")
 SMALL_M = {"native": 4, "triton": 64}
-"""Rows up to which GPUs use each memory-bound int4 kernel: torch's native op (fastest at M = 1, but its
-time grows about linearly with M), then our split-K Triton kernel; above, dequantize once and run a
-dense GEMM. Measured on an H200 (benchmarks/bench_int4.py --sweep, docs/PERFORMANCE.md)."""
+"""The fixed `auto:native_X` dispatch: rows up to which each memory-bound int4 kernel is used: torch's native op
+(fastest at M = 1, but its time grows about linearly with M), then our split-K Triton kernel; above, dequantize
+once and run a dense GEMM. Measured on an H200 before the tuned dispatch (`tuned`, kernels/int4_tune.py), which
+measures on the device it runs on instead."""
 
 
 @dataclass(frozen=True)
@@ -122,9 +126,12 @@ class Int4LinearMethod:
 
     def process_after_loading(self, layer: nn.Module) -> None:
         args = (layer.qweight.data, layer.qzeros.data, layer.scales.data, layer.int4_layout)
-        layer.int4_paths: list[tuple[int | None, PreparedInt4]] = []
-        """(max rows or None for any, kernel) tried in order; rows above the last bound dequantize and
-        run a dense GEMM (GPUs: one fused Triton pass)."""
+        layer.int4_paths: list[tuple[int | None, PreparedInt4 | None]] = []
+        """(max rows or None for any, kernel or None for dequantize + dense GEMM) tried in order; rows above
+        the last bound dequantize and run a dense GEMM (GPUs: one fused Triton pass)."""
+        if self.backend.startswith("tuned:"):
+            self._tuned_paths(layer)
+            return
         if not self.backend.startswith("auto:"):
             layer.int4_paths.append((None, prepare_int4(*args, self.backend, dtype=layer.compute_dtype)))  # type: ignore[arg-type]
             return
@@ -137,14 +144,41 @@ class Int4LinearMethod:
                 layer.int4_paths.append((SMALL_M["triton" if name == "triton" else "native"], w))
         if not layer.int4_paths:
             raise ValueError(f"{layer.prefix}: neither {native} nor triton can run this int4 layer here")
-        if layer.int4_paths[-1][1].backend != "triton":  # no Triton: no fused dequantization either
-            layer.int4_paths[-1] = (None, layer.int4_paths[-1][1])
+        last = layer.int4_paths[-1][1]
+        if last is not None and last.backend != "triton":  # no Triton: no fused dequantization either
+            layer.int4_paths[-1] = (None, last)
+
+    def _tuned_paths(self, layer: nn.Module) -> None:
+        """The tuned dispatch: this layer shape's table (kernels.int4_tune: timed once per shape and device, or
+        read from the cache) over the checked candidates that can run it; each backend the table uses is
+        prepared once, its launch shapes share the tensors."""
+        lay, dtype = layer.int4_layout, layer.compute_dtype
+        runs = [b for b in self.backend.split(":", 1)[1].split(",")
+                if native_supported("triton" if b == DEQUANT else b, lay, dtype)]  # type: ignore[arg-type]
+        if not runs:
+            raise ValueError(f"{layer.prefix}: none of {self.backend} can run this int4 layer here")
+        zq = unpack_int4_cols(layer.qzeros.data)
+        shape = Shape(lay, dtype, sym=bool((zq == zq.flatten()[0]).all()))
+        tdev = layer.qweight.device
+        dev = Device(tdev.type, tdev.index or 0)  # type: ignore[arg-type]
+        table = tune(shape, runs, dev.time_calls, tdev, dev.product_name(), release=dev.empty_cache)
+        prepared: dict[str, PreparedInt4] = {}
+        for max_rows, path in table.rows:
+            if path.backend == DEQUANT:
+                layer.int4_paths.append((max_rows, None))
+                continue
+            if path.backend not in prepared:
+                prepared[path.backend] = prepare_int4(layer.qweight.data, layer.qzeros.data, layer.scales.data, lay,
+                                                      path.backend, dtype=dtype)  # type: ignore[arg-type]
+            layer.int4_paths.append((max_rows, replace(prepared[path.backend], config=path.config)))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // x.size(-1)
         for max_rows, w in layer.int4_paths:
             if max_rows is None or rows <= max_rows:
-                return int4_mm(x, w, bias)
+                if w is not None:
+                    return int4_mm(x, w, bias)
+                break
         w = dequant_triton(layer.qweight, layer.qzeros, layer.scales, self.group_size, self.zero_offset, x.dtype)
         return torch.addmm(bias, x, w) if bias is not None else x @ w
 

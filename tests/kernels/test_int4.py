@@ -327,7 +327,7 @@ def _accelerator() -> torch.device | None:
 
 
 _ACC = _accelerator()
-_ACC_BACKENDS = [f"native_{_ACC.type}", "triton"] if _ACC is not None else ["triton"]
+_ACC_BACKENDS = [f"native_{_ACC.type}", "triton", "triton_mma"] if _ACC is not None else ["triton"]
 _ACC_CASES = _cases() + [dict(c, dtype=torch.float16) for c in _cases() if c["dtype"] == torch.bfloat16]
 
 
@@ -434,3 +434,155 @@ def test_triton_split_k_configs_match_reference_on_accelerator() -> None:
 
 if __name__ == "__main__":
     sys.exit(_main(sys.argv[1:]))
+
+
+# ----------------------------------------------------------------------------------------------------
+# triton_mma: the repacked layout (kernels.int4_mma) and its kernel
+
+
+def _nibble_formula(packed: torch.Tensor, k: int, n: int) -> int:
+    """u(k, n) read from the repacked words straight from kernels.int4_mma's docstring (Python ints)."""
+    nb, r8, g = n // 16, (n // 8) % 2, n % 8
+    kb, rest = k // 32, k % 32
+    p1, p0, c, h = rest // 16, (rest // 8) % 2, (rest // 2) % 4, rest % 2
+    word = int(packed[nb, kb, r8, 4 * g + c]) & 0xFFFFFFFF
+    return (word >> (4 * (p0 + 2 * p1 + 4 * h))) & 0xF
+
+
+@pytest.mark.parametrize("k,n", [(32, 16), (128, 48), (256, 96)])
+def test_mma_repack_round_trips_and_follows_the_documented_order(k: int, n: int) -> None:
+    from kernels.int4_mma import repack_mma, unpack_mma
+
+    gen = torch.Generator().manual_seed(k * n)
+    qweight = torch.randint(-(2**31), 2**31, (k // 8, n), dtype=torch.int64, generator=gen).to(torch.int32)
+    packed = repack_mma(qweight)
+    assert packed.shape == (n // 16, k // 32, 2, 32) and packed.dtype == torch.int32
+    torch.testing.assert_close(unpack_mma(packed), qweight, rtol=0, atol=0)
+    torch.testing.assert_close(repack_mma(qweight, chunk=16), packed, rtol=0, atol=0)  # chunked = whole
+    u = unpack_int4_rows(qweight)
+    for kk, nn in [(0, 0), (1, 0), (2, 1), (9, 7), (17, 8), (31, 15), (k - 1, n - 1), (k // 2 + 3, n // 2 + 5)]:
+        assert _nibble_formula(packed, kk, nn) == int(u[kk, nn]), (kk, nn)
+
+
+def test_mma_repack_rejects_shapes_off_its_blocks() -> None:
+    from kernels.int4_mma import repack_mma
+
+    with pytest.raises(ValueError, match="N % 16"):
+        repack_mma(torch.zeros(4, 24, dtype=torch.int32))  # K = 32, N = 24
+    with pytest.raises(ValueError, match="K % 32"):
+        repack_mma(torch.zeros(2, 16, dtype=torch.int32))  # K = 16
+    assert not native_supported("triton_mma", Int4Layout(16, 1, 64, 32), torch.float32)  # group 16
+
+
+def _mma_shard_cases() -> list[tuple[str, slice]]:
+    return [("columns", slice(32, 80)), ("rows", slice(128, 256))]
+
+
+@pytest.mark.parametrize("g", [32, 64, 128])
+@pytest.mark.parametrize("zeros", ["sym", "asym"])
+@pytest.mark.parametrize("cut,span", _mma_shard_cases(), ids=["column_parallel", "row_parallel"])
+def test_mma_prepare_of_tp_shards_keeps_every_code_zero_and_scale(g: int, zeros: str, cut: str, span: slice) -> None:
+    """Repacking happens after TP sharding (process_after_loading runs on each rank's shard): a column-parallel
+    shard (an N slice) and a row-parallel one (a K slice, whole groups) unpack to exactly the shard's qweight,
+    scales and zero points."""
+    k, n = 256, 96
+    qweight, qzeros, scales = _random_int4(k, n, g, seed=g)
+    if zeros == "sym":
+        qzeros = torch.full_like(qzeros, 0x77777777)  # every zero point 7 + 1
+    if cut == "columns":  # what the loader keeps of a column-parallel layer: output features n0:n1
+        sq, sz, ss = qweight[:, span], qzeros[:, span.start // 8:span.stop // 8], scales[:, span]
+        lay = Int4Layout(g, 1, k, span.stop - span.start)
+    else:  # row-parallel: input features k0:k1 (whole groups)
+        sq, sz = qweight[span.start // 8:span.stop // 8], qzeros[span.start // g:span.stop // g]
+        ss = scales[span.start // g:span.stop // g]
+        lay = Int4Layout(g, 1, span.stop - span.start, n)
+    from kernels.int4_mma import mma_meta, repack_mma, unpack_meta, unpack_mma
+
+    # prepare_int4(..., "triton_mma") is repack_mma + mma_meta (it needs Triton to be allowed; these do not)
+    torch.testing.assert_close(unpack_mma(repack_mma(sq.contiguous())), sq, rtol=0, atol=0)
+    zq = unpack_int4_cols(sz.contiguous()) + 1
+    meta = mma_meta(ss, zq)
+    assert meta.dtype == torch.int32 and meta.shape == (lay.num_groups, lay.out_features)
+    got_s, got_z = unpack_meta(meta)
+    assert got_s.dtype == torch.float16 and torch.equal(got_s, ss)  # every bit of every scale (negative too)
+    torch.testing.assert_close(got_z.long(), zq.long(), rtol=0, atol=0)
+    if zeros == "sym":
+        assert bool((got_z == 8).all())
+
+
+def test_mma_meta_keeps_scales_only_when_fp16_holds_them() -> None:
+    from kernels.int4_mma import mma_meta, unpack_meta
+
+    zq = torch.full((2, 16), 16)  # the largest zero point (v1 stored 15, + 1)
+    exact = (torch.randn(2, 16) * 0.01).half().float()  # fp32 scales that are fp16 values: kept exactly
+    s, z = unpack_meta(mma_meta(exact, zq))
+    assert torch.equal(s.float(), exact) and bool((z == 16).all())
+    with pytest.raises(ValueError, match="fp16"):
+        mma_meta(exact + 1e-7, zq)
+
+
+_MMA_CHECK = r"""
+import sys
+import torch
+from kernels.int4 import Int4Layout, MmaConfig, int4_mm, prepare_int4
+from kernels.int4_mma import _counters
+from kernels.reference import int4_matmul, pack_int4_cols
+dev = torch.device(sys.argv[1])
+g = torch.Generator().manual_seed(0)
+tol = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
+# (M, K, N, group, dtype, zero points, bias, launch shape or None for the rule)
+cases = [
+    (1, 256, 96, 128, torch.float32, "asym", True, None),
+    (3, 256, 96, 32, torch.bfloat16, "sym", False, None),
+    (5, 128, 48, 64, torch.float16, "asym", True, MmaConfig(32, 16, 64, 2)),
+    (16, 256, 64, 64, torch.bfloat16, "asym", False, MmaConfig(64, 16, 32, 4)),
+    (17, 128, 80, 32, torch.float32, "sym", True, MmaConfig(16, 32, 32, 1)),
+    (33, 256, 32, 128, torch.bfloat16, "asym", True, MmaConfig(32, 64, 128, 2)),
+    (40, 64, 16, 32, torch.float16, "sym", False, MmaConfig(16, 16, 32, 2)),
+    (70, 128, 48, 128, torch.float32, "asym", False, MmaConfig(32, 32, 64, 1)),
+    (9, 256, 80, 64, torch.bfloat16, "asym", True, MmaConfig(64, 16, 64, 2)),  # a partial N tile
+    (2, 512, 32, 128, torch.bfloat16, "sym", True, MmaConfig(16, 16, 128, 4)),
+    (64, 256, 48, 32, torch.bfloat16, "sym", True, None),
+]
+checked = 0
+for m, k, n, gs, dtype, zeros, has_bias, cfg in cases:
+    for zo in (1, 0):
+        qw = torch.randint(-2**31, 2**31, (k // 8, n), generator=g, dtype=torch.int64).to(torch.int32)
+        z = torch.full((k // gs, n), 7) if zeros == "sym" else torch.randint(0, 16 - zo, (k // gs, n), generator=g)
+        qz = pack_int4_cols(z)
+        sc = (torch.randn(k // gs, n, generator=g) * 0.05).half()
+        bias = torch.randn(n, generator=g).to(dtype) if has_bias else None
+        x = torch.randn(m, k, generator=g).to(dtype)
+        ref = int4_matmul(x, qw, qz, sc, gs, zo, bias)
+        w = prepare_int4(qw.to(dev), qz.to(dev), sc.to(dev), Int4Layout(gs, zo, k, n), "triton_mma", dtype=dtype)
+        assert w.scales_and_zeros.shape == (k // gs, n) and w.scales_and_zeros.dtype == torch.int32
+        w = w if cfg is None else __import__("dataclasses").replace(w, config=cfg)
+        y = int4_mm(x.to(dev), w, None if bias is None else bias.to(dev))
+        assert y.shape == (m, n) and y.dtype == dtype
+        rtol, atol = tol[dtype]
+        scale = ref.float().abs().max().item()
+        err = (y.float().cpu() - ref.float()).abs()
+        assert bool((err <= atol * scale + rtol * ref.float().abs()).all()), (m, k, n, gs, dtype, zeros, zo, cfg,
+                                                                             err.max().item())
+        if cfg is not None and cfg.split_k > 1:
+            again = int4_mm(x.to(dev), w, None if bias is None else bias.to(dev))
+            assert torch.equal(y, again), ("split-K must be deterministic", cfg)
+        checked += 1
+assert not _counters(torch.empty(0, device=dev).device).any(), "every launch leaves its tile counters at zero"
+print("ok", checked)
+"""
+
+
+def test_mma_kernel_matches_reference_under_interpreter() -> None:
+    """The triton_mma kernel (bf16 / fp16 through their magic-number conversions, fp32 exact) against the
+    reference: M 1..70, groups 32/64/128, v1 and v2 zeros, one-row (symmetric) and per-group zero points, bias,
+    split-K launch shapes (the same bits on a second run), partial N and token tiles."""
+    run_under_interpreter(_MMA_CHECK.replace("sys.argv[1]", "\"cpu\""), timeout=600)
+
+
+@pytest.mark.skipif(_ACC is None, reason="no accelerator")
+def test_mma_kernel_matches_reference_on_accelerator() -> None:
+    assert _ACC is not None
+    proc = subprocess.run([sys.executable, "-c", _MMA_CHECK, str(_ACC)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

@@ -48,3 +48,263 @@ print("ok")
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------------
+# The tuned dispatch (kernels/int4_tune.py): measured per layer shape and bucket of rows, kept in a cache file
+
+
+def test_device_resolves_auto_and_tuned() -> None:
+    from engine.device import Device
+
+    assert Device("cpu").int4_backend("auto") == "reference"  # no timing at start-up on the CPU unless asked
+    assert Device("cpu").int4_backend("tuned") == "tuned:native_cpu,reference"
+    assert Device("cuda").int4_backend("auto") == "tuned:native_cuda,triton_mma,triton,dequant"
+    assert Device("xpu").int4_backend("tuned") == "tuned:native_xpu,triton_mma,triton,dequant"
+    assert Device("cuda").int4_backend("auto:native_cuda") == "auto:native_cuda"  # the fixed dispatch stays valid
+
+
+def test_measured_table_picks_the_fastest_path_per_bucket(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """With the CPU's candidates and its real timer: every bucket's path is the fastest of its recorded timings,
+    neighbours with the same path are merged, the table ends with an open bucket, and it is written to the cache
+    and read back by the next engine (another process would read the same file) without timing again."""
+    import torch
+
+    import kernels.int4_tune as tu
+    from engine.device import Device
+    from kernels.int4 import Int4Layout
+
+    monkeypatch.setenv(tu.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(tu, "_TABLES", {})
+    shape = tu.Shape(Int4Layout(32, 1, 64, 32), torch.float32, sym=False)
+    dev = Device("cpu")
+    table = tu.tune(shape, ["native_cpu", "reference"], dev.time_calls, torch.device("cpu"), dev.product_name())
+    assert table.rows[-1][0] is None and [b for b, _ in table.rows[:-1]] == sorted(b for b, _ in table.rows[:-1])
+    assert all(a[1] != b[1] for a, b in zip(table.rows, table.rows[1:], strict=False))  # merged
+    assert [m for m, _ in table.timings] == [*tu.BUCKETS, tu.LARGE_M]
+    for m, times in table.timings:
+        assert {n for n, _ in times} == {"native_cpu", "reference"}
+        assert table.path_for(m).name == min(times, key=lambda t: t[1])[0]
+    assert (tmp_path / tu.CACHE_FILE).exists()
+
+    monkeypatch.setattr(tu, "_TABLES", {})
+    def no_timing(calls):  # type: ignore[no-untyped-def]
+        raise AssertionError("a cached table must not be timed again")
+    again = tu.tune(shape, ["native_cpu", "reference"], no_timing, torch.device("cpu"), dev.product_name())
+    assert again.rows == table.rows
+    # Other candidates (e.g. one failed its check) are another key: timed again.
+    monkeypatch.setattr(tu, "_TABLES", {})
+    other = tu.tune(shape, ["reference"], dev.time_calls, torch.device("cpu"), dev.product_name())
+    assert [p.backend for _, p in other.rows] == ["reference"]
+
+
+def test_cache_off_or_unusable_never_stops_the_engine(tmp_path, monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    import kernels.int4_tune as tu
+    from kernels.int4 import Int4Layout
+
+    shape = tu.Shape(Int4Layout(32, 1, 64, 32), torch.float32, sym=True)
+    timer = lambda calls: float(len(calls))
+    monkeypatch.setenv(tu.CACHE_ENV, "off")
+    monkeypatch.setattr(tu, "_TABLES", {})
+    assert tu.cache_dir() is None
+    tu.tune(shape, ["reference"], timer, torch.device("cpu"), "dev")
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv(tu.CACHE_ENV, str(blocked))  # a file where the folder should be: cannot be written
+    monkeypatch.setattr(tu, "_TABLES", {})
+    tu.tune(shape, ["reference"], timer, torch.device("cpu"), "dev")
+    assert "not written" in caplog.text
+    good = tmp_path / "cache"
+    good.mkdir()
+    (good / tu.CACHE_FILE).write_text("{ half a file")  # unreadable: timed again, then rewritten
+    monkeypatch.setenv(tu.CACHE_ENV, str(good))
+    monkeypatch.setattr(tu, "_TABLES", {})
+    tu.tune(shape, ["reference"], timer, torch.device("cpu"), "dev")
+    assert len(__import__("json").loads((good / tu.CACHE_FILE).read_text())) == 1
+
+
+TUNED = r"""
+import json, os, sys, tempfile
+import torch
+import kernels.int4_tune as tu
+from engine.device import Device
+from engine.layers.linear import RowParallelLinear
+from engine.layers.quant import Int4LinearMethod
+from kernels.int4 import Int4Layout
+from kernels.reference import pack_int4_cols, pack_int4_rows
+dev = torch.device(sys.argv[1])
+dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16  # torch's CUDA int4 op takes bf16 only
+tol = 1e-4 if dtype == torch.float32 else 2e-2
+native = f"native_{dev.type}"
+backends = [native, "triton_mma", "triton", "dequant"]
+for sym in (False, True):
+    cache = tempfile.mkdtemp()
+    os.environ[tu.CACHE_ENV] = cache
+    # A table as a tuner on some device might have written it: every kind of path, in several buckets.
+    rows = [[1, native], [4, "triton_mma[16x16x32 s2 w4 st2]"], [16, "triton[16x32x32 s2 w4 st2]"],
+            [64, "dequant"], [256, "triton_mma"], [None, "dequant"]]
+    shape = tu.Shape(Int4Layout(128, 1, 256, 64), dtype, sym=sym)
+    key = tu.cache_key(shape, backends, Device(dev.type, dev.index or 0).product_name())
+    with open(os.path.join(cache, tu.CACHE_FILE), "w") as f:
+        json.dump({key: rows}, f)
+    g = torch.Generator().manual_seed(0)
+    layer = RowParallelLinear(256, 64, bias=True, method=Int4LinearMethod(128, 1, "tuned:" + ",".join(backends)),
+                              prefix="l").to(dev)
+    layer.compute_dtype = dtype
+    layer.qweight.data.copy_(pack_int4_rows(torch.randint(0, 16, (256, 64), generator=g)))
+    z = torch.full((2, 64), 7) if sym else torch.randint(0, 15, (2, 64), generator=g)
+    layer.qzeros.data.copy_(pack_int4_cols(z))
+    layer.scales.data.copy_((torch.randn(2, 64, generator=g) * 0.05).half())
+    layer.bias.data = torch.randn(64, generator=g).to(dtype).to(dev)
+    layer.process_after_loading()
+    got = [(n, None if w is None else (w.backend, w.config)) for n, w in layer.int4_paths]
+    assert [(n, b and b[0]) for n, b in got] == [(1, native), (4, "triton_mma"), (16, "triton"), (64, None),
+                                               (256, "triton_mma"), (None, None)], got
+    assert got[1][1][1].split_k == 2 and got[4][1][1] is None  # the cached launch shape; the rule's
+    mma = [w for _, w in layer.int4_paths if w is not None and w.backend == "triton_mma"]
+    assert mma[0].weight is mma[1].weight  # one repacked copy for both launch shapes
+    w = layer.dense_weight().float()
+    for m in (1, 3, 4, 5, 16, 17, 64, 65, 256, 257):
+        x = torch.randn(m, 256, generator=g).to(dtype).to(dev)
+        want = x.float() @ w.t() + layer.bias.float()
+        torch.testing.assert_close(layer(x).float(), want, atol=tol * float(want.abs().max()), rtol=tol)
+print("ok")
+"""
+
+
+def test_tuned_layer_runs_every_path_of_its_table_under_the_interpreter() -> None:
+    """A tuned layer built from a cached table: each bucket's kernel (native op, triton_mma with a cached launch
+    shape and with its rule, the old Triton kernel, dequant + GEMM in two places) equals the dense formula."""
+    run_under_interpreter(TUNED.replace("sys.argv[1]", '"cpu"'))
+
+
+def _accelerator() -> str | None:
+    import torch
+
+    acc = getattr(torch, "accelerator", None)
+    return str(acc.current_accelerator()) if acc is not None and acc.is_available() else None
+
+
+def _on_accelerator(code: str) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    acc = _accelerator()
+    if acc is None:
+        pytest.skip("no accelerator")
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code, acc], cwd=repo, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(repo)})
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_tuned_layer_runs_every_path_of_its_table_on_accelerator() -> None:
+    _on_accelerator(TUNED)
+
+
+MEASURED = r"""
+import sys
+import torch
+from engine.device import Device
+from kernels.int4 import Int4Layout, int4_mm, prepare_int4
+from kernels.int4_tune import DEQUANT, Shape, _call, measure
+from kernels.reference import dequant_int4
+dev = torch.device(sys.argv[1])
+d = Device(dev.type, dev.index or 0)
+backends = d.int4_backend("tuned").split(":", 1)[1].split(",")
+lay = Int4Layout(128, 1, 512, 256)
+table = measure(Shape(lay, torch.bfloat16, sym=True), backends, d.time_calls, dev, buckets=(1, 16, 64, 1024))
+print(table.describe())
+assert table.rows[-1][0] is None
+for m, times in table.timings:
+    assert table.path_for(m).name == times[0][0] and all(t > 0 for _, t in times), (m, times)
+g = torch.Generator().manual_seed(1)
+qw = torch.randint(-2**31, 2**31 - 1, (64, 256), generator=g, dtype=torch.int32).to(dev)
+qz = torch.full((4, 32), 0x77777777, dtype=torch.int32).to(dev)
+sc = (torch.randn(4, 256, generator=g) * 0.01).half().to(dev)
+ref_w = dequant_int4(qw, qz, sc, 128, 1, dtype=torch.float32)
+for m, _ in table.timings:
+    path = table.path_for(m)
+    w = prepare_int4(qw, qz, sc, lay, "triton" if path.backend == DEQUANT else path.backend, dtype=torch.bfloat16)
+    x = torch.randn(m, 512, generator=g).to(torch.bfloat16).to(dev)
+    y = _call(path, x, w)().float()
+    want = x.float() @ ref_w
+    torch.testing.assert_close(y, want, atol=2e-2 * float(want.abs().max()), rtol=2e-2)
+print("ok")
+"""
+
+
+def test_tuner_measures_with_device_graphs_and_its_choices_are_right_on_accelerator() -> None:
+    """On a GPU: the tuner times every candidate with the device's graph-replay timer, each bucket's choice is the
+    fastest it recorded, and each chosen path gives the reference's result."""
+    _on_accelerator(MEASURED)
+
+
+CHECK = r"""
+import os
+import torch
+from kernels.checks import CheckShapes, check_int4
+s = CheckShapes(64, 96, 4, 2, 32, 16, True, True, 16, 32, 1)
+full = "tuned:native_cpu,triton_mma,triton,dequant"
+for dtype in (torch.float32, torch.bfloat16):
+    c = check_int4(full, s, dtype, torch.device("cpu"))
+    assert (c.chosen, c.checked, c.rejected) == (full, True, ()), c
+os.environ["XPULORA_KERNEL_FAULT"] = "int4=wrong"
+c = check_int4(full, s, torch.float32, torch.device("cpu"))
+assert (c.chosen, c.checked) == ("reference", False) and [n for n, _ in c.rejected] == full[6:].split(","), c
+print("ok")
+"""
+
+
+def test_tuned_candidates_are_each_checked_under_the_interpreter() -> None:
+    """Every candidate of a tuned dispatch passes its own start-up check; faulted, none is kept (the reference)."""
+    run_under_interpreter(CHECK)
+
+
+def test_a_failing_candidate_is_left_out_of_the_tuned_dispatch(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    import kernels.checks as ch
+
+    s = ch.CheckShapes(64, 96, 4, 2, 32, 16, True, True, 16, 32, 1)
+    if not ch.native_supported("native_cpu", ch.Int4Layout(32, 1, 64, 96), torch.float32):
+        import pytest
+
+        pytest.skip("torch has no CPU int4pack op here")
+    c = ch.check_int4("tuned:native_cpu,reference", s, torch.float32, torch.device("cpu"))
+    assert (c.chosen, c.rejected) == ("tuned:native_cpu,reference", ())
+    real = ch.int4_mm
+    monkeypatch.setattr(ch, "int4_mm", lambda x, w, bias=None: real(x, w, bias) * (1.5 if w.backend == "native_cpu"
+                                                                                     else 1.0))
+    c = ch.check_int4("tuned:native_cpu,reference", s, torch.float32, torch.device("cpu"))
+    assert (c.chosen, [n for n, _ in c.rejected]) == ("reference", ["native_cpu"])
+
+
+def test_a_cached_table_must_fit_its_shape() -> None:
+    """Path names survive the file; a launch shape that does not fit the layer (an edited or stale file) is refused,
+    so the tuner times again instead of serving a launch that would fail."""
+    import pytest
+    import torch
+
+    import kernels.int4_tune as tu
+    from kernels.int4 import Int4Layout, MmaConfig, TritonInt4Config
+
+    shape = tu.Shape(Int4Layout(128, 1, 512, 64), torch.bfloat16, sym=True)
+    rows = [[4, "triton_mma[64x16x128 s4 w4 st3]"], [64, "triton[16x64x64 s2 w4 st3]"], [None, "dequant"]]
+    table = tu._table_from_json(rows, shape)
+    assert [(b, p.name) for b, p in table.rows] == [tuple(r) for r in rows]
+    assert table.rows[0][1].config == MmaConfig(64, 16, 128, 4, 4, 3)
+    assert table.rows[1][1].config == TritonInt4Config(16, 64, 64, 2, 4, 3)
+    assert [table.path_for(m).backend for m in (1, 4, 5, 64, 65, 10**6)] == ["triton_mma"] * 2 + ["triton"] * 2 + [
+        "dequant"] * 2
+    for bad in ([[None, "triton_mma[64x16x128 s8 w4 st3]"]],  # K=512 does not split 8 ways into 128-deep tiles
+                [[None, "triton_mma[64x16x48 s1 w4 st3]"]],  # 48 is not a multiple of the 32-deep block
+                [[4, "dequant"]]):  # no open bucket
+        with pytest.raises(ValueError):
+            tu._table_from_json(bad, shape)

@@ -1,0 +1,306 @@
+"""The int4 dispatch chosen by measurement: per layer shape, the fastest checked path for each bucket of rows.
+
+    table = tune(shape, backends, timer, device_name)   # timed here, or read from the cache file
+    path = table.path_for(rows)                          # a pure function of the row count (graph-safe)
+
+A path is a backend of kernels.int4 with a launch shape (`triton_mma[64x16x128 s4 w4 st3]`), or `dequant` (one
+fused dequantization into a transient dense weight, then the dense GEMM). Each bucket of rows (1, 2, 3-4, ...,
+257-512, above) is timed at its largest row count on random weights of the layer's shape, several copies in
+turn so that they come from device memory rather than the last call's cache, with the caller's timer (the
+engine's times graph replays where the device has graphs: what decode steps run). The table is logged and kept
+in a JSON file keyed by device name, torch and triton versions, dtype, shape, group, zero-point kind and the
+candidate backends ($XPULORA_KERNEL_CACHE_DIR, else $XDG_CACHE_HOME/xpulora, else ~/.cache/xpulora;
+XPULORA_KERNEL_CACHE_DIR=off keeps nothing). The cache is never required: unreadable or unwritable means timing.
+Only backends that passed the start-up check vs the reference (kernels.checks) are ever candidates.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path as FsPath
+
+import torch
+
+from kernels.int4 import (
+    Int4Layout,
+    MmaConfig,
+    PreparedInt4,
+    TritonInt4Config,
+    dequant_triton,
+    int4_mm,
+    mma_config,
+    prepare_int4,
+    triton_config,
+)
+from kernels.triton_env import triton
+
+log = logging.getLogger(__name__)
+
+BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+"""Upper row counts of the tuned buckets; rows above the last form one more bucket, timed at LARGE_M."""
+LARGE_M = 1024
+DEQUANT = "dequant"
+CACHE_ENV = "XPULORA_KERNEL_CACHE_DIR"
+CACHE_FILE = "int4_dispatch.json"
+TABLE_VERSION = 1
+"""Part of the cache key: bump it when the kernels or their candidates change, so that old tables are timed again."""
+TIMED_BYTES = 256 * 2**20
+"""Weight copies timed in turn add up to at least this (several times a large GPU's last-level cache)."""
+
+Timer = Callable[[Sequence[Callable[[], object]]], float]
+"""µs per call of the given calls (each on its own weight copy), timed as the engine will run them."""
+
+
+@dataclass(frozen=True)
+class Path:
+    """One way to compute y = x @ W: a kernels.int4 backend (with a launch shape for the Triton ones), or dequant."""
+
+    backend: str
+    config: MmaConfig | TritonInt4Config | None = None
+
+    @property
+    def name(self) -> str:
+        if isinstance(self.config, MmaConfig):
+            c = self.config
+            return f"{self.backend}[{c.block_n}x{c.block_t}x{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}]"
+        if isinstance(self.config, TritonInt4Config):
+            c = self.config
+            return f"{self.backend}[{c.block_m}x{c.block_n}x{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}]"
+        return self.backend
+
+    @staticmethod
+    def parse(name: str) -> Path:
+        backend, _, rest = name.partition("[")
+        if not rest:
+            return Path(backend)
+        tile, split, warps, stages = rest.rstrip("]").split(" ")
+        a, b, c = (int(v) for v in tile.split("x"))
+        args = (a, b, c, int(split[1:]), int(warps[1:]), int(stages[2:]))
+        if backend == "triton_mma":
+            return Path(backend, MmaConfig(*args))
+        if backend == "triton":
+            return Path(backend, TritonInt4Config(*args))
+        raise ValueError(f"int4 dispatch: unknown path {name!r}")
+
+
+@dataclass(frozen=True)
+class TunedTable:
+    """(max rows or None for any above, path) in increasing order; `timings` (µs per candidate per bucket) for
+    the log."""
+
+    rows: tuple[tuple[int | None, Path], ...]
+    timings: tuple[tuple[int, tuple[tuple[str, float], ...]], ...] = ()
+
+    def path_for(self, m: int) -> Path:
+        for max_rows, path in self.rows:
+            if max_rows is None or m <= max_rows:
+                return path
+        raise AssertionError("a tuned table ends with an open bucket")
+
+    def describe(self) -> str:
+        lo, out = 1, []
+        for max_rows, path in self.rows:
+            span = f"{lo}-{max_rows}" if max_rows is not None and max_rows > lo else f"{lo}" if max_rows else f">={lo}"
+            out.append(f"{span}: {path.name}")
+            lo = (max_rows or 0) + 1
+        return ", ".join(out)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a tuned table depends on, besides the device and the candidates."""
+
+    layout: Int4Layout
+    dtype: torch.dtype
+    sym: bool
+    """Every group has the same zero point (the symmetric checkpoints): part of the key, as a backend may
+    specialize on it (torch's native ops do not need to; a tuned table stays per kind to be safe)."""
+
+    def key(self) -> str:
+        lay = self.layout
+        return (f"K{lay.in_features} N{lay.out_features} g{lay.group_size} zo{lay.zero_offset} "
+                f"{str(self.dtype).removeprefix('torch.')} {'sym' if self.sym else 'asym'}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# candidates
+
+def _mma_variants(m: int, k: int, n: int, g: int) -> list[MmaConfig]:
+    """The rule's launch shape and a few neighbours (wider N tile, half / double the K split, more stages); a
+    token tile of 128 for large M."""
+    base = mma_config(m, k, n, g)
+    out = [base, replace(base, block_n=128, split_k=max(1, base.split_k // 2)), replace(base, num_stages=4),
+           replace(base, split_k=base.split_k * 2)]
+    if m > 64:
+        out.append(replace(base, block_t=128, block_n=128, num_warps=8))
+    return list(dict.fromkeys(c for c in out if c.fits(m, k, n, g)))
+
+
+def candidates(backends: Sequence[str], m: int, layout: Int4Layout) -> list[Path]:
+    """The paths timed at m rows. The memory-bound Triton kernels are not timed past 256 rows (their cost grows
+    with M; dequant + GEMM wins there), dequant not below 8 rows (it writes the whole dense weight)."""
+    k, n, g = layout.in_features, layout.out_features, layout.group_size
+    out: list[Path] = []
+    for b in backends:
+        if b == "triton_mma" and m <= 256:
+            out.extend(Path(b, c) for c in _mma_variants(m, k, n, g))
+        elif b == "triton" and m <= 256:
+            out.append(Path(b, triton_config(m, k, n, g)))
+        elif (b == DEQUANT and m >= 8) or b not in ("triton_mma", "triton", DEQUANT):
+            out.append(Path(b))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# timing
+
+
+def _random_checkpoint(layout: Int4Layout, sym: bool, device: torch.device,
+                       gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    k, n, g = layout.in_features, layout.out_features, layout.group_size
+    qw = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=gen, dtype=torch.int32)
+    zero = 0x77777777 if layout.zero_offset else 0x88888888 - 2**32  # every zero point 8
+    qz = (torch.full((k // g, n // 8), zero, dtype=torch.int32) if sym else
+          torch.randint(-2**31, 2**31 - 1, (k // g, n // 8), generator=gen, dtype=torch.int32))
+    sc = ((torch.rand(k // g, n, generator=gen) + 0.5) * 1e-3).half()
+    return qw.to(device), qz.to(device), sc.to(device)
+
+
+def _call(path: Path, x: torch.Tensor, w: PreparedInt4) -> Callable[[], object]:
+    if path.backend == DEQUANT:
+        lay = w.layout
+        return lambda: x @ dequant_triton(w.weight, w.zeros, w.scales, lay.group_size, lay.zero_offset, x.dtype)  # type: ignore[arg-type]
+    wc = replace(w, config=path.config)
+    return lambda: int4_mm(x, wc)
+
+
+def measure(shape: Shape, backends: Sequence[str], timer: Timer, device: torch.device,
+            buckets: Sequence[int] = (*BUCKETS, LARGE_M)) -> TunedTable:
+    """Time every candidate path at each bucket's row count; the fastest per bucket, neighbours merged."""
+    lay = shape.layout
+    k, n = lay.in_features, lay.out_features
+    copies = max(2, min(16, -(-TIMED_BYTES // (k * n // 2))))
+    gen = torch.Generator().manual_seed(0)
+    ckpts = [_random_checkpoint(lay, shape.sym, device, gen) for _ in range(copies)]
+    xs = {m: torch.randn(m, k, generator=gen).to(shape.dtype).to(device) for m in buckets}
+    times: dict[int, dict[Path, float]] = {m: {} for m in buckets}
+    for b in backends:  # one backend's copies at a time
+        name = "triton" if b == DEQUANT else b  # dequant reads the checkpoint layout, as the triton backend keeps it
+        ws = [prepare_int4(*c, lay, name, dtype=shape.dtype) for c in ckpts]  # type: ignore[arg-type]
+        for m in buckets:
+            for path in candidates([b], m, lay):
+                try:
+                    times[m][path] = timer([_call(path, xs[m], w) for w in ws])
+                except Exception as e:  # a launch shape that does not run here (resources) is no candidate
+                    log.warning("int4 tuning %s: %s at %d rows failed (%s: %s)", shape.key(), path.name, m,
+                                type(e).__name__, str(e)[:200])
+        del ws
+    chosen: list[tuple[int, Path]] = []
+    timings: list[tuple[int, tuple[tuple[str, float], ...]]] = []
+    for m in buckets:
+        if not times[m]:
+            raise RuntimeError(f"int4 tuning {shape.key()}: no candidate ran at {m} rows")
+        chosen.append((m, min(times[m], key=times[m].__getitem__)))
+        timings.append((m, tuple((p.name, round(t, 2)) for p, t in sorted(times[m].items(), key=lambda kv: kv[1]))))
+    rows: list[tuple[int | None, Path]] = []
+    for i, (m, path) in enumerate(chosen):
+        bound = None if i == len(chosen) - 1 else m
+        if rows and rows[-1][1] == path:
+            rows[-1] = (bound, path)
+        else:
+            rows.append((bound, path))
+    return TunedTable(tuple(rows), tuple(timings))
+
+
+# ----------------------------------------------------------------------------------------------------
+# cache
+
+
+def cache_dir() -> FsPath | None:
+    """Where tuned tables are kept; None when XPULORA_KERNEL_CACHE_DIR=off."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return None if env.lower() == "off" else FsPath(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return FsPath(base) / "xpulora"
+
+
+def cache_key(shape: Shape, backends: Sequence[str], device_name: str) -> str:
+    triton_version = getattr(triton, "__version__", "none")
+    return (f"v{TABLE_VERSION} | {device_name} | torch {torch.__version__} | triton {triton_version} | {shape.key()} | "
+            f"{','.join(backends)}")
+
+
+def _read_cache(path: FsPath) -> dict[str, list]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _table_from_json(rows: list, shape: Shape) -> TunedTable:
+    table = TunedTable(tuple((r[0], Path.parse(r[1])) for r in rows))
+    if not table.rows or table.rows[-1][0] is not None:
+        raise ValueError("a tuned table must end with an open bucket")
+    k, n, g = shape.layout.in_features, shape.layout.out_features, shape.layout.group_size
+    for _, p in table.rows:
+        c = p.config
+        if isinstance(c, MmaConfig) and not c.fits(1, k, n, g):
+            raise ValueError(f"{p.name} does not fit this shape")
+        if isinstance(c, TritonInt4Config) and (g % c.block_k or k % (c.block_k * c.split_k) or c.block_k % 8):
+            raise ValueError(f"{p.name} does not fit this shape")
+    return table
+
+
+def _write_cache(path: FsPath, key: str, table: TunedTable) -> None:
+    data = _read_cache(path)
+    data[key] = [[b, p.name] for b, p in table.rows]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".int4_", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1, sort_keys=True)
+    os.replace(tmp, path)  # atomic: concurrent engines (TP ranks, test workers) never read half a file
+
+
+_TABLES: dict[str, TunedTable] = {}
+"""Tables of this process (each distinct layer shape is tuned or read once)."""
+
+
+def tune(shape: Shape, backends: Sequence[str], timer: Timer, device: torch.device, device_name: str,
+         use_cache: bool = True, release: Callable[[], None] | None = None) -> TunedTable:
+    """The tuned table for this shape and these (checked) backends: from this process, the cache file, or
+    measured now (then logged and written to the cache; `release` is called after measuring, to give the
+    transient weight copies' memory back)."""
+    key = cache_key(shape, backends, device_name)
+    if key in _TABLES:
+        return _TABLES[key]
+    folder = cache_dir() if use_cache else None
+    file = folder / CACHE_FILE if folder is not None else None
+    if file is not None and key in (cached := _read_cache(file)):
+        try:
+            table = _table_from_json(cached[key], shape)
+            if {p.backend for _, p in table.rows} <= set(backends):
+                log.info("int4 dispatch %s (cached in %s): %s", shape.key(), file, table.describe())
+                _TABLES[key] = table
+                return table
+        except (ValueError, TypeError, IndexError) as e:
+            log.warning("int4 dispatch cache %s: entry for %s unreadable (%s); timing again", file, shape.key(), e)
+    table = measure(shape, backends, timer, device)
+    if release is not None:
+        release()
+    log.info("int4 dispatch %s on %s, measured: %s", shape.key(), device_name, table.describe())
+    for m, times in table.timings:
+        log.info("  int4 %s M=%d: %s", shape.key(), m, ", ".join(f"{n} {t}us" for n, t in times))
+    if file is not None:
+        try:
+            _write_cache(file, key, table)
+        except OSError as e:
+            log.warning("int4 dispatch cache %s not written (%s): the next start times again", file, e)
+    _TABLES[key] = table
+    return table
