@@ -90,6 +90,15 @@ case "${1:-}" in
       --new-tokens 128 --clients 4 --sync-too --root /tmp/serve36 2>&1 | grep -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
     tail -n 40 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
     ;;
+  int4)  # issue 18: the int4 kernels side by side with bf16 (new triton_mma sweep, old Triton, native, dequant), every
+          # output checked vs the reference (exit 1 on mismatch), the tuner's tables; then the int4 tests on CUDA
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    timeout 60 python3 tools/int4_ir.py > "$OUT/ir.jsonl" 2>&1
+    timeout 280 python3 benchmarks/bench_int4.py > "$OUT/int4.txt" 2>&1; echo "bench rc=$?" >> "$OUT/int4.txt"
+    timeout 230 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_int4.py tests/layers/test_int4_auto.py \
+      tests/kernels/test_kernel_checks.py > "$OUT/int4_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/int4_tests.txt"
+    grep -E "targets|correctness|rc=" "$OUT/int4.txt"; tail -4 "$OUT/int4_tests.txt"
+    ;;
   serve64)  # the serving run at concurrency 64 only (the last minutes of a session)
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     timeout 290 python3 benchmarks/bench_serve.py --layers 36 --adapters 32 --batches 64 --requests 256 \
@@ -101,5 +110,5 @@ case "${1:-}" in
       --new-tokens 128 --root /tmp/plan36 > "$OUT/plan.txt" 2>&1
     grep -E '^\{|Error|Traceback' "$OUT/plan.txt"
     ;;
-  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|plan"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4"; exit 2 ;;
 esac

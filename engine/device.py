@@ -186,11 +186,11 @@ class Device:
                        self.gdn_backend(gdn) if hybrid else "reference", self.int4_backend(int4))
 
     def int4_backend(self, requested: str = "auto") -> str:
-        """int4 matmul backend in kernels.int4 (KernelConfig.int4). auto: on GPUs the dispatch tuned by measurement
-        on this device (`tuned`), on the CPU the reference (no timing at start-up unless `tuned` is asked for).
-        tuned -> "tuned:" + the candidates timed per layer shape (engine.layers.quant, kernels.int4_tune)."""
+        """int4 matmul backend in kernels.int4 (KernelConfig.int4). auto: the device's per-row-count dispatch
+        (thresholds measured on an H200; the reference on the CPU). tuned -> "tuned:" + the candidates timed per
+        layer shape at start-up (engine.layers.quant, kernels.int4_tune): opt-in until it has run on a GPU."""
         if requested == "auto":
-            requested = "reference" if self.kind == "cpu" else "tuned"
+            requested = {"cpu": "reference", "cuda": "auto:native_cuda", "xpu": "auto:native_xpu"}[self.kind]
         if requested != "tuned":
             return requested
         if self.kind == "cpu":
