@@ -4,6 +4,7 @@ device tensors for a step; everything above it deals in plain Python objects."""
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
@@ -22,6 +23,7 @@ from engine.logits_processors import LogitsProcessors
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.layers import BaseLayerWithLoRA, wrap_model
 from engine.lora.punica import LoRABatch, ReferenceLoRABatch, TritonLoRABatch, build_mapping, choose_impl
+from engine.lora.slots import AdapterPack, SlotFiller
 from engine.piecewise import MIXED_SIZES, MixedGraphs
 from engine.protocol import SamplingParams
 from engine.sampler import Sampler, SamplerOutput, make_generator
@@ -69,6 +71,9 @@ class ModelRunner:
             self.lora_layers = wrap_model(self.model, self.model.lora_targets, config.lora.max_loras,
                                           config.lora.max_lora_rank, self.dtype, config.lora.fully_sharded_loras)
         self.lora_impl: type[LoRABatch] = ReferenceLoRABatch
+        self.lora_fill = SlotFiller(self.lora_layers, device.torch_device, device.pins_memory)
+        self._lora_packs: weakref.WeakKeyDictionary[LoRAAdapter, AdapterPack] = weakref.WeakKeyDictionary()
+        """Each host-cached adapter's packed form, made once and dropped with the adapter."""
         if self.lora_layers:
             self.lora_impl = self._choose_lora_impl()
         self.gdn_layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
@@ -170,9 +175,16 @@ class ModelRunner:
             shapes.update(w.full_shapes())
         return shapes
 
+    def prepare_lora(self, adapter: LoRAAdapter) -> AdapterPack:
+        """The adapter laid out for this rank's slot buffers (host work, once per adapter object)."""
+        pack = self._lora_packs.get(adapter)
+        if pack is None:
+            pack = self._lora_packs[adapter] = self.lora_fill.pack(adapter.modules)
+        return pack
+
     def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
-        for w in self.lora_layers:
-            w.set_slot(slot, adapter.modules)
+        """Queue the copy of an adapter into `slot` of every wrapped layer (a few device ops, no host wait)."""
+        self.lora_fill.fill(slot, self.prepare_lora(adapter))
 
     # -- one step ----------------------------------------------------------------------------------
     def _token_slots(self, step: SchedulerOutput) -> list[int]:

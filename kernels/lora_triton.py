@@ -94,7 +94,7 @@ if triton is not None:
         sorted_off, blocks_off, num_blocks,
         K, K_PER_SPLIT, R_MAX, num_slots,
         stride_xm, stride_xk, stride_a0, stride_a1,
-        stride_bk, stride_bs, stride_bm, stride_rs,
+        stride_bk, stride_bs, stride_bm, stride_rs, stride_rt,
         NUM_RB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr,
     ):  # fmt: skip
@@ -107,7 +107,7 @@ if triton is not None:
         slot = tl.load(meta_ptr + blocks_off + pid_b)
         if slot >= num_slots:  # an unused block of the upper-bound grid
             return
-        rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot), R_MAX)
+        rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot * stride_rt), R_MAX)
         if r0 >= rank:  # no work on rank padding
             return
         rows = tl.load(meta_ptr + blocks_off + num_blocks + pid_b) + tl.arange(0, BLOCK_M)
@@ -146,7 +146,7 @@ if triton is not None:
         y_ptr, buf_ptr, b_table_ptr, b0_ptr, ranks_ptr, meta_ptr,
         sorted_off, blocks_off, num_blocks,
         R_MAX, num_slots,
-        stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_bn, stride_rs,
+        stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_bn, stride_rs, stride_rt,
         NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, ADD_INPUTS: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, BLOCK_R: tl.constexpr, B_RANK_MAJOR: tl.constexpr,
         ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr,
@@ -163,7 +163,7 @@ if triton is not None:
         for i in tl.static_range(1, NUM_SLICES):
             s += (pid_n >= tl.load(b_table_ptr + i * 6 + 4)).to(tl.int32)
         tab = b_table_ptr + s * 6
-        rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot), R_MAX)
+        rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot * stride_rt), R_MAX)
         if ADD_INPUTS and rank == 0:  # adds nothing (a replace still writes its zeros)
             return
         b_ptr = tl.load(tab).to(tl.pointer_type(b0_ptr.dtype.element_ty))
@@ -279,7 +279,7 @@ def _launch_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenG
         sorted_off, blocks_off, nb,
         k, cfg["k_per_split"], r_max, num_slots,
         x.stride(0), x.stride(1), a0.stride(0), a0.stride(1),
-        buf.stride(0), buf.stride(1), buf.stride(2), r.stride(0),
+        buf.stride(0), buf.stride(1), buf.stride(2), r.stride(0), r.stride(1),
         NUM_RB=num_rb, BLOCK_M=info.block_m, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
         EVEN_K=k % cfg["block_k"] == 0, ALIGNED=all(a.data_ptr() % 16 == 0 for a in lora_a),
         FP32_DOT=interpreting() or x.dtype == torch.float32 or x.dtype != a0.dtype,
@@ -338,7 +338,7 @@ def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Te
         y, buf, table, b0, r, info.meta,
         sorted_off, blocks_off, nb,
         b0.size(-1), b0.size(0),
-        y.stride(0), y.stride(1), buf.stride(0), buf.stride(1), buf.stride(2), b0.stride(1), r.stride(0),
+        y.stride(0), y.stride(1), buf.stride(0), buf.stride(1), buf.stride(2), b0.stride(1), r.stride(0), r.stride(1),
         NUM_SLICES=len(lora_b), SPLIT_K=buf.size(0), ADD_INPUTS=bool(add_inputs), BLOCK_M=info.block_m,
         BLOCK_N=block_n, N_ITERS=n_iters, BLOCK_R=_BLOCK_R, B_RANK_MAJOR=rank_major, ALIGNED=aligned,
         FP32_DOT=interpreting() or b0.dtype == torch.float32,

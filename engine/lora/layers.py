@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -33,11 +34,23 @@ from engine.layers.linear import (
 )
 from engine.lora.adapter import LoRAModule
 from engine.lora.punica import SlotRanks
+from engine.lora.slots import run_copies
 
 
 def shrink_needs_gather(fully_sharded: bool, tp_size: int) -> bool:
     """Whether a column layer all-gathers its shrink output: only when A's rank dim is sharded."""
     return fully_sharded and tp_size > 1
+
+
+@dataclass(frozen=True)
+class PackedLayer:
+    """One wrapper's share of an adapter in host memory, laid out as its slot blocks want it: per block the
+    rows a fill writes ([rows, width] in the block's dtype; rows 0 where the adapter writes nothing), and the
+    ranks they stand for."""
+
+    parts: list[torch.Tensor]
+    ranks: list[int]
+    a_ranks: list[int]
 
 
 class BaseLayerWithLoRA(nn.Module):
@@ -50,20 +63,31 @@ class BaseLayerWithLoRA(nn.Module):
         self.tp_rank, self.tp_size = base.tp_rank, base.tp_size
         self.fully_sharded = fully_sharded and base.tp_size > 1
         dev = base.device  # the base layer's own API, whatever its linear method
-        rows = self.a_rows()
-        self.lora_a = [torch.zeros(max_loras, rows, self.base.in_features, dtype=dtype, device=dev)
-                       for _ in module_names]
-        # B is indexed [slot, out, rank] but stored rank-major ([slot, rank, out] memory): the Triton expand
-        # reads it about 2x faster that way (measured on an H200, docs/PERFORMANCE.md).
-        self.lora_b = [torch.zeros(max_loras, max_rank, n, dtype=dtype, device=dev).transpose(1, 2)
-                       for n in self.b_sizes()]
+        n, k, sizes = len(module_names), self.base.in_features, self.b_sizes()
+        # Slot storage, rank rows outermost inside a slot: an adapter of rank r fills a contiguous prefix of
+        # each block (one copy per block, the stale rows past it are one range), see engine/lora/slots.py.
+        #   A block [S, a_rows, n*K]: slice i's A = columns [i*K, (i+1)*K).
+        #   B block [S, r_max, sum n_i] rank-major (the Triton expand reads it ~2x faster than r-contiguous,
+        #   measured on an H200, docs/PERFORMANCE.md): slice i's B^T = columns [off_i, off_i + n_i).
+        #   rank block [S, 1, 2n] int32: the true ranks, then the valid A rows, of each slice.
+        self.a_store = torch.zeros(max_loras, self.a_rows(), n * k, dtype=dtype, device=dev)
+        self.b_store = torch.zeros(max_loras, max_rank, sum(sizes), dtype=dtype, device=dev)
+        self.rank_store = torch.zeros(max_loras, 1, 2 * n, dtype=torch.int32, device=dev)
+        self.blocks: list[torch.Tensor] = [self.a_store, self.b_store, self.rank_store]
+        self.lora_a = [self.a_store[:, :, i * k:(i + 1) * k] for i in range(n)]
+        """Slice i's A as [S, a_rows, K] (a view of a_store)."""
+        b_offs = [sum(sizes[:i]) for i in range(n)]
+        self.lora_b = [self.b_store[:, :, o:o + m].transpose(1, 2) for o, m in zip(b_offs, sizes)]
+        """Slice i's B as [S, n_i, r_max] (a transposed view of b_store)."""
         self.ranks: list[list[int]] = [[0] * max_loras for _ in module_names]
         """True rank of each slot per slice (what the expand reads)."""
         self.a_ranks: list[list[int]] = [[0] * max_loras for _ in module_names]
         """Valid rows of this rank's A buffer per slot (= ranks unless A's rank dim is sharded)."""
-        # The same on the device, updated in place so that captured graphs see new slots.
-        self.ranks_dev = torch.zeros(len(module_names), max_loras, dtype=torch.int32, device=dev)
-        self.a_ranks_dev = torch.zeros(len(module_names), max_loras, dtype=torch.int32, device=dev)
+        # The same on the device ([n, S] views of rank_store), updated in place so that captured graphs see new slots.
+        self.ranks_dev = self.rank_store[:, 0, :n].t()
+        self.a_ranks_dev = self.rank_store[:, 0, n:].t()
+        self.rows_written = [[0] * len(self.blocks) for _ in range(max_loras)]
+        """Per slot and block: rows that may be non-zero (what a later fill of fewer rows must zero)."""
 
     # -- geometry, per layer kind ----------------------------------------------------------------------
     def a_rows(self) -> int:
@@ -82,30 +106,76 @@ class BaseLayerWithLoRA(nn.Module):
     def shard_b(self, i: int, b: torch.Tensor) -> torch.Tensor:
         return b
 
-    # -- slots ---------------------------------------------------------------------------------------------
-    def set_slot(self, slot: int, modules: Mapping[str, LoRAModule]) -> None:
-        """Copy an adapter's tensors for this layer into `slot` (absent modules get rank 0)."""
-        self.clear_slot(slot)
+    # -- packing an adapter (host) ---------------------------------------------------------------------
+    def _shards(self, modules: Mapping[str, LoRAModule]) -> list[tuple[torch.Tensor, torch.Tensor, int] | None]:
+        """Per slice: (this rank's A rows [ra, in_local], its B [n_local, rank], rank), None where absent."""
+        out: list[tuple[torch.Tensor, torch.Tensor, int] | None] = []
         for i, name in enumerate(self.module_names):
             m = modules.get(name)
-            if m is None:
+            out.append(None if m is None else (self.shard_a(i, m.a), self.shard_b(i, m.b), m.rank))
+        return out
+
+    def pack_rows(self, modules: Mapping[str, LoRAModule]) -> list[int]:
+        """Rows of each block that an adapter fills (its packed form's shapes: pack_rows x block width)."""
+        shards = [s for s in self._shards(modules) if s is not None]
+        return [max((a.size(0) for a, _, _ in shards), default=0), max((r for _, _, r in shards), default=0), 1]
+
+    def pack_into(self, modules: Mapping[str, LoRAModule], parts: list[torch.Tensor]) -> PackedLayer:
+        """Write the adapter's tensors for this layer into `parts` (zero-filled host tensors [pack_rows[j],
+        width of block j] in the blocks' dtypes), converted, sharded and laid out as the slot blocks hold them."""
+        a_part, b_part, r_part = parts
+        k, sizes = self.base.in_features, self.b_sizes()
+        n = len(sizes)
+        ranks, a_ranks = [0] * n, [0] * n
+        for i, s in enumerate(self._shards(modules)):
+            if s is None:
                 continue
-            a, b = self.shard_a(i, m.a), self.shard_b(i, m.b)
-            self.lora_a[i][slot, : a.size(0)].copy_(a)
-            self.lora_b[i][slot, :, : m.rank].copy_(b)
-            self.ranks[i][slot] = m.rank
-            self.a_ranks[i][slot] = a.size(0)
-            self.ranks_dev[i, slot] = m.rank
-            self.a_ranks_dev[i, slot] = a.size(0)
+            a, b, r = s
+            off = sum(sizes[:i])
+            a_part[:a.size(0), i * k:(i + 1) * k].copy_(a)
+            b_part[:r, off:off + sizes[i]].copy_(b.t())
+            ranks[i], a_ranks[i] = r, a.size(0)
+        r_part.copy_(torch.tensor([ranks + a_ranks], dtype=torch.int32))
+        return PackedLayer(parts, ranks, a_ranks)
+
+    def pack(self, modules: Mapping[str, LoRAModule]) -> PackedLayer:
+        """The adapter's packed form for this layer alone, in ordinary host memory."""
+        rows = self.pack_rows(modules)
+        parts = [torch.zeros(r, blk.size(-1), dtype=blk.dtype) for r, blk in zip(rows, self.blocks)]
+        return self.pack_into(modules, parts)
+
+    # -- slots ---------------------------------------------------------------------------------------------
+    def slot_copies(self, slot: int, packed: PackedLayer) -> tuple[list[tuple[torch.Tensor, torch.Tensor]],
+                                                                 list[torch.Tensor]]:
+        """What filling `slot` with `packed` writes: (slot view, packed part) pairs and the views to zero (rows
+        an earlier occupant wrote past the new one's). Records the new rows and the host ranks; the caller
+        issues the copies (engine.lora.slots)."""
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        zeros: list[torch.Tensor] = []
+        for j, (blk, part) in enumerate(zip(self.blocks, packed.parts)):
+            rows, old = part.size(0), self.rows_written[slot][j]
+            if rows:
+                pairs.append((blk[slot, :rows], part))
+            if old > rows:
+                zeros.append(blk[slot, rows:old])
+            self.rows_written[slot][j] = rows
+        for i in range(len(self.module_names)):
+            self.ranks[i][slot], self.a_ranks[i][slot] = packed.ranks[i], packed.a_ranks[i]
+        return pairs, zeros
+
+    def set_slot(self, slot: int, modules: Mapping[str, LoRAModule] | PackedLayer) -> None:
+        """Copy an adapter's tensors for this layer into `slot` (absent modules get rank 0). The engine fills
+        all layers at once through engine.lora.slots.SlotFiller instead."""
+        pairs, zeros = self.slot_copies(slot, modules if isinstance(modules, PackedLayer) else self.pack(modules))
+        run_copies(pairs, zeros)
 
     def clear_slot(self, slot: int) -> None:
+        zeros = [blk[slot, :rows] for blk, rows in zip(self.blocks, self.rows_written[slot]) if rows]
+        if zeros:
+            torch._foreach_zero_(zeros)
+        self.rows_written[slot] = [0] * len(self.blocks)
         for i in range(len(self.module_names)):
-            self.lora_a[i][slot].zero_()
-            self.lora_b[i][slot].zero_()
-            self.ranks[i][slot] = 0
-            self.a_ranks[i][slot] = 0
-        self.ranks_dev[:, slot] = 0
-        self.a_ranks_dev[:, slot] = 0
+            self.ranks[i][slot] = self.a_ranks[i][slot] = 0
 
     def slot_ranks(self, a_side: bool = False) -> SlotRanks:
         """Per-slice ranks of every slot: B side (true ranks) or A side (valid rows of this rank's A)."""
