@@ -35,6 +35,7 @@ from kernels.registry import Choice
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LORA_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 """Decode batch sizes captured as graphs (those up to max_num_seqs)."""
 
@@ -67,9 +68,12 @@ class ModelRunner:
         self.model.eval()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.lora_layers: list[BaseLayerWithLoRA] = []
+        self.lora_dtype = self.dtype if config.lora.lora_dtype == "auto" else LORA_DTYPES[config.lora.lora_dtype]
+        """How adapter A/B are stored in the slots (fp8: e4m3 + per-row scales)."""
         if config.lora.enable_lora:
             self.lora_layers = wrap_model(self.model, self.model.lora_targets, config.lora.max_loras,
-                                          config.lora.max_lora_rank, self.dtype, config.lora.fully_sharded_loras)
+                                          config.lora.max_lora_rank, self.dtype, config.lora.fully_sharded_loras,
+                                          self.lora_dtype)
         self.lora_impl: type[LoRABatch] = ReferenceLoRABatch
         self.lora_fill = SlotFiller(self.lora_layers, device.torch_device, device.pins_memory)
         self._lora_packs: weakref.WeakKeyDictionary[LoRAAdapter, AdapterPack] = weakref.WeakKeyDictionary()
@@ -163,7 +167,7 @@ class ModelRunner:
         """Check the device's LoRA candidates on the first wrapped layer's real shapes (few tokens)."""
         w, candidates = self.lora_layers[0], self.device.lora_candidates(self.config.kernels.lora)
         impl, choice = choose_impl(candidates, w.base.in_features, w.b_sizes(), w.max_rank, self.config.lora.max_loras,
-                                   self.dtype, self.device.torch_device)
+                                   self.dtype, self.device.torch_device, self.lora_dtype)
         self.kernel_choices.append(choice)
         return impl
 

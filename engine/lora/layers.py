@@ -33,8 +33,9 @@ from engine.layers.linear import (
     SectionedColumnParallelLinear,
 )
 from engine.lora.adapter import LoRAModule
-from engine.lora.punica import SlotRanks
+from engine.lora.punica import Scales, SlotRanks
 from engine.lora.slots import run_copies
+from kernels.reference import fp8_rows
 
 
 def shrink_needs_gather(fully_sharded: bool, tp_size: int) -> bool:
@@ -55,7 +56,9 @@ class PackedLayer:
 
 class BaseLayerWithLoRA(nn.Module):
     def __init__(self, base: LinearBase, module_names: list[str], max_loras: int, max_rank: int,
-                 dtype: torch.dtype, fully_sharded: bool = False) -> None:
+                 dtype: torch.dtype, fully_sharded: bool = False, weight_dtype: torch.dtype | None = None) -> None:
+        """dtype: the model's; weight_dtype: how A and B are stored (default dtype; float8_e4m3fn: fp8 with a
+        float32 scale per rank row of A and per output row of B, dequantized by the LoRA ops)."""
         super().__init__()
         self.base = base
         self.module_names = module_names
@@ -64,19 +67,30 @@ class BaseLayerWithLoRA(nn.Module):
         self.fully_sharded = fully_sharded and base.tp_size > 1
         dev = base.device  # the base layer's own API, whatever its linear method
         n, k, sizes = len(module_names), self.base.in_features, self.b_sizes()
+        wd = weight_dtype or dtype
+        self.fp8 = wd == torch.float8_e4m3fn
         # Slot storage, rank rows outermost inside a slot: an adapter of rank r fills a contiguous prefix of
         # each block (one copy per block, the stale rows past it are one range), see engine/lora/slots.py.
         #   A block [S, a_rows, n*K]: slice i's A = columns [i*K, (i+1)*K).
         #   B block [S, r_max, sum n_i] rank-major (the Triton expand reads it ~2x faster than r-contiguous,
         #   measured on an H200, docs/PERFORMANCE.md): slice i's B^T = columns [off_i, off_i + n_i).
         #   rank block [S, 1, 2n] int32: the true ranks, then the valid A rows, of each slice.
-        self.a_store = torch.zeros(max_loras, self.a_rows(), n * k, dtype=dtype, device=dev)
-        self.b_store = torch.zeros(max_loras, max_rank, sum(sizes), dtype=dtype, device=dev)
+        #   fp8 only: A scales [S, a_rows, n] (slice i's in column i), B scales [S, 1, sum n_i] float32.
+        self.a_store = torch.zeros(max_loras, self.a_rows(), n * k, dtype=wd, device=dev)
+        self.b_store = torch.zeros(max_loras, max_rank, sum(sizes), dtype=wd, device=dev)
         self.rank_store = torch.zeros(max_loras, 1, 2 * n, dtype=torch.int32, device=dev)
         self.blocks: list[torch.Tensor] = [self.a_store, self.b_store, self.rank_store]
+        b_offs = [sum(sizes[:i]) for i in range(n)]
+        self.scales: Scales | None = None
+        """fp8: each slice's scale views (what the LoRA ops dequantize with); None otherwise."""
+        if self.fp8:
+            a_sc = torch.zeros(max_loras, self.a_rows(), n, dtype=torch.float32, device=dev)
+            b_sc = torch.zeros(max_loras, 1, sum(sizes), dtype=torch.float32, device=dev)
+            self.blocks += [a_sc, b_sc]
+            self.scales = Scales([a_sc[:, :, i] for i in range(n)],
+                                 [b_sc[:, 0, o:o + m] for o, m in zip(b_offs, sizes)])
         self.lora_a = [self.a_store[:, :, i * k:(i + 1) * k] for i in range(n)]
         """Slice i's A as [S, a_rows, K] (a view of a_store)."""
-        b_offs = [sum(sizes[:i]) for i in range(n)]
         self.lora_b = [self.b_store[:, :, o:o + m].transpose(1, 2) for o, m in zip(b_offs, sizes)]
         """Slice i's B as [S, n_i, r_max] (a transposed view of b_store)."""
         self.ranks: list[list[int]] = [[0] * max_loras for _ in module_names]
@@ -118,12 +132,14 @@ class BaseLayerWithLoRA(nn.Module):
     def pack_rows(self, modules: Mapping[str, LoRAModule]) -> list[int]:
         """Rows of each block that an adapter fills (its packed form's shapes: pack_rows x block width)."""
         shards = [s for s in self._shards(modules) if s is not None]
-        return [max((a.size(0) for a, _, _ in shards), default=0), max((r for _, _, r in shards), default=0), 1]
+        ra, rb = max((a.size(0) for a, _, _ in shards), default=0), max((r for _, _, r in shards), default=0)
+        return [ra, rb, 1, ra, 1 if shards else 0] if self.fp8 else [ra, rb, 1]
 
     def pack_into(self, modules: Mapping[str, LoRAModule], parts: list[torch.Tensor]) -> PackedLayer:
         """Write the adapter's tensors for this layer into `parts` (zero-filled host tensors [pack_rows[j],
-        width of block j] in the blocks' dtypes), converted, sharded and laid out as the slot blocks hold them."""
-        a_part, b_part, r_part = parts
+        width of block j] in the blocks' dtypes), converted (fp8: quantized per row), sharded and laid out as
+        the slot blocks hold them."""
+        a_part, b_part, r_part = parts[:3]
         k, sizes = self.base.in_features, self.b_sizes()
         n = len(sizes)
         ranks, a_ranks = [0] * n, [0] * n
@@ -132,6 +148,10 @@ class BaseLayerWithLoRA(nn.Module):
                 continue
             a, b, r = s
             off = sum(sizes[:i])
+            if self.fp8:
+                (a, sa), (b, sb) = fp8_rows(a), fp8_rows(b)
+                parts[3][:a.size(0), i] = sa
+                parts[4][0, off:off + sizes[i]] = sb
             a_part[:a.size(0), i * k:(i + 1) * k].copy_(a)
             b_part[:r, off:off + sizes[i]].copy_(b.t())
             ranks[i], a_ranks[i] = r, a.size(0)
@@ -251,11 +271,12 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
         if mapping is None:
             return y
         if not shrink_needs_gather(self.fully_sharded, self.tp_size):
-            return mapping.add_lora(y, x, self.lora_a, self.lora_b, self.slot_ranks(), self.offsets)
+            return mapping.add_lora(y, x, self.lora_a, self.lora_b, self.slot_ranks(), self.offsets, scales=self.scales)
         ranks, a_ranks = self.slot_ranks(), self.slot_ranks(a_side=True)
         for i, off in enumerate(self.offsets):
-            buf = all_gather(mapping.shrink(x, self.lora_a[i], a_ranks.slice(i)), dim=-1)  # [T, r_max]
-            mapping.expand(y, buf, self.lora_b[i], ranks.slice(i), off)
+            sa, sb = (self.scales.a[i], self.scales.b[i]) if self.scales is not None else (None, None)
+            buf = all_gather(mapping.shrink(x, self.lora_a[i], a_ranks.slice(i), sa), dim=-1)  # [T, r_max]
+            mapping.expand(y, buf, self.lora_b[i], ranks.slice(i), off, b_scale=sb)
         return y
 
 
@@ -293,10 +314,11 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
         if mapping is not None:
             ranks = self.slot_ranks()
             if self.fully_sharded:
-                buf = all_reduce(mapping.shrink(x, self.lora_a[0], self.slot_ranks(a_side=True)))  # full x A^T
-                mapping.expand(y, buf, self.lora_b[0], ranks, self.tp_rank * self.b_sizes()[0])
+                sa, sb = (self.scales.a[0], self.scales.b[0]) if self.scales is not None else (None, None)
+                buf = all_reduce(mapping.shrink(x, self.lora_a[0], self.slot_ranks(a_side=True), sa))  # full x A^T
+                mapping.expand(y, buf, self.lora_b[0], ranks, self.tp_rank * self.b_sizes()[0], b_scale=sb)
             else:
-                mapping.add_lora(y, x, self.lora_a, self.lora_b, ranks, [0])
+                mapping.add_lora(y, x, self.lora_a, self.lora_b, ranks, [0], scales=self.scales)
         return self.base.reduce(y)
 
 
@@ -304,7 +326,8 @@ WRAPPERS: tuple[type[BaseLayerWithLoRA], ...] = (ColumnParallelLinearWithLoRA, R
 
 
 def wrap_model(model: nn.Module, targets: Mapping[str, tuple[str, int]], max_loras: int, max_rank: int,
-               dtype: torch.dtype, fully_sharded: bool = False) -> list[BaseLayerWithLoRA]:
+               dtype: torch.dtype, fully_sharded: bool = False, weight_dtype: torch.dtype | None = None
+               ) -> list[BaseLayerWithLoRA]:
     """Replace every LoRA-targetable layer in place. targets: checkpoint leaf (q_proj) -> (our layer, slice)."""
     by_layer: dict[str, list[tuple[int, str]]] = {}
     for leaf, (layer, idx) in targets.items():
@@ -318,7 +341,7 @@ def wrap_model(model: nn.Module, targets: Mapping[str, tuple[str, int]], max_lor
         if cls is None:
             raise TypeError(f"{path}: no LoRA wrapper for {type(module).__name__}")
         names = [f"{parent_path}.{ckpt}" for _, ckpt in sorted(by_layer[leaf])]
-        w = cls(module, names, max_loras, max_rank, dtype, fully_sharded)  # type: ignore[arg-type]
+        w = cls(module, names, max_loras, max_rank, dtype, fully_sharded, weight_dtype)  # type: ignore[arg-type]
         setattr(model.get_submodule(parent_path), leaf, w)
         wrapped.append(w)
     return wrapped
