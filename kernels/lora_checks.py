@@ -79,19 +79,20 @@ def check_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGro
     _check_info(info, x.size(0), x.device)
 
 
-def check_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: TokenGroups,
+def check_expand(y: torch.Tensor, buf: torch.Tensor | None, lora_b: Sequence[torch.Tensor], info: TokenGroups,
                  offsets: Sequence[int], b_scales: Sequence[torch.Tensor] | None = None) -> None:
-    if y.dim() != 2 or buf.dim() != 3 or not lora_b:
+    """buf None: the fused kernel (no shrink buffer)."""
+    if y.dim() != 2 or (buf is not None and buf.dim() != 3) or not lora_b:
         raise ValueError(f"lora_expand: y must be [T, N], buf [n_slices, T, r_max]; got {tuple(y.shape)}, "
-                         f"{tuple(buf.shape)}")
+                         f"{None if buf is None else tuple(buf.shape)}")
     b0 = lora_b[0]
     n_slices, num_slots, r_max = len(lora_b), b0.size(0), b0.size(-1)
     if len(offsets) != n_slices:
         raise ValueError("lora_expand: one offset per slice")
-    if buf.shape != (n_slices, y.size(0), r_max):
+    if buf is not None and buf.shape != (n_slices, y.size(0), r_max):
         raise ValueError(f"lora_expand: shrink result {tuple(buf.shape)} does not match {n_slices} slices of "
                          f"LoRA B (rank dim {r_max}) for {y.size(0)} tokens")
-    if buf.dtype != torch.float32 or buf.device != y.device or buf.stride(-1) != 1:
+    if buf is not None and (buf.dtype != torch.float32 or buf.device != y.device or buf.stride(-1) != 1):
         raise ValueError("lora_expand: buf must be float32 on y's device, contiguous in its last dim")
     for b, off in zip(lora_b, offsets):
         if b.dim() != 3 or b.size(0) != num_slots or b.size(-1) != r_max or b.dtype != b0.dtype:

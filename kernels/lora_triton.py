@@ -22,13 +22,15 @@ a graph.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kernels.lora_checks import b_rank_major, check_expand, check_ranks, check_shrink
-from kernels.triton_env import interpreting, tl, triton
+from kernels.lora_kernels import _lora_expand_kernel, _lora_fused_kernel, _lora_shrink_kernel
+from kernels.triton_env import interpreting, triton
 
 __all__ = ["TokenGroups", "add_lora", "lora_expand", "lora_shrink", "max_blocks"]
 
@@ -84,175 +86,29 @@ Their number is bounded by wrapped layers x launch shapes."""
 
 
 # ----------------------------------------------------------------------------------------------------
-# kernels
-
-if triton is not None:
-
-    @triton.jit
-    def _e4m3_as_f16(u8):
-        """fp8 e4m3fn bytes -> float16 holding value * 2^-8, exactly (normals and subnormals alike): the
-        4 exponent and 3 mantissa bits moved into float16's fields, the bias difference (15 - 7) left to
-        the caller's scale. Bit operations only: the same on every backend and in the interpreter."""
-        u = u8.to(tl.uint16)
-        return (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.float16, bitcast=True)
-
-    @triton.jit
-    def _lora_shrink_kernel(
-        x_ptr, a_table_ptr, a0_ptr, buf_ptr, ranks_ptr, meta_ptr,
-        sorted_off, blocks_off, num_blocks, chunk,
-        K, K_PER_SPLIT, R_MAX, num_slots,
-        stride_xm, stride_xk, stride_a0, stride_a1, stride_s0, stride_s1,
-        stride_bk, stride_bs, stride_bm, stride_rs, stride_rt,
-        NUM_RB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-        EVEN_K: tl.constexpr, ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr,
-    ):  # fmt: skip
-        """buf[ks, s, t, r] = sum_{k in split ks} x[t, k] * A_s[slot[t], r, k] * (fp8: scale_s[slot[t], r]);
-        slot[t] >= 0, r < rank[s, slot[t]]."""
-        pid_b = tl.program_id(0)
-        pid_sr = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        s = pid_sr // NUM_RB
-        r0 = (pid_sr % NUM_RB) * BLOCK_R
-        slot = tl.load(meta_ptr + blocks_off + pid_b)
-        if slot >= num_slots:  # an unused block of the upper-bound grid
-            return
-        rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot * stride_rt), R_MAX)
-        if r0 >= rank:  # no work on rank padding
-            return
-        # This program's tokens: a run of one slot's tokens (up to `chunk`), in BLOCK_M tiles; the slot's A
-        # tile comes from DRAM once and from the cache for the following tiles.
-        m_lo = tl.load(meta_ptr + blocks_off + num_blocks + pid_b)
-        m_hi = tl.minimum(tl.load(meta_ptr + blocks_off + 2 * num_blocks + pid_b), m_lo + chunk)
-        a_ptr = tl.load(a_table_ptr + 2 * s).to(tl.pointer_type(a0_ptr.dtype.element_ty))
-        if ALIGNED:  # the host checked: 16-byte aligned bases (lets the loads vectorise)
-            a_ptr = tl.multiple_of(a_ptr, 16)
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        mask_r = offs_r < rank
-        k_lo = pid_k * K_PER_SPLIT  # K_PER_SPLIT is a multiple of BLOCK_K
-        k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-        if FP8:  # per rank row; 256 undoes _e4m3_as_f16's 2^-8
-            sc_ptr = tl.load(a_table_ptr + 2 * s + 1).to(tl.pointer_type(tl.float32))
-            scale = tl.load(sc_ptr + slot.to(tl.int64) * stride_s0 + offs_r * stride_s1, mask=mask_r, other=0.0) * 256.0
-        for m0 in range(m_lo, m_hi, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            mask_m = rows < m_hi
-            tok = tl.load(meta_ptr + sorted_off + rows, mask=mask_m, other=0).to(tl.int64)
-            offs_k = k_lo + tl.arange(0, BLOCK_K)
-            x_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :] * stride_xk
-            a_ptrs = a_ptr + slot.to(tl.int64) * stride_a0 + offs_r[None, :] * stride_a1 + offs_k[:, None]  # [BK, BR]
-            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                if EVEN_K:
-                    xt = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-                    at = tl.load(a_ptrs, mask=mask_r[None, :], other=0)
-                else:
-                    mask_k = (k0 - k_lo + offs_k) < K
-                    xt = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                    at = tl.load(a_ptrs, mask=mask_r[None, :] & mask_k[:, None], other=0)
-                if FP8:
-                    at = _e4m3_as_f16(at)
-                if FP32_DOT:
-                    acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
-                else:
-                    acc += tl.dot(xt, at.to(xt.dtype))  # 16-bit inputs, fp32 accumulate
-                x_ptrs += BLOCK_K * stride_xk
-                a_ptrs += BLOCK_K
-            if FP8:
-                acc = acc * scale[None, :]
-            out = buf_ptr + pid_k * stride_bk + s * stride_bs + tok[:, None] * stride_bm + offs_r[None, :]
-            tl.store(out, acc, mask=mask_m[:, None] & mask_r[None, :])
-
-    @triton.jit
-    def _lora_expand_kernel(
-        y_ptr, buf_ptr, b_table_ptr, b0_ptr, ranks_ptr, meta_ptr,
-        sorted_off, blocks_off, num_blocks, chunk,
-        R_MAX, num_slots,
-        stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_bn, stride_rs, stride_rt,
-        NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, ADD_INPUTS: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, BLOCK_R: tl.constexpr, B_RANK_MAJOR: tl.constexpr,
-        ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr,
-    ):  # fmt: skip
-        """y[t, off_s + n] (+)= sum_{r < rank[s, slot[t]]} sum_ks buf[ks, s, t, r] * B_s[slot[t], n, r]
-        * (fp8: scale_s[slot[t], n]); slot[t] >= 0."""
-        pid_b = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        slot = tl.load(meta_ptr + blocks_off + pid_b)
-        if slot >= num_slots:
-            return
-        # Which slice owns this column group: table row s = (ptr, stride0, n_s, offset_s, first group of s,
-        # rank stride of s when B is stored rank-major, fp8 scale ptr, its slot stride).
-        s = 0
-        for i in tl.static_range(1, NUM_SLICES):
-            s += (pid_n >= tl.load(b_table_ptr + i * 8 + 4)).to(tl.int32)
-        tab = b_table_ptr + s * 8
-        rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot * stride_rt), R_MAX)
-        if ADD_INPUTS and rank == 0:  # adds nothing (a replace still writes its zeros)
-            return
-        b_ptr = tl.load(tab).to(tl.pointer_type(b0_ptr.dtype.element_ty))
-        stride_b0 = tl.load(tab + 1)
-        n_s = tl.load(tab + 2).to(tl.int32)
-        y_off = tl.load(tab + 3).to(tl.int32)
-        if B_RANK_MAJOR:  # B_s[slot] stored [r_max, n_s] (n contiguous): rank rows are read whole, padding never
-            stride_r = tl.load(tab + 5)
-        else:  # [n_s, r_max] (r contiguous)
-            stride_r = 1
-        if ALIGNED:  # the host checked: 16-byte aligned bases, sizes, offsets and strides multiples of 8
-            b_ptr = tl.multiple_of(b_ptr, 16)
-            stride_b0 = tl.multiple_of(stride_b0, 8)
-            n_s = tl.multiple_of(n_s, 8)
-            y_off = tl.multiple_of(y_off, 8)
-            if B_RANK_MAJOR:
-                stride_r = tl.multiple_of(stride_r, 8)
-        n_first = (pid_n - tl.load(tab + 4).to(tl.int32)) * (BLOCK_N * N_ITERS)
-        if FP8:
-            sc_ptr = tl.load(tab + 6).to(tl.pointer_type(tl.float32)) + slot.to(tl.int64) * tl.load(tab + 7)
-        m_lo = tl.load(meta_ptr + blocks_off + num_blocks + pid_b)
-        m_hi = tl.minimum(tl.load(meta_ptr + blocks_off + 2 * num_blocks + pid_b), m_lo + chunk)
-        offs_r = tl.arange(0, BLOCK_R)
-        b_slot = b_ptr + slot.to(tl.int64) * stride_b0 + offs_r[:, None] * stride_r  # [BR, 1]
-        for m0 in range(m_lo, m_hi, BLOCK_M):  # the run's tokens in tiles; B tiles come from the cache after the first
-            rows = m0 + tl.arange(0, BLOCK_M)
-            mask_m = rows < m_hi
-            tok = tl.load(meta_ptr + sorted_off + rows, mask=mask_m, other=0).to(tl.int64)
-            buf_rows = buf_ptr + s * stride_bs + tok[:, None] * stride_bm + offs_r[None, :]  # [BM, BR]
-            y_rows = y_ptr + tok[:, None] * stride_ym
-            for j in range(N_ITERS):  # several column blocks per program: the slot/token lookups are paid once
-                offs_n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)
-                mask_n = offs_n < n_s
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for r0 in range(0, rank, BLOCK_R):  # only the slot's true rank
-                    mask_r = (r0 + offs_r) < rank
-                    bt = tl.load(buf_rows + r0, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-                    for kk in tl.static_range(1, SPLIT_K):  # the shrink's K splits, summed in a fixed order
-                        bt += tl.load(buf_rows + kk * stride_bk + r0, mask=mask_m[:, None] & mask_r[None, :],
-                                      other=0.0)
-                    wt = tl.load(b_slot + r0 * stride_r + offs_n[None, :] * stride_bn,
-                                 mask=mask_r[:, None] & mask_n[None, :], other=0)  # [BR, BN]
-                    if FP8:
-                        wt = _e4m3_as_f16(wt)
-                    if FP32_DOT:
-                        acc += tl.dot(bt, wt.to(tl.float32), input_precision="ieee")
-                    elif FP8:
-                        acc += tl.dot(bt.to(y_ptr.dtype.element_ty), wt.to(y_ptr.dtype.element_ty))
-                    else:
-                        acc += tl.dot(bt.to(wt.dtype), wt)  # shrink result rounded to B's 16-bit dtype, fp32 accumulate
-                if FP8:  # per output row of B; 256 undoes _e4m3_as_f16's 2^-8
-                    acc = acc * (tl.load(sc_ptr + offs_n, mask=mask_n, other=0.0) * 256.0)[None, :]
-                y_ptrs = y_rows + (y_off + offs_n)[None, :] * stride_yn
-                mask = mask_m[:, None] & mask_n[None, :]
-                out = acc.to(y_ptr.dtype.element_ty)
-                if ADD_INPUTS:  # like torch's y += out.to(y.dtype): add in fp32, round once
-                    out = (tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32) + out.to(tl.float32)).to(out.dtype)
-                tl.store(y_ptrs, out, mask=mask)
-
-
-# ----------------------------------------------------------------------------------------------------
 # launch configuration (sizes chosen by measurement on an H200; `CONFIG_OVERRIDES` is for tuning runs)
 
-CONFIG_OVERRIDES: dict[str, int] = {}
-"""Force a launch parameter: shrink_block_k, shrink_split_k, shrink_block_r, shrink_warps, shrink_stages,
-expand_block_n, expand_n_iters, expand_warps, expand_stages, block_m (the token tile; the schedule's runs of
-one slot's tokens are TokenGroups.block_m long) (tuning scripts only; empty in normal use)."""
+CONFIG_KEYS = ("fused", "run_m", "block_m", "shrink_block_k", "shrink_split_k", "shrink_block_r", "shrink_warps",
+               "shrink_stages", "expand_block_n", "expand_n_iters", "expand_warps", "expand_stages", "fused_block_k",
+               "fused_block_n", "fused_n_iters", "fused_warps", "fused_stages")
+
+
+def _env_overrides(text: str) -> dict[str, int]:
+    """XPULORA_LORA_CONFIG="fused=1,expand_n_iters=4" -> {"fused": 1, "expand_n_iters": 4} (tuning runs)."""
+    out: dict[str, int] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, _, val = item.partition("=")
+        if key not in CONFIG_KEYS or not val.lstrip("-").isdigit():
+            raise ValueError(f"XPULORA_LORA_CONFIG: {item!r} is not KEY=INT with KEY one of {', '.join(CONFIG_KEYS)}")
+        out[key] = int(val)
+    return out
+
+
+CONFIG_OVERRIDES: dict[str, int] = _env_overrides(os.environ.get("XPULORA_LORA_CONFIG", ""))
+"""Force a launch parameter (CONFIG_KEYS): fused (add_lora in one launch), run_m (tokens of one slot per
+program: TokenGroups.block_m, set by engine.lora.punica.group_tokens), block_m (the token tile a program steps
+through its run in), the split kernels' shrink_* / expand_* and the fused kernel's fused_* sizes. For tuning
+runs (benchmarks, or XPULORA_LORA_CONFIG in the environment); empty normally."""
 
 
 def _block_r(r_max: int) -> int:
@@ -276,6 +132,23 @@ def _shrink_config(k: int, r_max: int = _BLOCK_R) -> dict[str, int]:
     return dict(block_k=block_k, split_k=split, k_per_split=triton.cdiv(iters, split) * block_k,
                 block_r=_block_r(r_max),
                 num_warps=CONFIG_OVERRIDES.get("shrink_warps", 4), num_stages=CONFIG_OVERRIDES.get("shrink_stages", 3))
+
+
+def use_fused(r_max: int) -> bool:
+    """add_lora in one launch (each program computes its tokens' whole shrink, then expands its columns) instead
+    of two (a K-split shrink, then the expand); ranks up to 64 only (one rank chunk held in registers)."""
+    return bool(CONFIG_OVERRIDES.get("fused", 0)) and r_max <= 64
+
+
+def _fused_config(k: int, n_max: int) -> dict[str, int]:
+    block_k = CONFIG_OVERRIDES.get("fused_block_k", 128 if k >= 128 else 16)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    block_n = CONFIG_OVERRIDES.get("fused_block_n", 256 if n_max >= 256 else 64 if n_max >= 64 else 16)
+    # Columns per program: each program re-reads its slot's A (from the cache after the first), so few, wide
+    # column groups per slice.
+    n_iters = CONFIG_OVERRIDES.get("fused_n_iters", max(1, min(8, triton.cdiv(n_max, block_n))))
+    return dict(block_k=block_k, block_n=block_n, n_iters=n_iters,
+                num_warps=CONFIG_OVERRIDES.get("fused_warps", 4), num_stages=CONFIG_OVERRIDES.get("fused_stages", 3))
 
 
 def _expand_config(n_max: int, num_tokens: int) -> dict[str, int]:
@@ -370,26 +243,33 @@ def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGrou
     return out
 
 
+def _b_table(lora_b: Sequence[torch.Tensor], offsets: Sequence[int], b_scales: Sequence[torch.Tensor] | None,
+             cols_per_program: int, device: torch.device) -> tuple[torch.Tensor, int, bool, bool]:
+    """(table, column groups in all, aligned, rank-major) of the slices' B for an expand-style grid: table row s =
+    (ptr, slot stride, n_s, y offset, first column group, rank stride, fp8 scale ptr, its slot stride)."""
+    raw = [_raw(b) for b in lora_b]
+    rank_major = b_rank_major(raw)
+    rows, first, aligned = [], 0, True
+    scales = b_scales if b_scales is not None else lora_b
+    for b, off, sc in zip(raw, offsets, scales):
+        rows.append([b.data_ptr(), b.stride(0), b.size(1), int(off), first, b.stride(2), sc.data_ptr(), sc.stride(0)])
+        first += triton.cdiv(b.size(1), cols_per_program)
+        aligned = (aligned and b.data_ptr() % 16 == 0 and b.stride(0) % 8 == 0 and b.size(1) % 8 == 0
+                   and off % 8 == 0 and b.stride(2 if rank_major else 1) % 8 == 0)
+    return _ptr_table(rows, device), first, aligned, rank_major
+
+
 def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: TokenGroups,
                    offsets: Sequence[int], r: torch.Tensor, add_inputs: bool,
                    b_scales: Sequence[torch.Tensor] | None) -> None:
     """buf [split_k, n_slices, T, r_max] float32, summed over split_k in order inside the kernel."""
     fp8 = lora_b[0].dtype == torch.float8_e4m3fn
-    raw = [_raw(b) for b in lora_b]
-    b0 = raw[0]
-    rank_major = b_rank_major(raw)
-    cfg = _expand_config(max(b.size(1) for b in raw), y.size(0))
+    b0 = _raw(lora_b[0])
+    cfg = _expand_config(max(b.size(1) for b in lora_b), y.size(0))
     block_n, n_iters = cfg["block_n"], cfg["n_iters"]
-    rows, first, aligned = [], 0, True
-    scales = b_scales if b_scales is not None else lora_b
-    for b, off, sc in zip(raw, offsets, scales):
-        rows.append([b.data_ptr(), b.stride(0), b.size(1), int(off), first, b.stride(2), sc.data_ptr(), sc.stride(0)])
-        first += triton.cdiv(b.size(1), block_n * n_iters)
-        aligned = (aligned and b.data_ptr() % 16 == 0 and b.stride(0) % 8 == 0 and b.size(1) % 8 == 0
-                   and off % 8 == 0 and b.stride(2 if rank_major else 1) % 8 == 0)
-    table = _ptr_table(rows, y.device)
+    table, groups, aligned, rank_major = _b_table(lora_b, offsets, b_scales, block_n * n_iters, y.device)
     sorted_off, blocks_off, nb = _meta_offsets(info)
-    _lora_expand_kernel[(nb, first)](
+    _lora_expand_kernel[(nb, groups)](
         y, buf, table, b0, r, info.meta,
         sorted_off, blocks_off, nb, info.block_m,
         b0.size(-1), b0.size(0),
@@ -398,6 +278,35 @@ def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Te
         BLOCK_N=block_n, N_ITERS=n_iters, BLOCK_R=_block_r(b0.size(-1)), B_RANK_MAJOR=rank_major, ALIGNED=aligned,
         FP32_DOT=interpreting() or b0.dtype == torch.float32 or (fp8 and y.dtype == torch.float32), FP8=fp8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+
+
+def _launch_fused(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
+                  info: TokenGroups, offsets: Sequence[int], r: torch.Tensor, add_inputs: bool,
+                  a_scales: Sequence[torch.Tensor] | None, b_scales: Sequence[torch.Tensor] | None) -> None:
+    """Shrink and expand in one launch (r_max <= 64): program (token run, column group of one slice)."""
+    fp8 = lora_a[0].dtype == torch.float8_e4m3fn
+    a0, b0 = _raw(lora_a[0]), _raw(lora_b[0])
+    num_slots, r_max, k = a0.shape
+    cfg = _fused_config(k, max(b.size(1) for b in lora_b))
+    sc_a = a_scales if a_scales is not None else lora_a
+    a_table = _ptr_table([[a.data_ptr(), sc.data_ptr()] for a, sc in zip(lora_a, sc_a)], x.device)
+    b_table, groups, aligned, rank_major = _b_table(lora_b, offsets, b_scales, cfg["block_n"] * cfg["n_iters"],
+                                                    y.device)
+    sorted_off, blocks_off, nb = _meta_offsets(info)
+    s0 = sc_a[0]
+    _lora_fused_kernel[(nb, groups)](
+        y, x, a_table, a0, b_table, b0, r, info.meta,
+        sorted_off, blocks_off, nb, info.block_m,
+        k, r_max, num_slots,
+        x.stride(0), x.stride(1), a0.stride(0), a0.stride(1), s0.stride(0), s0.stride(1),
+        y.stride(0), y.stride(1), b0.stride(1), r.stride(0), r.stride(1),
+        NUM_SLICES=len(lora_b), ADD_INPUTS=bool(add_inputs), BLOCK_M=_block_m(info), BLOCK_N=cfg["block_n"],
+        N_ITERS=cfg["n_iters"], BLOCK_R=_block_r(r_max), BLOCK_K=cfg["block_k"], EVEN_K=k % cfg["block_k"] == 0,
+        B_RANK_MAJOR=rank_major, ALIGNED=aligned and all(a.data_ptr() % 16 == 0 for a in lora_a),
+        FP32_DOT=interpreting() or x.dtype == torch.float32 or (not fp8 and (x.dtype != a0.dtype or
+                                                                            b0.dtype == torch.float32)),
+        FP8=fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 
@@ -423,9 +332,9 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], l
              info: TokenGroups, offsets: Sequence[int], ranks: torch.Tensor, add_inputs: bool = True,
              a_scales: Sequence[torch.Tensor] | None = None,
              b_scales: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-    """y[:, off_s:off_s+n_s] (+)= (x @ A_s[slot].T)[:, :r] @ B_s[slot][:, :r].T per slice: two launches in all,
-    none when info.has_lora is False. fp8 A and B take their scales (see lora_shrink / lora_expand).
-    Returns y (in place)."""
+    """y[:, off_s:off_s+n_s] (+)= (x @ A_s[slot].T)[:, :r] @ B_s[slot][:, :r].T per slice: one launch (the fused
+    kernel, see use_fused) or two (shrink, expand) in all, none when info.has_lora is False. fp8 A and B take
+    their scales (see lora_shrink / lora_expand). Returns y (in place)."""
     _require_triton()
     if len(lora_a) != len(lora_b):
         raise ValueError("add_lora: one A and one B per slice")
@@ -435,6 +344,11 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], l
     n_slices, (_, r_max, k) = len(lora_a), lora_a[0].shape
     if lora_b[0].size(-1) != r_max:
         raise ValueError(f"add_lora: A rank dim {r_max} != B rank dim {lora_b[0].size(-1)}")
+    if use_fused(r_max):
+        check_expand(y, None, lora_b, info, offsets, b_scales)
+        r = check_ranks(ranks, n_slices, info.num_slots, x.device)
+        _launch_fused(y, x, lora_a, lora_b, info, offsets, r, add_inputs, a_scales, b_scales)
+        return y
     buf_shape = (n_slices, x.size(0), r_max)
     cfg = _shrink_config(k, r_max)
     # Per-split partials, summed in order by the expand; it reads only computed entries (active rows,

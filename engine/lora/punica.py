@@ -249,7 +249,11 @@ def choose_impl(candidates: Sequence[str], in_features: int, out_sizes: list[int
 
 
 def _default_block_m(num_tokens: int) -> int:
-    # Decode steps: few tokens per slot, small blocks waste little. Prefill: larger tiles for the expand.
+    """Tokens of one slot per program (the kernels go over them in 16-row tiles, reading the slot's weights
+    from DRAM once per run). Decode steps: short runs, more programs; prefill: longer runs."""
+    run = lora_triton.CONFIG_OVERRIDES.get("run_m")
+    if run is not None:
+        return run
     return 16 if num_tokens <= 256 else 32 if num_tokens <= 2048 else 64
 
 

@@ -78,6 +78,15 @@ def _ranks(ranks: list[list[int]], dev: torch.device) -> torch.Tensor:
     return torch.tensor(ranks, dtype=torch.int32, device=dev)
 
 
+@pytest.fixture(params=["split", "fused"])
+def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """add_lora as two launches (K-split shrink, expand) or one (the fused kernel)."""
+    from kernels import lora_triton
+
+    monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "fused", int(request.param == "fused"))
+    return request.param
+
+
 def _reference(p: dict, add_inputs: bool) -> torch.Tensor:
     y = p["y"].clone()
     for a, b, r, off in zip(p["a"], p["b"], p["ranks"], p["offsets"]):
@@ -94,7 +103,7 @@ def _reference(p: dict, add_inputs: bool) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("sizes", [[40], [48, 16], [48, 16, 24]], ids=["1slice", "2slices-rank-major-B", "3slices"])
 @pytest.mark.parametrize("add_inputs", [True, False], ids=["add", "replace"])
-def test_add_lora_matches_reference(dtype: torch.dtype, sizes: list[int], add_inputs: bool) -> None:
+def test_add_lora_matches_reference(dtype: torch.dtype, sizes: list[int], add_inputs: bool, variant: str) -> None:
     from kernels.lora_triton import add_lora
 
     assert DEV is not None
@@ -145,7 +154,7 @@ def test_single_slice_shrink_and_expand_match_reference(dtype: torch.dtype) -> N
 
 
 @needs_kernels
-def test_rank_zero_slot_replace_writes_zeros() -> None:
+def test_rank_zero_slot_replace_writes_zeros(variant: str) -> None:
     from kernels.lora_triton import add_lora
 
     assert DEV is not None
@@ -292,7 +301,7 @@ def _reference_scaled(p: dict, add_inputs: bool) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("sizes", [[40], [48, 16, 24]], ids=["1slice", "3slices"])
 @pytest.mark.parametrize("add_inputs", [True, False], ids=["add", "replace"])
-def test_fp8_weights_match_the_dequantizing_reference(dtype: torch.dtype, sizes: list[int], add_inputs: bool) -> None:
+def test_fp8_weights_match_the_dequantizing_reference(dtype: torch.dtype, sizes: list[int], add_inputs: bool, variant: str) -> None:
     """fp8 A/B decoded in the kernel (bit operations) and scaled per row = the reference's dequantized fp32
     weights, to the compute dtype's tolerance: the same quantized values on both sides."""
     from engine.lora.punica import Scales
@@ -325,7 +334,7 @@ def test_fp8_weights_match_the_dequantizing_reference(dtype: torch.dtype, sizes:
 @pytest.mark.parametrize(("run", "r_max", "pool"), [(64, 16, [16, 3, 0, 9]), (32, 128, [128, 70, 1, 0, 65])],
                          ids=["runs64-rmax16", "runs32-rmax128"])
 def test_runs_of_one_slot_and_wide_ranks(monkeypatch: pytest.MonkeyPatch, run: int, r_max: int,
-                                         pool: list[int]) -> None:
+                                         pool: list[int], variant: str) -> None:
     """A program takes a run of up to `run` tokens of one slot (several 16-row tiles: the slot's weights are read
     once for all of them); ranks above 64 take several rank chunks, each slot computing only below its rank."""
     from kernels import lora_triton
@@ -344,7 +353,7 @@ def test_runs_of_one_slot_and_wide_ranks(monkeypatch: pytest.MonkeyPatch, run: i
 
 
 @needs_kernels
-def test_fully_sharded_shapes_and_wrapper_storage() -> None:
+def test_fully_sharded_shapes_and_wrapper_storage(variant: str) -> None:
     """The wrappers' storage: slice views of one [S, rows, n*K] A store (strided rank rows) and of one rank-major
     [S, r_max, sum n] B store; a fully sharded column layer's A holds r_max / tp rows (its shrink result is
     gathered to r_max before the expand)."""
@@ -384,7 +393,7 @@ def test_fully_sharded_shapes_and_wrapper_storage() -> None:
 
 
 @pytest.mark.skipif(DEV is None or DEV.type != "cuda", reason="graph capture is checked on CUDA")
-def test_cuda_graph_capture_and_replay_with_new_mapping() -> None:
+def test_cuda_graph_capture_and_replay_with_new_mapping(variant: str) -> None:
     """The kernels need no host sync: capture once, then replay after writing a new mapping in place."""
     from kernels.lora_triton import add_lora
 
@@ -460,6 +469,9 @@ def test_bench_quick_runs_on_cpu(script: str) -> None:
                           cwd=REPO, env=_env(**extra), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if script == "bench_lora.py":  # one line per layer kind and case, then one per decoder-layer step
+        lines = [rec for rec in lines if rec.get("case") == "layer"]
     assert lines and all("us" in json.dumps(rec) for rec in lines), proc.stdout[-3000:]
     if interp:
-        assert any(rec.get("triton_us") is not None for rec in lines), proc.stdout[-3000:]
+        key = "eager_us" if script == "bench_lora.py" else "triton_us"
+        assert any(rec.get(key) is not None for rec in lines), proc.stdout[-3000:]
