@@ -1,23 +1,25 @@
 """Batched multi-LoRA shrink / expand in Triton (CUDA through `triton`, Intel GPUs through triton-xpu,
-the CPU under TRITON_INTERPRET=1). Same semantics as kernels.reference.lora_shrink / lora_expand.
+the CPU under TRITON_INTERPRET=1). Same semantics as kernels.reference.lora_shrink / lora_expand. The
+kernels themselves are in kernels.lora_kernels; this module checks shapes, sizes grids and launches.
 
 The launchers read the step's tokens grouped by adapter slot (`TokenGroups`, built once per step by
 engine.lora.punica from the host slot list, rewritten in place for graph replay) and each layer's true
-ranks as an int32 device tensor [n_slices, S]; a wrapped layer runs two launches whatever its number of
-slices: add_lora = lora_shrink (K-split partials) + lora_expand: y[:, off_s:off_s+n_s] (+)= ...
+ranks as an int32 device tensor [n_slices, S] (any strides); a wrapped layer runs two launches whatever its
+number of slices: add_lora = lora_shrink (K-split partials) + lora_expand: y[:, off_s:off_s+n_s] (+)= ...,
+or one with the fused variant (use_fused: each program computes its tokens' whole shrink, then expands it).
 
-Layouts: A_s [S, r_max, K] rank-major (K contiguous). B_s [S, n_s, r_max] either r-contiguous or, ~2x
-faster for small ranks (measured on an H200), a transposed view of rank-major storage [S, r_max, n_s]:
-then a rank-r adapter reads r whole rows and never touches its padding.
+Layouts: A_s [S, r_max, K] (K contiguous; the engine's slices are column ranges of one [S, r_max, n*K]
+store). B_s [S, n_s, r_max] either r-contiguous or, ~2x faster for small ranks (measured on an H200), a
+transposed view of rank-major storage [S, r_max, n_s]: then a rank-r adapter reads r whole rows and never
+touches its padding. fp8 e4m3 A / B come with float32 scales, per rank row of A and per output row of B.
 
-Work is scheduled in M-blocks of tokens that share one slot (tokens sorted by slot, each slot's run cut
-into blocks of BLOCK_M rows); slot -1 tokens belong to no block. Each program reads its slot's true rank
-from a device tensor and computes only rank columns below it (shrink: rank chunks at or past the rank
-exit; expand: the reduction loops over rank in BLOCK_R chunks up to the rank). The shrink splits K into
-a fixed number of ranges whose fp32 partials the expand sums in a fixed order; every element is written
-by exactly one program (no atomics): results are deterministic. Grids are sized from upper bounds
-(tokens, slots, r_max, output widths), so no launch needs a host sync and all of them can be captured in
-a graph.
+Work is scheduled in runs of tokens that share one slot (tokens sorted by slot, each slot's run cut into
+runs of TokenGroups.block_m tokens, which a program steps through in tiles of 16); slot -1 tokens belong to
+no run. Each program reads its slot's true rank from a device tensor and computes only rank columns below
+it. The split shrink cuts K into a fixed number of ranges whose fp32 partials the expand sums in a fixed
+order; every element is written by exactly one program (no atomics): results are deterministic. Grids are
+sized from upper bounds (tokens, slots, r_max, output widths), so no launch needs a host sync and all of
+them can be captured in a graph.
 """
 
 from __future__ import annotations

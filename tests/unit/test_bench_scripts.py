@@ -81,7 +81,7 @@ def test_gpu_engine_check_passes_and_fails_on_the_cpu(tmp_path: Path) -> None:
     cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_engine_check.py"), "--quick", "--device", "cpu",
            "--root", str(tmp_path)]
     ok = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert ok.returncode == 0 and "gpu_engine_check: PASS (5 checks)" in ok.stdout, ok.stdout[-3000:] + ok.stderr[-3000:]
+    assert ok.returncode == 0 and "gpu_engine_check: PASS (6 checks)" in ok.stdout, ok.stdout[-3000:] + ok.stderr[-3000:]
     if interpreter_skip_reason() is not None:  # the fault path runs the Triton kernels under the interpreter
         return
     env = {**os.environ, "TRITON_INTERPRET": "1", "XPULORA_KERNEL_FAULT": "lora=raise"}
