@@ -68,6 +68,16 @@ def write_adapter(path: str, s: Shape, layers: int, r: int, seed: int, only: str
     return path
 
 
+def adapter_bytes(s: Shape, layers: int, r: int, dtype: torch.dtype) -> int:
+    """Bytes of one adapter's A and B in the device slots stored as `dtype` (fp8: one byte per weight plus a
+    float32 scale per rank row of A and per output row of B); what a decode step reads per distinct adapter."""
+    el, fp8 = torch.empty(0, dtype=dtype).element_size(), dtype == torch.float8_e4m3fn
+    per = 0
+    for k, n in module_shapes(s).values():
+        per += r * (k + n) * el + ((r + n) * 4 if fp8 else 0)
+    return per * layers
+
+
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes/s of a device-to-device copy (read + write counted)."""
     n = 1 << 30 if device.type != "cpu" else 1 << 26
@@ -83,11 +93,13 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * n * 10 / (time.perf_counter() - t0)
 
 
-def engine_config(path: str, adapters: list[str], max_batch: int, device: str) -> EngineConfig:
+def engine_config(path: str, adapters: list[str], max_batch: int, device: str, lora_dtype: str = "auto"
+                  ) -> EngineConfig:
     """One engine per adapter count serves every batch size (graphs are captured up to max_batch), with
     max_loras = the number of adapters, as a deployment for that many would set it."""
     lora = LoRAConfig(enable_lora=True, max_loras=len(adapters), max_lora_rank=16,
-                      lora_modules=tuple((f"a{i}", p) for i, p in enumerate(adapters))) if adapters else LoRAConfig()
+                      lora_modules=tuple((f"a{i}", p) for i, p in enumerate(adapters)),
+                      lora_dtype=lora_dtype) if adapters else LoRAConfig()  # type: ignore[arg-type]
     return EngineConfig(ModelConfig(path, dtype="bfloat16" if device != "cpu" else "float32", max_model_len=512),
                         cache=CacheConfig(num_blocks=None if device == "cpu" else 8192),
                         scheduler=SchedulerConfig(max_num_seqs=max_batch), lora=lora)
@@ -196,6 +208,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     model_args(ap, [1, 8, 32, 64], [0, 1, 8, 32], "/tmp/xpulora-e2e")
     ap.add_argument("--peer-cases", default="32:8,32:32,1:0", help="batch:adapters pairs run with the peer too")
+    ap.add_argument("--lora-dtypes", nargs="+", default=["auto"], choices=["auto", "bfloat16", "float16", "fp8"],
+                    help="adapter storage (--lora-dtype) of the cases with adapters, each its own engine")
     a = ap.parse_args()
     device, s, layers, path, adapters = write_model(a)
     if a.quick:
@@ -207,20 +221,29 @@ def main() -> None:
     floor_ms = 1e3 * (weight_bytes - emb_bytes) / bw
     cases = [(b, n) for b in a.batches for n in a.adapters if n <= b]
     emit(case="plan", cases=cases)  # a run cut short by a time limit lacks some of these rows
-    for n in sorted({n for _, n in cases}):
+    base_ms: dict[int, float] = {}  # batch -> ms per step without adapters (measured first)
+    for n, ld in [(m, ld) for m in sorted({m for _, m in cases}) for ld in (a.lora_dtypes if m else ["auto"])]:
         rows = []
-        with LLMEngine(engine_config(path, adapters[:n], max(b for b, m in cases if m == n), device.type)) as e:
+        with LLMEngine(engine_config(path, adapters[:n], max(b for b, m in cases if m == n), device.type, ld)) as e:
             for b in [b for b, m in cases if m == n]:
                 r = ours(e, b, n, a.new_tokens)
-                rows.append({"case": "decode", "batch": b, "adapters": n, "layers": layers, **r,
-                             "async_scheduling": e.async_scheduling, "floor_ms_per_step": floor_ms,
-                             "vs_floor": r["ms_per_step"] / floor_ms})
+                row = {"case": "decode", "batch": b, "adapters": n, "layers": layers, **r,
+                       "async_scheduling": e.async_scheduling, "floor_ms_per_step": floor_ms,
+                       "vs_floor": r["ms_per_step"] / floor_ms}
                 if a.sync_too:
-                    rows[-1]["sync_ms_per_step"] = synchronous(e, lambda b=b, n=n: ours(e, b, n, a.new_tokens))[
-                        "ms_per_step"]
+                    row["sync_ms_per_step"] = synchronous(e, lambda b=b, n=n: ours(e, b, n, a.new_tokens))["ms_per_step"]
+                if n == 0:
+                    base_ms[b] = r["ms_per_step"]
+                else:  # what the adapters add to a step against what reading their bytes once takes
+                    byte_ms = 1e3 * min(n, b) * adapter_bytes(s, layers, 16, e.runner.lora_dtype) / bw
+                    row.update(lora_dtype=ld, adapter_byte_ms=byte_ms)
+                    if b in base_ms:
+                        added = r["ms_per_step"] - base_ms[b]
+                        row.update(lora_added_ms=added, added_over_bytes=added / byte_ms)
+                rows.append(row)
         for row in rows:  # the peer runs after our engine has freed the device
             b = row["batch"]
-            if (b, n) in peer_cases:
+            if (b, n) in peer_cases and row.get("lora_dtype", "auto") == a.lora_dtypes[0]:
                 row.update(peer(s, layers, adapters[:n], b, n, min(a.new_tokens, 32), device))
                 row["speedup_vs_peer"] = row["tokens_per_s"] / row["peer_tokens_per_s"]
             emit(**row)

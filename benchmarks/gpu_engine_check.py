@@ -42,12 +42,13 @@ ARGS = argparse.Namespace(device="cuda", lora_kernel="auto")
 
 
 def config(path: str, adapters: list[str], eager: bool, reference: bool, dtype: str, gdn: str | None = None,
-           max_batched: int = 2048, async_scheduling: bool | None = None) -> EngineConfig:
+           max_batched: int = 2048, async_scheduling: bool | None = None, lora_dtype: str = "auto") -> EngineConfig:
     ref = "reference" if reference else "auto"
     kernels = KernelConfig(lora="reference" if reference else ARGS.lora_kernel, attention=ref, fused=ref, int4=ref,
                            gdn=gdn or "auto")  # type: ignore[arg-type]
     lora = LoRAConfig(enable_lora=True, max_loras=4, max_lora_rank=16,
-                      lora_modules=tuple((f"a{i}", p) for i, p in enumerate(adapters)))
+                      lora_modules=tuple((f"a{i}", p) for i, p in enumerate(adapters)),
+                      lora_dtype=lora_dtype)  # type: ignore[arg-type]
     return EngineConfig(ModelConfig(path, dtype=dtype, max_model_len=512), cache=CacheConfig(num_blocks=2048),
                         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_batched), lora=lora,
                         enforce_eager=eager, parallel=ParallelConfig(device=ARGS.device), kernels=kernels,
@@ -55,10 +56,11 @@ def config(path: str, adapters: list[str], eager: bool, reference: bool, dtype: 
 
 
 def run(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]], eager: bool, reference: bool,
-        dtype: str, gdn: str | None = None, max_batched: int = 2048, async_scheduling: bool | None = None
-        ) -> tuple[list[list[int]], float]:
+        dtype: str, gdn: str | None = None, max_batched: int = 2048, async_scheduling: bool | None = None,
+        lora_dtype: str = "auto") -> tuple[list[list[int]], float]:
     """Greedy ids of the batch (async_scheduling None: the engine's default, on for GPUs at tp=1)."""
-    with LLMEngine(config(path, adapters, eager, reference, dtype, gdn, max_batched, async_scheduling)) as e:
+    with LLMEngine(config(path, adapters, eager, reference, dtype, gdn, max_batched, async_scheduling,
+                          lora_dtype)) as e:
         for c in e.runner.kernel_choices:
             if c.rejected:  # the engine fell back to a slower kernel: the fast one computes wrong here
                 CHECKS.expect(f"{c.op} kernel passes its start-up check", False, chosen=c.chosen,
@@ -132,6 +134,12 @@ def main() -> None:
         sync, _ = run(path, adapters, batch, eager=False, reference=False, dtype="float32", async_scheduling=False)
         CHECKS.expect(f"graphs, synchronous scheduling == torch reference, float32, batch {n}", sync == ref,
                       matching_requests=sum(a == b for a, b in zip(sync, ref)), of=n)
+        if n == 17:  # fp8 adapter storage: the kernels' in-register decode against the reference's dequantization
+            ref8, _ = run(path, adapters, batch, eager=True, reference=True, dtype="float32", lora_dtype="fp8")
+            fast8, _ = run(path, adapters, batch, eager=False, reference=False, dtype="float32", lora_dtype="fp8")
+            CHECKS.expect(f"fp8 adapters: fast kernels + graphs == torch reference, float32, batch {n}", fast8 == ref8,
+                          matching_requests=sum(a == b for a, b in zip(fast8, ref8)), of=n,
+                          fp8_vs_model_dtype_matching=sum(a == b for a, b in zip(ref8, ref)))
         if n >= 17:  # prefill chunks of 64 tokens share steps with decodes: the mixed-step graphs' case
             chunked, _ = run(path, adapters, batch, eager=False, reference=False, dtype="float32", max_batched=64)
             CHECKS.expect(f"mixed-step graphs (64-token chunks) == torch reference, float32, batch {n}",

@@ -110,5 +110,26 @@ case "${1:-}" in
       --new-tokens 128 --root /tmp/plan36 > "$OUT/plan.txt" 2>&1
     grep -E '^\{|Error|Traceback' "$OUT/plan.txt"
     ;;
-  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4"; exit 2 ;;
+  lora-fill)  # issue 14: one rank-16 adapter's slot fill at 36 Qwen3-8B layers, per-slice copies vs the packed fill
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/layers/test_lora_slots.py 2>&1 | tail -3 | tee "$OUT/fill_tests.txt"
+    timeout 200 python3 benchmarks/bench_lora_fill.py --layers 36 --rank 16 --r-max 16 2>&1 | grep -E '^\{|Error' \
+      | tee "$OUT/fill.txt"
+    ;;
+  lora-kernels)  # issue 18: LoRA kernel tests on CUDA, then the per-layer table and 36-layer step lines vs bytes
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_lora_triton.py tests/layers/test_lora_layers.py \
+      tests/layers/test_lora_triton_wrappers.py 2>&1 | tail -4 | tee "$OUT/lora_tests.txt"
+    timeout 220 python3 benchmarks/bench_lora.py --tokens 32 --adapters 1 32 --no-peers 2>&1 | grep -E '^\{|Error' \
+      | tee "$OUT/lora_kernels.txt"
+    ;;
+  lora-sweep)  # issue 18: launch parameters one at a time (${2:-split}: split or fused), decode, 32 tokens
+    timeout 230 python3 benchmarks/bench_lora.py --sweep --variants "${2:-split}" --lora-dtypes model 2>&1 \
+      | grep -E '^\{|Error' | tee "$OUT/lora_sweep_${2:-split}.txt"
+    ;;
+  lora-e2e)  # issue 18: 36 layers, batch 32, 0 and 32 adapters, bf16 and fp8 storage (XPULORA_LORA_CONFIG=fused=1 for the other variant)
+    timeout 230 python3 benchmarks/bench_e2e.py --layers 36 --batches 32 --adapters 0 32 --lora-dtypes auto fp8 \
+      --peer-cases "" --root /tmp/e2e36l 2>&1 | grep -E '^\{|Error' | tee "$OUT/lora_e2e${XPULORA_LORA_CONFIG:+_tuned}.txt"
+    ;;
+  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e"; exit 2 ;;
 esac

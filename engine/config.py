@@ -10,6 +10,7 @@ from engine.errors import ConfigError
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]
 LoRAKernelName = Literal["auto", "triton", "reference"]
+LoRADTypeName = Literal["auto", "bfloat16", "float16", "float32", "fp8"]
 AttentionKernelName = Literal["auto", "triton", "reference"]
 FusedKernelName = Literal["auto", "triton", "reference"]
 GDNKernelName = Literal["auto", "fla", "reference"]
@@ -90,6 +91,10 @@ class LoRAConfig:
     """Adapters kept in host memory (LRU); None means max(max_loras, 16)."""
     fully_sharded_loras: bool = False
     """Shard LoRA A of column layers (and B of row layers) over TP ranks too."""
+    lora_dtype: LoRADTypeName = "auto"
+    """How adapter A and B are stored in the device slots: auto (the model dtype), a float dtype, or fp8 (e4m3
+    with a float32 scale per rank row of A and per output row of B: half of bf16's bytes, dequantized by the
+    LoRA kernels)."""
     lora_modules: tuple[tuple[str, str], ...] = ()
     """(name, path) pairs loaded at start."""
     lora_roots: tuple[str, ...] = ()
@@ -103,6 +108,9 @@ class LoRAConfig:
         if self.max_lora_rank not in (1, 8, 16, 32, 64, 128, 256, 320, 512):
             raise ConfigError(f"max_lora_rank must be one of 1, 8, 16, 32, 64, 128, 256, 320, 512, "
                               f"got {self.max_lora_rank}")
+        if self.lora_dtype not in get_args(LoRADTypeName):
+            raise ConfigError(f"lora_dtype must be one of {', '.join(get_args(LoRADTypeName))}, "
+                              f"got {self.lora_dtype!r}")
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
 

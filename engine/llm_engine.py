@@ -118,7 +118,7 @@ class LLMEngine:
         self.blocks = BlockManager(kv.num_blocks, kv.block_size, config.cache.enable_prefix_caching)
         self.lora: LoRAManager | None = None
         if config.lora.enable_lora:
-            self.lora = LoRAManager(config.lora, self.executor.lora_target_shapes())
+            self.lora = LoRAManager(config.lora, self.executor.lora_target_shapes(), prepare=self.runner.prepare_lora)
             for name, path in config.lora.lora_modules:
                 self.lora.load(name, path)
         snapshots = SnapshotPool(self.runner.num_state_snapshots) if self.runner.num_state_snapshots else None

@@ -4,6 +4,7 @@ device tensors for a step; everything above it deals in plain Python objects."""
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
@@ -22,6 +23,7 @@ from engine.logits_processors import LogitsProcessors
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.layers import BaseLayerWithLoRA, wrap_model
 from engine.lora.punica import LoRABatch, ReferenceLoRABatch, TritonLoRABatch, build_mapping, choose_impl
+from engine.lora.slots import AdapterPack, SlotFiller
 from engine.protocol import SamplingParams
 from engine.sampler import DeviceSample, Sampler, SamplerOutput, StepFuture, make_generator
 from engine.scheduler import ScheduledSeq, SchedulerOutput
@@ -32,6 +34,7 @@ from kernels.registry import Choice
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LORA_DTYPES = {**DTYPES, "fp8": torch.float8_e4m3fn}
 GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 """Decode batch sizes captured as graphs (those up to max_num_seqs)."""
 
@@ -74,10 +77,16 @@ class ModelRunner:
         self.model.eval()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.lora_layers: list[BaseLayerWithLoRA] = []
+        self.lora_dtype = self.dtype if config.lora.lora_dtype == "auto" else LORA_DTYPES[config.lora.lora_dtype]
+        """How adapter A/B are stored in the slots (fp8: e4m3 + per-row scales)."""
         if config.lora.enable_lora:
             self.lora_layers = wrap_model(self.model, self.model.lora_targets, config.lora.max_loras,
-                                          config.lora.max_lora_rank, self.dtype, config.lora.fully_sharded_loras)
+                                          config.lora.max_lora_rank, self.dtype, config.lora.fully_sharded_loras,
+                                          self.lora_dtype)
         self.lora_impl: type[LoRABatch] = ReferenceLoRABatch
+        self.lora_fill = SlotFiller(self.lora_layers, device.torch_device, device.pins_memory)
+        self._lora_packs: weakref.WeakKeyDictionary[LoRAAdapter, AdapterPack] = weakref.WeakKeyDictionary()
+        """Each host-cached adapter's packed form, made once and dropped with the adapter."""
         if self.lora_layers:
             self.lora_impl = self._choose_lora_impl()
         self.gdn_layers = [m for m in self.model.modules() if isinstance(m, GatedDeltaNet)]
@@ -175,7 +184,7 @@ class ModelRunner:
         """Check the device's LoRA candidates on the first wrapped layer's real shapes (few tokens)."""
         w, candidates = self.lora_layers[0], self.device.lora_candidates(self.config.kernels.lora)
         impl, choice = choose_impl(candidates, w.base.in_features, w.b_sizes(), w.max_rank, self.config.lora.max_loras,
-                                   self.dtype, self.device.torch_device)
+                                   self.dtype, self.device.torch_device, self.lora_dtype)
         self.kernel_choices.append(choice)
         return impl
 
@@ -187,9 +196,16 @@ class ModelRunner:
             shapes.update(w.full_shapes())
         return shapes
 
+    def prepare_lora(self, adapter: LoRAAdapter) -> AdapterPack:
+        """The adapter laid out for this rank's slot buffers (host work, once per adapter object)."""
+        pack = self._lora_packs.get(adapter)
+        if pack is None:
+            pack = self._lora_packs[adapter] = self.lora_fill.pack(adapter.modules)
+        return pack
+
     def load_lora(self, slot: int, adapter: LoRAAdapter) -> None:
-        for w in self.lora_layers:
-            w.set_slot(slot, adapter.modules)
+        """Queue the copy of an adapter into `slot` of every wrapped layer (a few device ops, no host wait)."""
+        self.lora_fill.fill(slot, self.prepare_lora(adapter))
 
     # -- one step ----------------------------------------------------------------------------------
     def _token_slots(self, step: SchedulerOutput) -> list[int]:

@@ -1,34 +1,38 @@
 """Batched multi-LoRA shrink / expand in Triton (CUDA through `triton`, Intel GPUs through triton-xpu,
-the CPU under TRITON_INTERPRET=1). Same semantics as kernels.reference.lora_shrink / lora_expand.
+the CPU under TRITON_INTERPRET=1). Same semantics as kernels.reference.lora_shrink / lora_expand. The
+kernels themselves are in kernels.lora_kernels; this module checks shapes, sizes grids and launches.
 
 The launchers read the step's tokens grouped by adapter slot (`TokenGroups`, built once per step by
 engine.lora.punica from the host slot list, rewritten in place for graph replay) and each layer's true
-ranks as an int32 device tensor [n_slices, S]; a wrapped layer runs two launches whatever its number of
-slices: add_lora = lora_shrink (K-split partials) + lora_expand: y[:, off_s:off_s+n_s] (+)= ...
+ranks as an int32 device tensor [n_slices, S] (any strides); a wrapped layer runs two launches whatever its
+number of slices: add_lora = lora_shrink (K-split partials) + lora_expand: y[:, off_s:off_s+n_s] (+)= ...,
+or one with the fused variant (use_fused: each program computes its tokens' whole shrink, then expands it).
 
-Layouts: A_s [S, r_max, K] rank-major (K contiguous). B_s [S, n_s, r_max] either r-contiguous or, ~2x
-faster for small ranks (measured on an H200), a transposed view of rank-major storage [S, r_max, n_s]:
-then a rank-r adapter reads r whole rows and never touches its padding.
+Layouts: A_s [S, r_max, K] (K contiguous; the engine's slices are column ranges of one [S, r_max, n*K]
+store). B_s [S, n_s, r_max] either r-contiguous or, ~2x faster for small ranks (measured on an H200), a
+transposed view of rank-major storage [S, r_max, n_s]: then a rank-r adapter reads r whole rows and never
+touches its padding. fp8 e4m3 A / B come with float32 scales, per rank row of A and per output row of B.
 
-Work is scheduled in M-blocks of tokens that share one slot (tokens sorted by slot, each slot's run cut
-into blocks of BLOCK_M rows); slot -1 tokens belong to no block. Each program reads its slot's true rank
-from a device tensor and computes only rank columns below it (shrink: rank chunks at or past the rank
-exit; expand: the reduction loops over rank in BLOCK_R chunks up to the rank). The shrink splits K into
-a fixed number of ranges whose fp32 partials the expand sums in a fixed order; every element is written
-by exactly one program (no atomics): results are deterministic. Grids are sized from upper bounds
-(tokens, slots, r_max, output widths), so no launch needs a host sync and all of them can be captured in
-a graph.
+Work is scheduled in runs of tokens that share one slot (tokens sorted by slot, each slot's run cut into
+runs of TokenGroups.block_m tokens, which a program steps through in tiles of 16); slot -1 tokens belong to
+no run. Each program reads its slot's true rank from a device tensor and computes only rank columns below
+it. The split shrink cuts K into a fixed number of ranges whose fp32 partials the expand sums in a fixed
+order; every element is written by exactly one program (no atomics): results are deterministic. Grids are
+sized from upper bounds (tokens, slots, r_max, output widths), so no launch needs a host sync and all of
+them can be captured in a graph.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kernels.lora_checks import b_rank_major, check_expand, check_ranks, check_shrink
-from kernels.triton_env import interpreting, tl, triton
+from kernels.lora_kernels import _lora_expand_kernel, _lora_fused_kernel, _lora_shrink_kernel
+from kernels.triton_env import interpreting, triton
 
 __all__ = ["TokenGroups", "add_lora", "lora_expand", "lora_shrink", "max_blocks"]
 
@@ -84,145 +88,42 @@ Their number is bounded by wrapped layers x launch shapes."""
 
 
 # ----------------------------------------------------------------------------------------------------
-# kernels
-
-if triton is not None:
-
-    @triton.jit
-    def _lora_shrink_kernel(
-        x_ptr, a_table_ptr, a0_ptr, buf_ptr, ranks_ptr, meta_ptr,
-        sorted_off, blocks_off, num_blocks,
-        K, K_PER_SPLIT, R_MAX, num_slots,
-        stride_xm, stride_xk, stride_a0, stride_a1,
-        stride_bk, stride_bs, stride_bm, stride_rs,
-        NUM_RB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-        EVEN_K: tl.constexpr, ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr,
-    ):  # fmt: skip
-        """buf[ks, s, t, r] = sum_{k in split ks} x[t, k] * A_s[slot[t], r, k]  (slot[t] >= 0, r < rank[s, slot[t]])."""
-        pid_b = tl.program_id(0)
-        pid_sr = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        s = pid_sr // NUM_RB
-        r0 = (pid_sr % NUM_RB) * BLOCK_R
-        slot = tl.load(meta_ptr + blocks_off + pid_b)
-        if slot >= num_slots:  # an unused block of the upper-bound grid
-            return
-        rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot), R_MAX)
-        if r0 >= rank:  # no work on rank padding
-            return
-        rows = tl.load(meta_ptr + blocks_off + num_blocks + pid_b) + tl.arange(0, BLOCK_M)
-        mask_m = rows < tl.load(meta_ptr + blocks_off + 2 * num_blocks + pid_b)
-        tok = tl.load(meta_ptr + sorted_off + rows, mask=mask_m, other=0).to(tl.int64)
-        a_ptr = tl.load(a_table_ptr + s).to(tl.pointer_type(a0_ptr.dtype.element_ty))
-        if ALIGNED:  # the host checked: 16-byte aligned bases (lets the loads vectorise)
-            a_ptr = tl.multiple_of(a_ptr, 16)
-
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        mask_r = offs_r < rank
-        k_lo = pid_k * K_PER_SPLIT  # K_PER_SPLIT is a multiple of BLOCK_K
-        offs_k = k_lo + tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :] * stride_xk
-        a_ptrs = a_ptr + slot.to(tl.int64) * stride_a0 + offs_r[None, :] * stride_a1 + offs_k[:, None]  # [BK, BR]
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k0 in range(k_lo, tl.minimum(k_lo + K_PER_SPLIT, K), BLOCK_K):
-            if EVEN_K:
-                xt = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-                at = tl.load(a_ptrs, mask=mask_r[None, :], other=0.0)
-            else:
-                mask_k = (k0 - k_lo + offs_k) < K
-                xt = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                at = tl.load(a_ptrs, mask=mask_r[None, :] & mask_k[:, None], other=0.0)
-            if FP32_DOT:
-                acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
-            else:
-                acc += tl.dot(xt, at)  # 16-bit inputs, fp32 accumulate
-            x_ptrs += BLOCK_K * stride_xk
-            a_ptrs += BLOCK_K
-        out = buf_ptr + pid_k * stride_bk + s * stride_bs + tok[:, None] * stride_bm + offs_r[None, :]
-        tl.store(out, acc, mask=mask_m[:, None] & mask_r[None, :])
-
-    @triton.jit
-    def _lora_expand_kernel(
-        y_ptr, buf_ptr, b_table_ptr, b0_ptr, ranks_ptr, meta_ptr,
-        sorted_off, blocks_off, num_blocks,
-        R_MAX, num_slots,
-        stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_bn, stride_rs,
-        NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, ADD_INPUTS: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, BLOCK_R: tl.constexpr, B_RANK_MAJOR: tl.constexpr,
-        ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr,
-    ):  # fmt: skip
-        """y[t, off_s + n] (+)= sum_{r < rank[s, slot[t]]} sum_ks buf[ks, s, t, r] * B_s[slot[t], n, r]; slot[t] >= 0"""
-        pid_b = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        slot = tl.load(meta_ptr + blocks_off + pid_b)
-        if slot >= num_slots:
-            return
-        # Which slice owns this column group: table row s = (ptr, stride0, n_s, offset_s, first group of s,
-        # rank stride of s when B is stored rank-major).
-        s = 0
-        for i in tl.static_range(1, NUM_SLICES):
-            s += (pid_n >= tl.load(b_table_ptr + i * 6 + 4)).to(tl.int32)
-        tab = b_table_ptr + s * 6
-        rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot), R_MAX)
-        if ADD_INPUTS and rank == 0:  # adds nothing (a replace still writes its zeros)
-            return
-        b_ptr = tl.load(tab).to(tl.pointer_type(b0_ptr.dtype.element_ty))
-        stride_b0 = tl.load(tab + 1)
-        n_s = tl.load(tab + 2).to(tl.int32)
-        y_off = tl.load(tab + 3).to(tl.int32)
-        if B_RANK_MAJOR:  # B_s[slot] stored [r_max, n_s] (n contiguous): rank rows are read whole, padding never
-            stride_r = tl.load(tab + 5)
-        else:  # [n_s, r_max] (r contiguous)
-            stride_r = 1
-        if ALIGNED:  # the host checked: 16-byte aligned bases, sizes, offsets and strides multiples of 8
-            b_ptr = tl.multiple_of(b_ptr, 16)
-            stride_b0 = tl.multiple_of(stride_b0, 8)
-            n_s = tl.multiple_of(n_s, 8)
-            y_off = tl.multiple_of(y_off, 8)
-            if B_RANK_MAJOR:
-                stride_r = tl.multiple_of(stride_r, 8)
-        n_first = (pid_n - tl.load(tab + 4).to(tl.int32)) * (BLOCK_N * N_ITERS)
-
-        rows = tl.load(meta_ptr + blocks_off + num_blocks + pid_b) + tl.arange(0, BLOCK_M)
-        mask_m = rows < tl.load(meta_ptr + blocks_off + 2 * num_blocks + pid_b)
-        tok = tl.load(meta_ptr + sorted_off + rows, mask=mask_m, other=0).to(tl.int64)
-        offs_r = tl.arange(0, BLOCK_R)
-        buf_rows = buf_ptr + s * stride_bs + tok[:, None] * stride_bm + offs_r[None, :]  # [BM, BR]
-        b_slot = b_ptr + slot.to(tl.int64) * stride_b0 + offs_r[:, None] * stride_r  # [BR, 1]
-        y_rows = y_ptr + tok[:, None] * stride_ym
-
-        for j in range(N_ITERS):  # several column blocks per program: the slot/token lookups are paid once
-            offs_n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)
-            mask_n = offs_n < n_s
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for r0 in range(0, rank, BLOCK_R):  # only the slot's true rank
-                mask_r = (r0 + offs_r) < rank
-                bt = tl.load(buf_rows + r0, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-                for kk in tl.static_range(1, SPLIT_K):  # the shrink's K splits, summed in a fixed order
-                    bt += tl.load(buf_rows + kk * stride_bk + r0, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-                wt = tl.load(b_slot + r0 * stride_r + offs_n[None, :] * stride_bn,
-                             mask=mask_r[:, None] & mask_n[None, :], other=0.0)  # [BR, BN]
-                if FP32_DOT:
-                    acc += tl.dot(bt, wt.to(tl.float32), input_precision="ieee")
-                else:
-                    acc += tl.dot(bt.to(wt.dtype), wt)  # shrink result rounded to B's 16-bit dtype, fp32 accumulate
-            y_ptrs = y_rows + (y_off + offs_n)[None, :] * stride_yn
-            mask = mask_m[:, None] & mask_n[None, :]
-            out = acc.to(y_ptr.dtype.element_ty)
-            if ADD_INPUTS:  # like torch's y += out.to(y.dtype): add in fp32, round once
-                out = (tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32) + out.to(tl.float32)).to(out.dtype)
-            tl.store(y_ptrs, out, mask=mask)
-
-
-# ----------------------------------------------------------------------------------------------------
 # launch configuration (sizes chosen by measurement on an H200; `CONFIG_OVERRIDES` is for tuning runs)
 
-CONFIG_OVERRIDES: dict[str, int] = {}
-"""Force a launch parameter: shrink_block_k, shrink_split_k, shrink_block_r, shrink_warps, shrink_stages,
-expand_block_n, expand_n_iters, expand_warps, expand_stages (tuning scripts only; empty in normal use)."""
+CONFIG_KEYS = ("fused", "run_m", "block_m", "shrink_block_k", "shrink_split_k", "shrink_block_r", "shrink_warps",
+               "shrink_stages", "expand_block_n", "expand_n_iters", "expand_warps", "expand_stages", "fused_block_k",
+               "fused_block_n", "fused_n_iters", "fused_warps", "fused_stages")
 
 
-def _shrink_config(k: int) -> dict[str, int]:
+def _env_overrides(text: str) -> dict[str, int]:
+    """XPULORA_LORA_CONFIG="fused=1,expand_n_iters=4" -> {"fused": 1, "expand_n_iters": 4} (tuning runs)."""
+    out: dict[str, int] = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, _, val = item.partition("=")
+        if key not in CONFIG_KEYS or not val.lstrip("-").isdigit():
+            raise ValueError(f"XPULORA_LORA_CONFIG: {item!r} is not KEY=INT with KEY one of {', '.join(CONFIG_KEYS)}")
+        out[key] = int(val)
+    return out
+
+
+CONFIG_OVERRIDES: dict[str, int] = _env_overrides(os.environ.get("XPULORA_LORA_CONFIG", ""))
+"""Force a launch parameter (CONFIG_KEYS): fused (add_lora in one launch), run_m (tokens of one slot per
+program: TokenGroups.block_m, set by engine.lora.punica.group_tokens), block_m (the token tile a program steps
+through its run in), the split kernels' shrink_* / expand_* and the fused kernel's fused_* sizes. For tuning
+runs (benchmarks, or XPULORA_LORA_CONFIG in the environment); empty normally."""
+
+
+def _block_r(r_max: int) -> int:
+    # One rank chunk covers every rank up to 64 (masked past the slot's true rank: no padding is read); tl.dot
+    # needs every dim >= 16.
+    return CONFIG_OVERRIDES.get("shrink_block_r", min(64, max(_BLOCK_R, triton.next_power_of_2(r_max))))
+
+
+def _block_m(info: TokenGroups) -> int:
+    return min(CONFIG_OVERRIDES.get("block_m", 16), info.block_m)
+
+
+def _shrink_config(k: int, r_max: int = _BLOCK_R) -> dict[str, int]:
     # Split K so that each program runs ~4-6 K steps (an H200 sweep: 4096 -> 8 splits, 12288 -> 16), deterministic
     # because the expand sums the splits' partials in a fixed order.
     block_k = CONFIG_OVERRIDES.get("shrink_block_k", 128 if k >= 128 else 16)
@@ -231,8 +132,25 @@ def _shrink_config(k: int) -> dict[str, int]:
     split = CONFIG_OVERRIDES.get("shrink_split_k", max(1, min(16, iters // 4)))
     split = max(1, min(split, iters))
     return dict(block_k=block_k, split_k=split, k_per_split=triton.cdiv(iters, split) * block_k,
-                block_r=CONFIG_OVERRIDES.get("shrink_block_r", _BLOCK_R),
+                block_r=_block_r(r_max),
                 num_warps=CONFIG_OVERRIDES.get("shrink_warps", 4), num_stages=CONFIG_OVERRIDES.get("shrink_stages", 3))
+
+
+def use_fused(r_max: int) -> bool:
+    """add_lora in one launch (each program computes its tokens' whole shrink, then expands its columns) instead
+    of two (a K-split shrink, then the expand); ranks up to 64 only (one rank chunk held in registers)."""
+    return bool(CONFIG_OVERRIDES.get("fused", 0)) and r_max <= 64
+
+
+def _fused_config(k: int, n_max: int) -> dict[str, int]:
+    block_k = CONFIG_OVERRIDES.get("fused_block_k", 128 if k >= 128 else 16)
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    block_n = CONFIG_OVERRIDES.get("fused_block_n", 256 if n_max >= 256 else 64 if n_max >= 64 else 16)
+    # Columns per program: each program re-reads its slot's A (from the cache after the first), so few, wide
+    # column groups per slice.
+    n_iters = CONFIG_OVERRIDES.get("fused_n_iters", max(1, min(8, triton.cdiv(n_max, block_n))))
+    return dict(block_k=block_k, block_n=block_n, n_iters=n_iters,
+                num_warps=CONFIG_OVERRIDES.get("fused_warps", 4), num_stages=CONFIG_OVERRIDES.get("fused_stages", 3))
 
 
 def _expand_config(n_max: int, num_tokens: int) -> dict[str, int]:
@@ -246,7 +164,7 @@ def _expand_config(n_max: int, num_tokens: int) -> dict[str, int]:
 # bindings
 
 
-def _ptr_table(tensors: Sequence[torch.Tensor], rows: list[list[int]], device: torch.device) -> torch.Tensor:
+def _ptr_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     """int64 [len(rows) * len(rows[0])] on device, cached by its contents (pointers, strides, offsets)."""
     key = (tuple(map(tuple, rows)), str(device))
     hit = _table_cache.get(key)
@@ -265,40 +183,48 @@ def _meta_offsets(info: TokenGroups) -> tuple[int, int, int]:
     return t, 2 * t + 2 * s, info.num_blocks
 
 
+def _raw(w: torch.Tensor) -> torch.Tensor:
+    """What the kernels read: fp8 e4m3 as its bytes (decoded in the kernel), anything else as it is."""
+    return w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
+
+
 def _launch_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGroups, r: torch.Tensor,
-                   buf: torch.Tensor, cfg: dict[str, int]) -> None:
+                   buf: torch.Tensor, cfg: dict[str, int], a_scales: Sequence[torch.Tensor] | None) -> None:
     """buf [split_k, n_slices, T, r_max] float32 (last dim contiguous) <- per-split partial shrink results."""
-    a0 = lora_a[0]
+    fp8 = lora_a[0].dtype == torch.float8_e4m3fn
+    a0 = _raw(lora_a[0])
     num_slots, r_max, k = a0.shape
-    table = _ptr_table(lora_a, [[a.data_ptr()] for a in lora_a], x.device)
+    scales = a_scales if a_scales is not None else lora_a
+    table = _ptr_table([[a.data_ptr(), sc.data_ptr()] for a, sc in zip(lora_a, scales)], x.device)
     num_rb = triton.cdiv(r_max, cfg["block_r"])
     sorted_off, blocks_off, nb = _meta_offsets(info)
     grid = (nb, len(lora_a) * num_rb, cfg["split_k"])
+    s0 = scales[0]
     _lora_shrink_kernel[grid](
         x, table, a0, buf, r, info.meta,
-        sorted_off, blocks_off, nb,
+        sorted_off, blocks_off, nb, info.block_m,
         k, cfg["k_per_split"], r_max, num_slots,
-        x.stride(0), x.stride(1), a0.stride(0), a0.stride(1),
-        buf.stride(0), buf.stride(1), buf.stride(2), r.stride(0),
-        NUM_RB=num_rb, BLOCK_M=info.block_m, BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
+        x.stride(0), x.stride(1), a0.stride(0), a0.stride(1), s0.stride(0), s0.stride(1),
+        buf.stride(0), buf.stride(1), buf.stride(2), r.stride(0), r.stride(1),
+        NUM_RB=num_rb, BLOCK_M=_block_m(info), BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
         EVEN_K=k % cfg["block_k"] == 0, ALIGNED=all(a.data_ptr() % 16 == 0 for a in lora_a),
-        FP32_DOT=interpreting() or x.dtype == torch.float32 or x.dtype != a0.dtype,
+        FP32_DOT=interpreting() or x.dtype == torch.float32 or (not fp8 and x.dtype != a0.dtype), FP8=fp8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 
 def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGroups,
-                ranks: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                ranks: torch.Tensor, out: torch.Tensor | None = None,
+                a_scales: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """buf[s, t, :r] = x[t] @ A_s[slot[t], :r].T, r = ranks[s][slot[t]]; one launch for all slices.
 
-    x [T, K]; lora_a[s] [S, r_max, K] (same shape for every slice, last dim contiguous) -> float32
-    [n_slices, T, r_max]. Entries not computed (slot -1 rows, columns past a slot's rank) are zero, as in
-    the reference. (add_lora skips this function's zero fill and K-split sum: its expand reads the
-    per-split partials directly.)
+    x [T, K]; lora_a[s] [S, r_max, K] (same shape for every slice, last dim contiguous; fp8 e4m3 with
+    a_scales[s] [S, r_max] float32, one scale per rank row) -> float32 [n_slices, T, r_max]. Entries not
+    computed (slot -1 rows, columns past a slot's rank) are zero, as in the reference. (add_lora skips this
+    function's zero fill and K-split sum: its expand reads the per-split partials directly.)
     """
     _require_triton()
-    check_shrink(x, lora_a, info)
+    check_shrink(x, lora_a, info, a_scales)
     n_slices, (_, r_max, k) = len(lora_a), lora_a[0].shape
     r = check_ranks(ranks, n_slices, info.num_slots, x.device)
     if out is None:
@@ -309,82 +235,129 @@ def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGrou
         out.zero_()
     if _nothing_to_do(info) or r_max == 0:
         return out
-    cfg = _shrink_config(k)
+    cfg = _shrink_config(k, r_max)
     if cfg["split_k"] == 1:
-        _launch_shrink(x, lora_a, info, r, out.unsqueeze(0), cfg)
+        _launch_shrink(x, lora_a, info, r, out.unsqueeze(0), cfg, a_scales)
     else:
         parts = torch.zeros(cfg["split_k"], *out.shape, dtype=torch.float32, device=x.device)
-        _launch_shrink(x, lora_a, info, r, parts, cfg)
+        _launch_shrink(x, lora_a, info, r, parts, cfg, a_scales)
         torch.sum(parts, dim=0, out=out)  # fixed-order reduction: deterministic
     return out
 
 
-def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: TokenGroups,
-                   offsets: Sequence[int], r: torch.Tensor, add_inputs: bool) -> None:
-    """buf [split_k, n_slices, T, r_max] float32, summed over split_k in order inside the kernel."""
-    b0 = lora_b[0]
-    rank_major = b_rank_major(lora_b)
-    cfg = _expand_config(max(b.size(1) for b in lora_b), y.size(0))
-    block_n, n_iters = cfg["block_n"], cfg["n_iters"]
+def _b_table(lora_b: Sequence[torch.Tensor], offsets: Sequence[int], b_scales: Sequence[torch.Tensor] | None,
+             cols_per_program: int, device: torch.device) -> tuple[torch.Tensor, int, bool, bool]:
+    """(table, column groups in all, aligned, rank-major) of the slices' B for an expand-style grid: table row s =
+    (ptr, slot stride, n_s, y offset, first column group, rank stride, fp8 scale ptr, its slot stride)."""
+    raw = [_raw(b) for b in lora_b]
+    rank_major = b_rank_major(raw)
     rows, first, aligned = [], 0, True
-    for b, off in zip(lora_b, offsets):
-        rows.append([b.data_ptr(), b.stride(0), b.size(1), int(off), first, b.stride(2)])
-        first += triton.cdiv(b.size(1), block_n * n_iters)
+    scales = b_scales if b_scales is not None else lora_b
+    for b, off, sc in zip(raw, offsets, scales):
+        rows.append([b.data_ptr(), b.stride(0), b.size(1), int(off), first, b.stride(2), sc.data_ptr(), sc.stride(0)])
+        first += triton.cdiv(b.size(1), cols_per_program)
         aligned = (aligned and b.data_ptr() % 16 == 0 and b.stride(0) % 8 == 0 and b.size(1) % 8 == 0
                    and off % 8 == 0 and b.stride(2 if rank_major else 1) % 8 == 0)
-    table = _ptr_table(lora_b, rows, y.device)
+    return _ptr_table(rows, device), first, aligned, rank_major
+
+
+def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: TokenGroups,
+                   offsets: Sequence[int], r: torch.Tensor, add_inputs: bool,
+                   b_scales: Sequence[torch.Tensor] | None) -> None:
+    """buf [split_k, n_slices, T, r_max] float32, summed over split_k in order inside the kernel."""
+    fp8 = lora_b[0].dtype == torch.float8_e4m3fn
+    b0 = _raw(lora_b[0])
+    cfg = _expand_config(max(b.size(1) for b in lora_b), y.size(0))
+    block_n, n_iters = cfg["block_n"], cfg["n_iters"]
+    table, groups, aligned, rank_major = _b_table(lora_b, offsets, b_scales, block_n * n_iters, y.device)
     sorted_off, blocks_off, nb = _meta_offsets(info)
-    _lora_expand_kernel[(nb, first)](
+    _lora_expand_kernel[(nb, groups)](
         y, buf, table, b0, r, info.meta,
-        sorted_off, blocks_off, nb,
+        sorted_off, blocks_off, nb, info.block_m,
         b0.size(-1), b0.size(0),
-        y.stride(0), y.stride(1), buf.stride(0), buf.stride(1), buf.stride(2), b0.stride(1), r.stride(0),
-        NUM_SLICES=len(lora_b), SPLIT_K=buf.size(0), ADD_INPUTS=bool(add_inputs), BLOCK_M=info.block_m,
-        BLOCK_N=block_n, N_ITERS=n_iters, BLOCK_R=_BLOCK_R, B_RANK_MAJOR=rank_major, ALIGNED=aligned,
-        FP32_DOT=interpreting() or b0.dtype == torch.float32,
+        y.stride(0), y.stride(1), buf.stride(0), buf.stride(1), buf.stride(2), b0.stride(1), r.stride(0), r.stride(1),
+        NUM_SLICES=len(lora_b), SPLIT_K=buf.size(0), ADD_INPUTS=bool(add_inputs), BLOCK_M=_block_m(info),
+        BLOCK_N=block_n, N_ITERS=n_iters, BLOCK_R=_block_r(b0.size(-1)), B_RANK_MAJOR=rank_major, ALIGNED=aligned,
+        FP32_DOT=interpreting() or b0.dtype == torch.float32 or (fp8 and y.dtype == torch.float32), FP8=fp8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 
+def _launch_fused(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
+                  info: TokenGroups, offsets: Sequence[int], r: torch.Tensor, add_inputs: bool,
+                  a_scales: Sequence[torch.Tensor] | None, b_scales: Sequence[torch.Tensor] | None) -> None:
+    """Shrink and expand in one launch (r_max <= 64): program (token run, column group of one slice)."""
+    fp8 = lora_a[0].dtype == torch.float8_e4m3fn
+    a0, b0 = _raw(lora_a[0]), _raw(lora_b[0])
+    num_slots, r_max, k = a0.shape
+    cfg = _fused_config(k, max(b.size(1) for b in lora_b))
+    sc_a = a_scales if a_scales is not None else lora_a
+    a_table = _ptr_table([[a.data_ptr(), sc.data_ptr()] for a, sc in zip(lora_a, sc_a)], x.device)
+    b_table, groups, aligned, rank_major = _b_table(lora_b, offsets, b_scales, cfg["block_n"] * cfg["n_iters"],
+                                                    y.device)
+    sorted_off, blocks_off, nb = _meta_offsets(info)
+    s0 = sc_a[0]
+    _lora_fused_kernel[(nb, groups)](
+        y, x, a_table, a0, b_table, b0, r, info.meta,
+        sorted_off, blocks_off, nb, info.block_m,
+        k, r_max, num_slots,
+        x.stride(0), x.stride(1), a0.stride(0), a0.stride(1), s0.stride(0), s0.stride(1),
+        y.stride(0), y.stride(1), b0.stride(1), r.stride(0), r.stride(1),
+        NUM_SLICES=len(lora_b), ADD_INPUTS=bool(add_inputs), BLOCK_M=_block_m(info), BLOCK_N=cfg["block_n"],
+        N_ITERS=cfg["n_iters"], BLOCK_R=_block_r(r_max), BLOCK_K=cfg["block_k"], EVEN_K=k % cfg["block_k"] == 0,
+        B_RANK_MAJOR=rank_major, ALIGNED=aligned and all(a.data_ptr() % 16 == 0 for a in lora_a),
+        FP32_DOT=interpreting() or x.dtype == torch.float32 or (not fp8 and (x.dtype != a0.dtype or
+                                                                            b0.dtype == torch.float32)),
+        FP8=fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+
+
 def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: TokenGroups,
-                offsets: Sequence[int], ranks: torch.Tensor,
-                add_inputs: bool = True) -> torch.Tensor:
+                offsets: Sequence[int], ranks: torch.Tensor, add_inputs: bool = True,
+                b_scales: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """y[t, off_s:off_s+n_s] (+)= buf[s, t, :r] @ B_s[slot[t], :, :r].T for slot[t] >= 0; one launch.
 
     y [T, N]; buf float32 [n_slices, T, r_max] with r_max = B.size(-1) exactly; lora_b[s] [S, n_s, r_max]
     (n_s may differ per slice), either r-contiguous or, faster, a transposed view of rank-major storage
-    [S, r_max, n_s] (rank rows are then read whole and a small rank's padding is never fetched). Rows with
-    slot -1 are untouched. Returns y (in place).
+    [S, r_max, n_s] (rank rows are then read whole and a small rank's padding is never fetched); fp8 e4m3
+    with b_scales[s] [S, n_s] float32, one scale per output row. Rows with slot -1 are untouched. Returns y.
     """
     _require_triton()
-    check_expand(y, buf, lora_b, info, offsets)
+    check_expand(y, buf, lora_b, info, offsets, b_scales)
     r = check_ranks(ranks, len(lora_b), info.num_slots, y.device)
     if not _nothing_to_do(info):
-        _launch_expand(y, buf.unsqueeze(0), lora_b, info, offsets, r, add_inputs)
+        _launch_expand(y, buf.unsqueeze(0), lora_b, info, offsets, r, add_inputs, b_scales)
     return y
 
 
 def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
-             info: TokenGroups, offsets: Sequence[int], ranks: torch.Tensor,
-             add_inputs: bool = True) -> torch.Tensor:
-    """y[:, off_s:off_s+n_s] (+)= (x @ A_s[slot].T)[:, :r] @ B_s[slot][:, :r].T per slice: two launches in all,
-    none when info.has_lora is False. Returns y (in place)."""
+             info: TokenGroups, offsets: Sequence[int], ranks: torch.Tensor, add_inputs: bool = True,
+             a_scales: Sequence[torch.Tensor] | None = None,
+             b_scales: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """y[:, off_s:off_s+n_s] (+)= (x @ A_s[slot].T)[:, :r] @ B_s[slot][:, :r].T per slice: one launch (the fused
+    kernel, see use_fused) or two (shrink, expand) in all, none when info.has_lora is False. fp8 A and B take
+    their scales (see lora_shrink / lora_expand). Returns y (in place)."""
     _require_triton()
     if len(lora_a) != len(lora_b):
         raise ValueError("add_lora: one A and one B per slice")
     if _nothing_to_do(info):
         return y
-    check_shrink(x, lora_a, info)
+    check_shrink(x, lora_a, info, a_scales)
     n_slices, (_, r_max, k) = len(lora_a), lora_a[0].shape
     if lora_b[0].size(-1) != r_max:
         raise ValueError(f"add_lora: A rank dim {r_max} != B rank dim {lora_b[0].size(-1)}")
+    if use_fused(r_max):
+        check_expand(y, None, lora_b, info, offsets, b_scales)
+        r = check_ranks(ranks, n_slices, info.num_slots, x.device)
+        _launch_fused(y, x, lora_a, lora_b, info, offsets, r, add_inputs, a_scales, b_scales)
+        return y
     buf_shape = (n_slices, x.size(0), r_max)
-    cfg = _shrink_config(k)
+    cfg = _shrink_config(k, r_max)
     # Per-split partials, summed in order by the expand; it reads only computed entries (active rows,
     # columns below the rank), so no zero fill.
     buf = torch.empty(cfg["split_k"], *buf_shape, dtype=torch.float32, device=x.device)
-    check_expand(y, buf[0], lora_b, info, offsets)
+    check_expand(y, buf[0], lora_b, info, offsets, b_scales)
     r = check_ranks(ranks, n_slices, info.num_slots, x.device)
-    _launch_shrink(x, lora_a, info, r, buf, cfg)
-    _launch_expand(y, buf, lora_b, info, offsets, r, add_inputs)
+    _launch_shrink(x, lora_a, info, r, buf, cfg, a_scales)
+    _launch_expand(y, buf, lora_b, info, offsets, r, add_inputs, b_scales)
     return y

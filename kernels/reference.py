@@ -163,40 +163,63 @@ def slot_rows(token_slots: torch.Tensor) -> SlotRows:
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, ranks: list[int],
-                rows_of: SlotRows | None = None) -> torch.Tensor:
+                rows_of: SlotRows | None = None, a_scale: torch.Tensor | None = None) -> torch.Tensor:
     """buf[t, :r] = x[t] @ a[slot[t], :r].T with r = ranks[slot[t]]; rows with slot -1 (and columns past r) are 0.
 
     x [T, in], a [S, r_max, in], token_slots [T] (int, -1 = no adapter) -> buf [T, r_max] float32.
-    rows_of: slot_rows(token_slots), when the caller has it.
+    rows_of: slot_rows(token_slots), when the caller has it. a_scale [S, r_max]: a is fp8 (or any
+    quantized storage) and a[s, r] stands for a[s, r] * a_scale[s, r] (dequantized here, in float32).
     """
     buf = torch.zeros(x.size(0), a.size(1), dtype=torch.float32, device=x.device)
     for slot, rows in rows_of if rows_of is not None else slot_rows(token_slots):
         r = ranks[slot]
         if r == 0:
             continue
-        buf[rows, :r] = x[rows].float() @ a[slot, :r].float().t()
+        w = a[slot, :r].float()
+        if a_scale is not None:
+            w = w * a_scale[slot, :r, None]
+        buf[rows, :r] = x[rows].float() @ w.t()
     return buf
 
 
 def lora_expand(y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, ranks: list[int],
-                offset: int, add_inputs: bool, rows_of: SlotRows | None = None) -> torch.Tensor:
+                offset: int, add_inputs: bool, rows_of: SlotRows | None = None,
+                b_scale: torch.Tensor | None = None) -> torch.Tensor:
     """y[t, offset:offset+n] (+)= buf[t, :r] @ b[slot[t], :, :r].T, r = ranks[slot[t]]; rows with slot -1 untouched.
 
     y [T, N], buf [T, w] (w >= r: only the first r columns are read), b [S, n, r_max]. With add_inputs the
     product is added to y, otherwise it replaces that slice of y. Returns y (updated in place).
-    rows_of: slot_rows(token_slots), when the caller has it.
+    rows_of: slot_rows(token_slots), when the caller has it. b_scale [S, n]: b[s, n] stands for
+    b[s, n] * b_scale[s, n] (one scale per output row, dequantized here in float32).
     """
     n = b.size(1)
     if offset < 0 or offset + n > y.size(1):
         raise ValueError(f"lora_expand: slice [{offset}, {offset + n}) outside y of width {y.size(1)}")
     for slot, rows in rows_of if rows_of is not None else slot_rows(token_slots):
         r = ranks[slot]
-        out = buf[rows, :r] @ b[slot, :, :r].float().t()  # rank 0: [m, 0] @ [0, n] is zeros
+        w = b[slot, :, :r].float()
+        if b_scale is not None:
+            w = w * b_scale[slot, :, None]
+        out = buf[rows, :r] @ w.t()  # rank 0: [m, 0] @ [0, n] is zeros
         if add_inputs:
             y[rows, offset:offset + n] += out.to(y.dtype)
         else:
             y[rows, offset:offset + n] = out.to(y.dtype)
     return y
+
+
+FP8_MAX = 448.0
+"""Largest finite float8 e4m3fn value."""
+
+
+def fp8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """t [n, m] -> (q [n, m] float8_e4m3fn, scale [n] float32) with q[i] * scale[i] ~ t[i]: one scale per row,
+    amax / 448 (rows of zeros get scale 1 and stay zero), round to nearest."""
+    t = t.float()
+    amax = t.abs().amax(dim=1) if t.size(1) else torch.zeros(t.size(0))
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (t / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
 
 
 # -- norms, rotary embedding, gated activation ----------------------------------------------------------

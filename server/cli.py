@@ -61,6 +61,7 @@ def build_engine_config(a: argparse.Namespace) -> EngineConfig:
         parallel=ParallelConfig(tensor_parallel_size=a.tensor_parallel_size, device=a.device),
         lora=LoRAConfig(enable_lora=a.enable_lora, max_loras=a.max_loras, max_lora_rank=a.max_lora_rank,
                         max_cpu_loras=a.max_cpu_loras, fully_sharded_loras=a.fully_sharded_loras,
+                        lora_dtype=a.lora_dtype,
                         lora_modules=tuple((name, path) for name, path in a.lora_modules),
                         lora_roots=tuple(a.lora_root), lora_autoload=not a.no_lora_autoload),
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),

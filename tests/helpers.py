@@ -61,7 +61,8 @@ def make_lora_engine(path: str, adapters: dict[str, str] | None = None, max_lora
                      max_cpu_loras: int | None = None, max_model_len: int = 256, max_num_seqs: int = 64,
                      num_blocks: int | None = None, tp: int = 1, fully_sharded: bool = False,
                      prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
-                     kernels: KernelConfig | None = None, async_scheduling: bool | None = None) -> LLMEngine:
+                     kernels: KernelConfig | None = None, async_scheduling: bool | None = None,
+                     lora_dtype: str = "auto") -> LLMEngine:
     from engine import LoRAConfig
 
     return LLMEngine(EngineConfig(
@@ -71,7 +72,8 @@ def make_lora_engine(path: str, adapters: dict[str, str] | None = None, max_lora
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         parallel=ParallelConfig(tensor_parallel_size=tp, device=tp_device(tp)),
         lora=LoRAConfig(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-                        fully_sharded_loras=fully_sharded, lora_modules=tuple((adapters or {}).items())),
+                        fully_sharded_loras=fully_sharded, lora_modules=tuple((adapters or {}).items()),
+                        lora_dtype=lora_dtype),  # type: ignore[arg-type]
         kernels=kernels or KernelConfig(), async_scheduling=async_scheduling))
 
 

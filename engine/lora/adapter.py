@@ -68,8 +68,10 @@ class LoRAModule:
     rank: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LoRAAdapter:
+    """Compared and hashed by identity: the model runner keeps each adapter object's packed form beside it."""
+
     name: str
     path: str  # resolved real path of the folder
     modules: dict[str, LoRAModule]  # canonical module name, e.g. "model.layers.3.self_attn.q_proj"

@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.config import LoRAConfig
@@ -42,9 +42,13 @@ class _Entry:
 
 
 class LoRAManager:
-    def __init__(self, config: LoRAConfig, target_shapes: Mapping[str, tuple[int, int]]) -> None:
+    def __init__(self, config: LoRAConfig, target_shapes: Mapping[str, tuple[int, int]],
+                 prepare: Callable[[LoRAAdapter], object] | None = None) -> None:
+        """prepare: called with every adapter read from disk before it enters the host cache, on the reading
+        thread (the model runner's prepare_lora: the slot-ready packed form is made there, not in a step)."""
         self.config = config
         self.target_shapes = dict(target_shapes)
+        self.prepare = prepare
         self._lock = threading.RLock()
         self._ids = itertools.count(1)
         self._by_name: dict[str, _Entry] = {}
@@ -64,6 +68,8 @@ class LoRAManager:
             if name in self._by_name and not replace:
                 raise AdapterError(f"adapter {name!r} is already loaded; unload it first")
         adapter = load_adapter(name, path, self.target_shapes, self.config.max_lora_rank, roots)  # slow, unlocked
+        if self.prepare is not None:
+            self.prepare(adapter)
         with self._lock:
             if name in self._by_name:
                 if not replace:
@@ -153,6 +159,8 @@ class LoRAManager:
                                    expect=e.fingerprint)
         except AdapterError as err:
             raise type(err)(f"{err}; the adapter cannot be re-read from disk: unload and load it again") from None
+        if self.prepare is not None:
+            self.prepare(adapter)
         with self._lock:
             self._cache(adapter_id, adapter)
         return adapter

@@ -36,6 +36,15 @@ class SlotRanks:
         return SlotRanks([self.host[i]], self.device[i:i + 1])
 
 
+@dataclass(frozen=True)
+class Scales:
+    """fp8 LoRA weights' scales, per slice: a[s] [S, r_max] (one per rank row of A_s), b[s] [S, n_s] (one per
+    output row of B_s); the weights stand for weight * scale."""
+
+    a: list[torch.Tensor]
+    b: list[torch.Tensor]
+
+
 class LoRABatch(ABC):
     """One step's token -> slot mapping and the LoRA ops that read it (shapes checked here, once for all
     implementations)."""
@@ -54,20 +63,23 @@ class LoRABatch(ABC):
 
     @abstractmethod
     def _add(self, y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
-             ranks: SlotRanks, offsets: list[int], add_inputs: bool) -> None: ...
+             ranks: SlotRanks, offsets: list[int], add_inputs: bool, scales: Scales | None) -> None: ...
 
     @abstractmethod
-    def _shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks) -> torch.Tensor: ...
+    def _shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks, a_scale: torch.Tensor | None
+                ) -> torch.Tensor: ...
 
     @abstractmethod
     def _expand(self, y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, ranks: SlotRanks, offset: int,
-                add_inputs: bool) -> None: ...
+                add_inputs: bool, b_scale: torch.Tensor | None) -> None: ...
 
     def add_lora(self, y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
-                 ranks: SlotRanks, offsets: list[int], add_inputs: bool = True) -> torch.Tensor:
+                 ranks: SlotRanks, offsets: list[int], add_inputs: bool = True,
+                 scales: Scales | None = None) -> torch.Tensor:
         """For each slice s: y[:, offsets[s]:+n_s] (+)= (x A_s[slot]^T)[:, :rank] B_s[slot][:, :rank]^T.
 
-        x [T, in]; lora_a[s] [S, r_max, in]; lora_b[s] [S, n_s, r_max]. Returns y (updated in place)."""
+        x [T, in]; lora_a[s] [S, r_max, in]; lora_b[s] [S, n_s, r_max]; scales: fp8 A and B's (see Scales).
+        Returns y (updated in place)."""
         if x.size(0) != y.size(0) or self.num_tokens != x.size(0):
             raise ValueError(f"add_lora: x {tuple(x.shape)}, y {tuple(y.shape)}, {self.num_tokens} slots disagree")
         if not (len(lora_a) == len(lora_b) == len(ranks.host) == len(offsets)):
@@ -77,17 +89,21 @@ class LoRABatch(ABC):
                 raise ValueError(f"add_lora: A has {a.size(-1)} inputs, x has {x.size(-1)}")
             if a.size(1) != b.size(-1):
                 raise ValueError(f"add_lora: A rank dim {a.size(1)} != B rank dim {b.size(-1)}")
-        self._add(y, x, lora_a, lora_b, ranks, offsets, add_inputs)
+        if (scales is not None) != (lora_a[0].dtype == torch.float8_e4m3fn):
+            raise ValueError(f"add_lora: scales go with fp8 A and B (A is {lora_a[0].dtype})")
+        self._add(y, x, lora_a, lora_b, ranks, offsets, add_inputs, scales)
         return y
 
-    def shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks) -> torch.Tensor:
-        """buf[t, :r] = x[t] @ a[slot[t], :r].T (float32 [T, a.size(1)]); slot -1 rows are zero. One slice."""
+    def shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks,
+               a_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """buf[t, :r] = x[t] @ a[slot[t], :r].T (float32 [T, a.size(1)]); slot -1 rows are zero. One slice.
+        a_scale [S, r_max]: a is fp8 with one scale per rank row."""
         if a.size(-1) != x.size(-1) or x.size(0) != self.num_tokens:
             raise ValueError(f"shrink: A has {a.size(-1)} inputs, x is {tuple(x.shape)} for {self.num_tokens} tokens")
-        return self._shrink(x, a, ranks)
+        return self._shrink(x, a, ranks, a_scale)
 
     def expand(self, y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, ranks: SlotRanks, offset: int,
-               add_inputs: bool = True) -> torch.Tensor:
+               add_inputs: bool = True, b_scale: torch.Tensor | None = None) -> torch.Tensor:
         """y[t, offset:offset+n] (+)= buf[t, :r] @ b[slot[t], :, :r].T (r = the slot's true rank <= r_max).
 
         buf must be exactly [T, r_max] with r_max = b.size(-1): a wider buffer means a shrink result was
@@ -96,7 +112,7 @@ class LoRABatch(ABC):
         if buf.size(-1) != b.size(-1) or buf.size(0) != y.size(0):
             raise ValueError(f"expand: shrink result {tuple(buf.shape)} does not match LoRA B {tuple(b.shape)} "
                              f"(rank dim {b.size(-1)}) for {y.size(0)} tokens")
-        self._expand(y, buf, b, ranks, offset, add_inputs)
+        self._expand(y, buf, b, ranks, offset, add_inputs, b_scale)
         return y
 
 
@@ -139,17 +155,19 @@ class ReferenceLoRABatch(LoRABatch):
         self.rows_of = reference.slot_rows(host)
 
     def _add(self, y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
-             ranks: SlotRanks, offsets: list[int], add_inputs: bool) -> None:
-        for a, b, r, off in zip(lora_a, lora_b, ranks.host, offsets):
-            buf = reference.lora_shrink(x, a, self.slots, r, self.rows_of)
-            reference.lora_expand(y, buf, b, self.slots, r, off, add_inputs, self.rows_of)
+             ranks: SlotRanks, offsets: list[int], add_inputs: bool, scales: Scales | None) -> None:
+        for i, (a, b, r, off) in enumerate(zip(lora_a, lora_b, ranks.host, offsets)):
+            sa, sb = (scales.a[i], scales.b[i]) if scales is not None else (None, None)
+            buf = reference.lora_shrink(x, a, self.slots, r, self.rows_of, sa)
+            reference.lora_expand(y, buf, b, self.slots, r, off, add_inputs, self.rows_of, sb)
 
-    def _shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks) -> torch.Tensor:
-        return reference.lora_shrink(x, a, self.slots, ranks.host[0], self.rows_of)
+    def _shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks, a_scale: torch.Tensor | None
+                ) -> torch.Tensor:
+        return reference.lora_shrink(x, a, self.slots, ranks.host[0], self.rows_of, a_scale)
 
     def _expand(self, y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, ranks: SlotRanks, offset: int,
-                add_inputs: bool) -> None:
-        reference.lora_expand(y, buf, b, self.slots, ranks.host[0], offset, add_inputs, self.rows_of)
+                add_inputs: bool, b_scale: torch.Tensor | None) -> None:
+        reference.lora_expand(y, buf, b, self.slots, ranks.host[0], offset, add_inputs, self.rows_of, b_scale)
 
 
 class TritonLoRABatch(LoRABatch):
@@ -168,15 +186,19 @@ class TritonLoRABatch(LoRABatch):
         group_tokens(slots, self.num_slots, out=self.groups)
 
     def _add(self, y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
-             ranks: SlotRanks, offsets: list[int], add_inputs: bool) -> None:
-        lora_triton.add_lora(y, x, lora_a, lora_b, self.groups, offsets, ranks.device, add_inputs)
+             ranks: SlotRanks, offsets: list[int], add_inputs: bool, scales: Scales | None) -> None:
+        lora_triton.add_lora(y, x, lora_a, lora_b, self.groups, offsets, ranks.device, add_inputs,
+                             scales.a if scales is not None else None, scales.b if scales is not None else None)
 
-    def _shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks) -> torch.Tensor:
-        return lora_triton.lora_shrink(x, [a], self.groups, ranks.device)[0]
+    def _shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks, a_scale: torch.Tensor | None
+                ) -> torch.Tensor:
+        return lora_triton.lora_shrink(x, [a], self.groups, ranks.device,
+                                       a_scales=[a_scale] if a_scale is not None else None)[0]
 
     def _expand(self, y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, ranks: SlotRanks, offset: int,
-                add_inputs: bool) -> None:
-        lora_triton.lora_expand(y, buf.float().unsqueeze(0), [b], self.groups, [offset], ranks.device, add_inputs)
+                add_inputs: bool, b_scale: torch.Tensor | None) -> None:
+        lora_triton.lora_expand(y, buf.float().unsqueeze(0), [b], self.groups, [offset], ranks.device, add_inputs,
+                                [b_scale] if b_scale is not None else None)
 
 
 LORA_IMPLS: dict[LoRAImplName, type[LoRABatch]] = {"reference": ReferenceLoRABatch, "triton": TritonLoRABatch}
@@ -197,16 +219,29 @@ rounds the shrink result and the output once more than the reference (see tests/
 
 
 def choose_impl(candidates: Sequence[str], in_features: int, out_sizes: list[int], r_max: int, num_slots: int,
-                dtype: torch.dtype, device: torch.device) -> tuple[type[LoRABatch], Choice]:
+                dtype: torch.dtype, device: torch.device, weight_dtype: torch.dtype | None = None
+                ) -> tuple[type[LoRABatch], Choice]:
     """The first candidate whose add_lora matches the reference on a small problem of a real layer's shapes
-    (a few tokens over two slots and slot -1, ranks r_max and below, rank-major B as the wrappers store it)."""
+    (a few tokens over two slots and slot -1, ranks r_max and below, rank-major B as the wrappers store it,
+    A and B in the wrappers' storage dtype `weight_dtype` (default: dtype), fp8 with its scales)."""
+    wd = weight_dtype or dtype
     g = torch.Generator().manual_seed(0)
     s = min(num_slots, 2)
     slots = [i % (s + 1) - 1 for i in range(8)]  # -1, 0, (1,) ...
     x = torch.randn(len(slots), in_features, generator=g).to(dtype).to(device)
-    a = [(torch.randn(num_slots, r_max, in_features, generator=g) / in_features ** 0.5).to(dtype).to(device)
-         for _ in out_sizes]
-    b = [torch.randn(num_slots, r_max, n, generator=g).to(dtype).to(device).transpose(1, 2) for n in out_sizes]
+
+    def store(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[S, rows, m] -> (storage dtype, fp8 scales [S, rows] or None)."""
+        if wd != torch.float8_e4m3fn:
+            return t.to(wd).to(device), None
+        q, sc = reference.fp8_rows(t.reshape(-1, t.size(-1)))
+        return q.view(t.shape).to(device), sc.view(t.shape[:2]).to(device)
+
+    a, sa = zip(*(store(torch.randn(num_slots, r_max, in_features, generator=g) / in_features ** 0.5)
+                  for _ in out_sizes))
+    b, sb = zip(*(store(torch.randn(num_slots, n, r_max, generator=g)) for n in out_sizes))
+    b = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in b]  # rank-major storage
+    scales = Scales(list(sa), list(sb)) if wd == torch.float8_e4m3fn else None
     host = [[max(1, r_max // (1 + j + i)) for j in range(num_slots)] for i in range(len(out_sizes))]
     ranks = SlotRanks(host, torch.tensor(host, dtype=torch.int32, device=device))
     y = torch.randn(len(slots), sum(out_sizes), generator=g).to(dtype).to(device)
@@ -214,7 +249,7 @@ def choose_impl(candidates: Sequence[str], in_features: int, out_sizes: list[int
 
     def run(name: str) -> torch.Tensor:
         batch = LORA_IMPLS[name].build(slots, num_slots, device)  # type: ignore[index]
-        return batch.add_lora(y.clone(), x, a, b, ranks, offsets)
+        return batch.add_lora(y.clone(), x, list(a), b, ranks, offsets, scales=scales)
 
     choice = choose("lora", candidates, run, CHECK_TOLERANCE[dtype])
     return LORA_IMPLS[choice.chosen], choice  # type: ignore[index]
@@ -224,7 +259,11 @@ def choose_impl(candidates: Sequence[str], in_features: int, out_sizes: list[int
 
 
 def _default_block_m(num_tokens: int) -> int:
-    # Decode steps: few tokens per slot, small blocks waste little. Prefill: larger tiles for the expand.
+    """Tokens of one slot per program (the kernels go over them in 16-row tiles, reading the slot's weights
+    from DRAM once per run). Decode steps: short runs, more programs; prefill: longer runs."""
+    run = lora_triton.CONFIG_OVERRIDES.get("run_m")
+    if run is not None:
+        return run
     return 16 if num_tokens <= 256 else 32 if num_tokens <= 2048 else 64
 
 

@@ -78,6 +78,15 @@ def _ranks(ranks: list[list[int]], dev: torch.device) -> torch.Tensor:
     return torch.tensor(ranks, dtype=torch.int32, device=dev)
 
 
+@pytest.fixture(params=["split", "fused"])
+def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """add_lora as two launches (K-split shrink, expand) or one (the fused kernel)."""
+    from kernels import lora_triton
+
+    monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "fused", int(request.param == "fused"))
+    return request.param
+
+
 def _reference(p: dict, add_inputs: bool) -> torch.Tensor:
     y = p["y"].clone()
     for a, b, r, off in zip(p["a"], p["b"], p["ranks"], p["offsets"]):
@@ -94,7 +103,7 @@ def _reference(p: dict, add_inputs: bool) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("sizes", [[40], [48, 16], [48, 16, 24]], ids=["1slice", "2slices-rank-major-B", "3slices"])
 @pytest.mark.parametrize("add_inputs", [True, False], ids=["add", "replace"])
-def test_add_lora_matches_reference(dtype: torch.dtype, sizes: list[int], add_inputs: bool) -> None:
+def test_add_lora_matches_reference(dtype: torch.dtype, sizes: list[int], add_inputs: bool, variant: str) -> None:
     from kernels.lora_triton import add_lora
 
     assert DEV is not None
@@ -145,7 +154,7 @@ def test_single_slice_shrink_and_expand_match_reference(dtype: torch.dtype) -> N
 
 
 @needs_kernels
-def test_rank_zero_slot_replace_writes_zeros() -> None:
+def test_rank_zero_slot_replace_writes_zeros(variant: str) -> None:
     from kernels.lora_triton import add_lora
 
     assert DEV is not None
@@ -265,8 +274,126 @@ def test_shape_checks() -> None:
         lora_expand(p["y"], torch.zeros(2, 30, 128, device=DEV), p["b"], info, p["offsets"], rt)
 
 
+def _fp8(p: dict) -> dict:
+    """The problem with A and B stored as fp8 e4m3 + float32 scales (per rank row of A, per output row of B)."""
+    q = dict(p)
+    qa, qb, sa, sb = [], [], [], []
+    for a, b in zip(p["a"], p["b"]):
+        a8, a_s = reference.fp8_rows(a.float().reshape(-1, a.size(-1)))
+        b8, b_s = reference.fp8_rows(b.float().reshape(-1, b.size(-1)))
+        qa.append(a8.view(a.shape))
+        qb.append(b8.view(b.shape).transpose(1, 2).contiguous().transpose(1, 2))  # rank-major, as the wrappers
+        sa.append(a_s.view(a.shape[:2]))
+        sb.append(b_s.view(b.shape[:2]))
+    q.update(a=qa, b=qb, sa=sa, sb=sb)
+    return q
+
+
+def _reference_scaled(p: dict, add_inputs: bool) -> torch.Tensor:
+    y = p["y"].clone()
+    for i, (a, b, r, off) in enumerate(zip(p["a"], p["b"], p["ranks"], p["offsets"])):
+        buf = reference.lora_shrink(p["x"], a, p["slots"], r, a_scale=p["sa"][i])
+        reference.lora_expand(y, buf, b, p["slots"], r, off, add_inputs, b_scale=p["sb"][i])
+    return y
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("sizes", [[40], [48, 16, 24]], ids=["1slice", "3slices"])
+@pytest.mark.parametrize("add_inputs", [True, False], ids=["add", "replace"])
+def test_fp8_weights_match_the_dequantizing_reference(dtype: torch.dtype, sizes: list[int], add_inputs: bool, variant: str) -> None:
+    """fp8 A/B decoded in the kernel (bit operations) and scaled per row = the reference's dequantized fp32
+    weights, to the compute dtype's tolerance: the same quantized values on both sides."""
+    from engine.lora.punica import Scales
+    from kernels.lora_triton import add_lora, lora_expand, lora_shrink
+
+    assert DEV is not None
+    p = _fp8(_problem(40 + len(sizes) + add_inputs, sizes, dtype))
+    ref = _reference_scaled(p, add_inputs)
+    d = _to(p, DEV)
+    sa, sb = [t.to(DEV) for t in p["sa"]], [t.to(DEV) for t in p["sb"]]
+    info, rt = group_tokens(p["slots"].tolist(), p["num_slots"], device=DEV), _ranks(p["ranks"], DEV)
+    out = add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt, add_inputs, sa, sb)
+    _assert_close(out, ref, dtype, f"fp8 {dtype} {sizes}")
+    # The engine batch, and the separate shrink / expand of the fully sharded path.
+    batch = TritonLoRABatch.build(p["slots"].tolist(), p["num_slots"], DEV)
+    via = batch.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], SlotRanks(p["ranks"], rt), d["offsets"], add_inputs,
+                         Scales(sa, sb))
+    assert torch.equal(out, via)
+    buf = lora_shrink(d["x"], d["a"], info, rt, a_scales=sa)
+    buf_ref = [reference.lora_shrink(p["x"], a, p["slots"], r, a_scale=c) for a, r, c in zip(p["a"], p["ranks"], p["sa"])]
+    _assert_close(buf, torch.stack(buf_ref), dtype, "fp8 shrink")
+    y2 = lora_expand(d["y"].clone(), torch.stack(buf_ref).to(DEV), d["b"], info, d["offsets"], rt, add_inputs, sb)
+    _assert_close(y2, ref, dtype, "fp8 expand")
+    with pytest.raises(ValueError, match="scales"):
+        add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt, add_inputs)
+    assert all(a.dtype == torch.float8_e4m3fn for a in d["a"] + d["b"])
+
+
+@needs_kernels
+@pytest.mark.parametrize(("run", "r_max", "pool"), [(64, 16, [16, 3, 0, 9]), (32, 128, [128, 70, 1, 0, 65])],
+                         ids=["runs64-rmax16", "runs32-rmax128"])
+def test_runs_of_one_slot_and_wide_ranks(monkeypatch: pytest.MonkeyPatch, run: int, r_max: int,
+                                         pool: list[int], variant: str) -> None:
+    """A program takes a run of up to `run` tokens of one slot (several 16-row tiles: the slot's weights are read
+    once for all of them); ranks above 64 take several rank chunks, each slot computing only below its rank."""
+    from kernels import lora_triton
+
+    assert DEV is not None
+    monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "block_m", 16)
+    p = _problem(50 + r_max, [40, 24], torch.float32, num_tokens=70, r_max=r_max, rank_major=True)
+    p["ranks"] = [[pool[(i + s) % len(pool)] for i in range(p["num_slots"])] for s in range(2)]
+    slots = p["slots"].tolist()
+    assert max(slots.count(s) for s in set(slots)) > 16  # a run spanning several tiles
+    d = _to(p, DEV)
+    info, rt = group_tokens(slots, p["num_slots"], device=DEV, block_m=run), _ranks(p["ranks"], DEV)
+    for add_inputs in (True, False):
+        out = lora_triton.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt, add_inputs)
+        _assert_close(out, _reference(p, add_inputs), torch.float32, f"run {run} r_max {r_max} add={add_inputs}")
+
+
+@needs_kernels
+def test_fully_sharded_shapes_and_wrapper_storage(variant: str) -> None:
+    """The wrappers' storage: slice views of one [S, rows, n*K] A store (strided rank rows) and of one rank-major
+    [S, r_max, sum n] B store; a fully sharded column layer's A holds r_max / tp rows (its shrink result is
+    gathered to r_max before the expand)."""
+    from kernels.lora_triton import add_lora, lora_expand, lora_shrink
+
+    assert DEV is not None
+    g = torch.Generator().manual_seed(9)
+    s_, k, sizes, r_max = 4, 48, [32, 16, 16], 16
+    a_store = torch.randn(s_, r_max, 3 * k, generator=g)
+    b_store = torch.randn(s_, r_max, sum(sizes), generator=g) / 4
+    a = [a_store[:, :, i * k:(i + 1) * k] for i in range(3)]
+    offs = [0, 32, 48]
+    b = [b_store[:, :, o:o + n].transpose(1, 2) for o, n in zip(offs, sizes)]
+    ranks = [[16, 5, 0, 9], [3, 16, 1, 0], [0, 2, 16, 16]]
+    slots = torch.tensor([3, -1, 0, 1, 1, 2, -1, 0, 3, 3, 2, 1])
+    x = torch.randn(len(slots), k, generator=g)
+    y = torch.randn(len(slots), sum(sizes), generator=g)
+    ref = y.clone()
+    for ai, bi, r, off in zip(a, b, ranks, offs):
+        reference.lora_expand(ref, reference.lora_shrink(x, ai, slots, r), bi, slots, r, off, True)
+    a_d = list(a_store.to(DEV).split(k, dim=2))
+    b_st = b_store.to(DEV)
+    b_d = [b_st[:, :, o:o + n].transpose(1, 2) for o, n in zip(offs, sizes)]
+    info, rt = group_tokens(slots.tolist(), s_, device=DEV), _ranks(ranks, DEV)
+    out = add_lora(y.clone().to(DEV), x.to(DEV), a_d, b_d, info, offs, rt)
+    _assert_close(out, ref, torch.float32, "wrapper storage")
+    # Fully sharded, rank 1 of 2: A rows [8, 16) of each slot; valid rows per slot = clamp(rank - 8, 0, 8).
+    a_half = [t[:, 8:] for t in a_d]
+    a_ranks = [[max(0, min(8, r - 8)) for r in row] for row in ranks]
+    part = lora_shrink(x.to(DEV), a_half, info, _ranks(a_ranks, DEV))
+    for i in range(3):
+        want = reference.lora_shrink(x, a[i][:, 8:], slots, a_ranks[i])
+        _assert_close(part[i], want, torch.float32, f"sharded shrink slice {i}")
+    full = torch.stack([reference.lora_shrink(x, ai, slots, r) for ai, r in zip(a, ranks)])
+    got = lora_expand(y.clone().to(DEV), full.to(DEV), b_d, info, offs, rt)
+    _assert_close(got, ref, torch.float32, "expand of the gathered result")
+
+
 @pytest.mark.skipif(DEV is None or DEV.type != "cuda", reason="graph capture is checked on CUDA")
-def test_cuda_graph_capture_and_replay_with_new_mapping() -> None:
+def test_cuda_graph_capture_and_replay_with_new_mapping(variant: str) -> None:
     """The kernels need no host sync: capture once, then replay after writing a new mapping in place."""
     from kernels.lora_triton import add_lora
 
@@ -342,6 +469,9 @@ def test_bench_quick_runs_on_cpu(script: str) -> None:
                           cwd=REPO, env=_env(**extra), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if script == "bench_lora.py":  # one line per layer kind and case, then one per decoder-layer step
+        lines = [rec for rec in lines if rec.get("case") == "layer"]
     assert lines and all("us" in json.dumps(rec) for rec in lines), proc.stdout[-3000:]
     if interp:
-        assert any(rec.get("triton_us") is not None for rec in lines), proc.stdout[-3000:]
+        key = "eager_us" if script == "bench_lora.py" else "triton_us"
+        assert any(rec.get(key) is not None for rec in lines), proc.stdout[-3000:]

@@ -14,7 +14,7 @@ from engine.layers.quant import Int4LinearMethod, UnquantizedLinearMethod
 from engine.lora.adapter import LoRAModule
 from engine.lora.layers import ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA
 from engine.lora.punica import ReferenceLoRABatch, build_mapping
-from kernels.reference import pack_int4_cols, pack_int4_rows
+from kernels.reference import fp8_rows, pack_int4_cols, pack_int4_rows
 
 RANKS = [1, 8, 16, 64]
 MAX_RANK = 64
@@ -37,7 +37,8 @@ def _random_params(layer, gen: torch.Generator) -> None:
     layer.process_after_loading()
 
 
-def _make(kind: str, quant: bool, gen: torch.Generator, dtype: torch.dtype = torch.float32):
+def _make(kind: str, quant: bool, gen: torch.Generator, dtype: torch.dtype = torch.float32,
+          weight_dtype: torch.dtype | None = None):
     method = Int4LinearMethod(G, 1) if quant else UnquantizedLinearMethod()
     if kind == "qkv":
         layer = QKVParallelLinear(256, 64, 4, 2, bias=True, method=method, prefix="l.qkv_proj", dtype=dtype)
@@ -53,15 +54,23 @@ def _make(kind: str, quant: bool, gen: torch.Generator, dtype: torch.dtype = tor
         names, sizes = ["l.down_proj"], [256]
     _random_params(layer, gen)
     cls = RowParallelLinearWithLoRA if kind == "row" else ColumnParallelLinearWithLoRA
-    return layer, cls(layer, names, max_loras=len(RANKS), max_rank=MAX_RANK, dtype=dtype), names, sizes
+    return (layer, cls(layer, names, max_loras=len(RANKS), max_rank=MAX_RANK, dtype=dtype, weight_dtype=weight_dtype),
+            names, sizes)
 
 
-@pytest.mark.parametrize(("quant", "dtype"), [(False, torch.float32), (False, torch.bfloat16), (True, torch.float32)],
-                         ids=["fp32", "bf16", "int4"])
+def _dequant_fp8(t: torch.Tensor) -> torch.Tensor:
+    q, scale = fp8_rows(t)
+    return q.float() * scale[:, None]
+
+
+@pytest.mark.parametrize(("quant", "dtype", "fp8"), [(False, torch.float32, False), (False, torch.bfloat16, False),
+                                                     (True, torch.float32, False), (False, torch.float32, True),
+                                                     (False, torch.bfloat16, True)],
+                         ids=["fp32", "bf16", "int4", "fp8-fp32", "fp8-bf16"])
 @pytest.mark.parametrize("kind", ["qkv", "gate_up", "column", "row"])
-def test_wrapper_equals_dense_formula(kind: str, quant: bool, dtype: torch.dtype) -> None:
+def test_wrapper_equals_dense_formula(kind: str, quant: bool, dtype: torch.dtype, fp8: bool) -> None:
     gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}-{quant}".encode()))  # hash() varies per process
-    base, wrapped, names, sizes = _make(kind, quant, gen, dtype)
+    base, wrapped, names, sizes = _make(kind, quant, gen, dtype, torch.float8_e4m3fn if fp8 else None)
     k = base.in_features
     adapters: list[dict[str, LoRAModule]] = []
     for slot, r in enumerate(RANKS):
@@ -83,8 +92,12 @@ def test_wrapper_equals_dense_formula(kind: str, quant: bool, dtype: torch.dtype
         for n, off, o in zip(names, offsets, sizes):
             m = adapters[s].get(n)
             if m is not None:
-                # The buffers hold A and B in the layer's dtype: the oracle uses the same rounded values.
-                a, b = m.a.to(dtype).float(), m.b.to(dtype).float()
+                # The buffers hold A and B in the layer's dtype (or fp8 + a scale per row of A and of B): the
+                # oracle uses the same rounded values.
+                if fp8:
+                    a, b = _dequant_fp8(m.a), _dequant_fp8(m.b)
+                else:
+                    a, b = m.a.to(dtype).float(), m.b.to(dtype).float()
                 y_ref[i, off:off + o] += (x[i].float() @ a.t()) @ b.t()
     with forward_context(ForwardContext(attn=None, lora=build_mapping(slots, x.device))):
         y = wrapped(x)

@@ -1,5 +1,6 @@
 """The LoRA wrappers driving the Triton kernels (device-side ranks, per-step grouping) give the same
-result as with the reference kernels; on the CPU under the Triton interpreter."""
+result as with the reference kernels, with A and B in the model dtype and in fp8; on the CPU under the
+Triton interpreter."""
 
 from __future__ import annotations
 
@@ -13,15 +14,17 @@ from engine.lora.adapter import LoRAModule
 from engine.lora.layers import ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA
 from engine.lora.punica import LORA_IMPLS, build_mapping
 g = torch.Generator().manual_seed(0)
-for kind in ("qkv", "row"):
+for kind, wd in (("qkv", None), ("row", None), ("qkv", torch.float8_e4m3fn), ("row", torch.float8_e4m3fn)):
     if kind == "qkv":
         base = QKVParallelLinear(64, 16, 4, 2, prefix="l.qkv_proj")
-        w = ColumnParallelLinearWithLoRA(base, ["l.q_proj", "l.k_proj", "l.v_proj"], 3, 16, torch.float32)
+        w = ColumnParallelLinearWithLoRA(base, ["l.q_proj", "l.k_proj", "l.v_proj"], 3, 16, torch.float32,
+                                         weight_dtype=wd)
         sizes = {"l.q_proj": 64, "l.k_proj": 32, "l.v_proj": 32}
     else:
         base = RowParallelLinear(64, 48, prefix="l.o_proj")
-        w = RowParallelLinearWithLoRA(base, ["l.o_proj"], 3, 16, torch.float32)
+        w = RowParallelLinearWithLoRA(base, ["l.o_proj"], 3, 16, torch.float32, weight_dtype=wd)
         sizes = {"l.o_proj": 48}
+    assert (w.scales is not None) == (wd is not None)
     for p in base.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g) * 0.1)
     for slot, r in enumerate((1, 8, 16)):

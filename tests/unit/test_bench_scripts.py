@@ -81,7 +81,7 @@ def test_gpu_engine_check_passes_and_fails_on_the_cpu(tmp_path: Path) -> None:
     cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_engine_check.py"), "--quick", "--device", "cpu",
            "--root", str(tmp_path)]
     ok = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert ok.returncode == 0 and "gpu_engine_check: PASS (7 checks)" in ok.stdout, ok.stdout[-3000:] + ok.stderr[-3000:]
+    assert ok.returncode == 0 and "gpu_engine_check: PASS (8 checks)" in ok.stdout, ok.stdout[-3000:] + ok.stderr[-3000:]
     if interpreter_skip_reason() is not None:  # the fault path runs the Triton kernels under the interpreter
         return
     env = {**os.environ, "TRITON_INTERPRET": "1", "XPULORA_KERNEL_FAULT": "lora=raise"}
@@ -141,3 +141,14 @@ def test_sse_lines_split_only_where_sse_does() -> None:
     got = asyncio.run(lines())
     assert got == ['data: {"text": "a\x85b"}', 'data: {"text": "c\u2028d\u2029"}', "", "data: [DONE]", "", "x"]
     assert [json.loads(x[6:])["text"] for x in got[:2]] == ["a\x85b", "c\u2028d\u2029"]
+
+
+def test_bench_lora_fill_quick() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_lora_fill.py"), "--quick", "--device", "cpu"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {r["path"]: r for r in map(json.loads, proc.stdout.splitlines())}
+    # 4 layers: 28 slices x (zero A, zero B, copy A, copy B, two rank stores) + 16 wrappers x two rank zeros
+    assert rows["per_slice"]["num_ops"] == 28 * 6 + 16 * 2
+    assert rows["packed"]["ops"] == {"_foreach_copy_": 1}  # the host is the device: one multi-tensor copy
+    assert rows["packed"]["host_ms"] > 0 and rows["packed"]["adapter_mb"] > 0

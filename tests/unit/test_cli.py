@@ -221,3 +221,13 @@ def test_fresh_make_setup_installs_no_test_package(tmp_path: Path) -> None:
     version = subprocess.run([str(tmp_path / ".venv" / "bin" / "xpulora"), "--version"], capture_output=True,
                              text=True, timeout=120)
     assert version.returncode == 0 and version.stdout.strip(), version.stderr
+
+
+def test_lora_dtype_flag_and_validation(capsys: pytest.CaptureFixture[str]) -> None:
+    from engine import ConfigError, LoRAConfig
+
+    assert build_engine_config(_parse("serve", "/m")).lora.lora_dtype == "auto"
+    assert build_engine_config(_parse("serve", "/m", "--lora-dtype", "fp8")).lora.lora_dtype == "fp8"
+    assert "invalid choice" in _fails(capsys, "serve", "--lora-dtype", "int8")
+    with pytest.raises(ConfigError, match="lora_dtype must be one of auto, bfloat16, float16, float32, fp8"):
+        LoRAConfig(lora_dtype="e5m2")  # type: ignore[arg-type]
