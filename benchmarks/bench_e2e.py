@@ -231,7 +231,8 @@ def main() -> None:
                        "async_scheduling": e.async_scheduling, "floor_ms_per_step": floor_ms,
                        "vs_floor": r["ms_per_step"] / floor_ms}
                 if a.sync_too:
-                    row["sync_ms_per_step"] = synchronous(e, lambda b=b, n=n: ours(e, b, n, a.new_tokens))["ms_per_step"]
+                    sync = synchronous(e, lambda b=b, n=n: ours(e, b, n, a.new_tokens))
+                    row["sync_ms_per_step"] = sync["ms_per_step"]
                 if n == 0:
                     base_ms[b] = r["ms_per_step"]
                 else:  # what the adapters add to a step against what reading their bytes once takes
