@@ -20,9 +20,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
 import zmq
 
 from engine.config import EngineConfig
+from engine.device import core_threads, detect
 from engine.errors import AdapterError, EngineDeadError, RequestError
 from engine.llm_engine import LLMEngine
 from engine.messages import (
@@ -212,6 +214,7 @@ def core_main(config: EngineConfig, in_addr: str, out_addr: str, progress: bool)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     alive, parent_fd = parent_watch()
+    _set_threads(config)
     ctx = zmq.Context()
     inbox, outbox = _sockets(ctx, in_addr, out_addr)
     enc = encoder()
@@ -236,6 +239,19 @@ def core_main(config: EngineConfig, in_addr: str, out_addr: str, progress: bool)
     outbox.close(linger=1000)
     ctx.term()
     os._exit(code)  # no atexit joins of leftover threads (adapter pool): the process is done
+
+
+def _set_threads(config: EngineConfig) -> None:
+    """Rank 0's compute threads (engine.device.core_threads), unless the operator set OMP_NUM_THREADS."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    try:
+        kind = detect(config.parallel.device)
+    except (RuntimeError, ValueError):  # LLMEngine reports a missing device itself
+        return
+    n = core_threads(kind, config.parallel.tensor_parallel_size, len(os.sched_getaffinity(0)))
+    if n is not None:
+        torch.set_num_threads(n)
 
 
 def parent_watch() -> tuple[Callable[[], bool], int | None]:

@@ -250,6 +250,17 @@ def device_count(kind: DeviceKind) -> int | None:
     return None
 
 
+def core_threads(kind: DeviceKind, tp_size: int, cpus: int) -> int | None:
+    """torch threads of TP rank 0 in the engine-core process, None where torch's default is right (GPUs).
+    On the CPU the API process next to it (HTTP, detokenizing, SSE: one busy thread under load) keeps one
+    core, and the ranks share the rest: with the default (every core) the core's compute threads and the
+    API process take turns on the same cores, which on 2 cores cost 15-20 % of the server's tokens/s
+    (docs/PERFORMANCE.md)."""
+    if kind != "cpu":
+        return None
+    return max(1, (cpus - 1) // tp_size)
+
+
 def check_tp_fits(kind: DeviceKind, tp_size: int, visible: int | None) -> None:
     """One device per TP rank: fail before spawning ranks that could never join (a rank on a missing
     device dies, and rank 0 would wait out the rendezvous timeout)."""

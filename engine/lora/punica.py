@@ -107,14 +107,37 @@ def _check_slots(slots: torch.Tensor, num_slots: int) -> None:
 
 
 class ReferenceLoRABatch(LoRABatch):
-    """The torch reference (kernels.reference): per slot, boolean gathers, fp32 matmuls. The CPU path."""
+    """The torch reference (kernels.reference), fp32 matmuls: the CPU path. Two formulations of add_lora, picked
+    per slice by a cost model (`_dense_pays`):
+    - grouped: per slot in use, its rows times its A and B (kernels.reference.lora_shrink / lora_expand):
+      ~10 small ops per slot and slice, no wasted products;
+    - dense: the rows that use adapters times every slot of the range in use at once, the padded buffers
+      viewed as one [slots * r_max, in] A and one [slots * r_max, out] B (no copies), with a mask that keeps
+      each row's own slot's first `rank` columns: y += ((x A^T) masked) B. Three ops per slice, but every
+      row pays for every slot's r_max columns.
+    Decode steps (few rows, several adapters) are op-bound on a CPU, prefill steps product-bound."""
 
     name = "reference"
+    mode: ClassVar[Literal["auto", "dense", "grouped"]] = "auto"
+    """auto: the cost model chooses per slice; dense / grouped force one (tests)."""
 
     def __init__(self, slots: torch.Tensor, num_slots: int, rows_of: reference.SlotRows | None = None) -> None:
         self.slots, self.num_tokens, self.num_slots = slots, slots.numel(), num_slots
         self.rows_of = rows_of if rows_of is not None else reference.slot_rows(slots)
         """Each slot's token rows, found once per step (from the host copy) for all the layers' calls."""
+        self._dense_setup()
+
+    def _dense_setup(self) -> None:
+        rows = self.rows_of
+        self._masks: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        self._lo = min((s for s, _ in rows), default=0)
+        self._hi = max((s for s, _ in rows), default=-1)
+        if rows and all(isinstance(r, slice) for _, r in rows):  # the adapter rows are one span (runner order)
+            self._t0 = min(r.start for _, r in rows)  # type: ignore[union-attr]
+            self._t1 = max(r.stop for _, r in rows)  # type: ignore[union-attr]
+        else:
+            self._t0, self._t1 = 0, self.num_tokens
+        self._counts = [(s, r.stop - r.start if isinstance(r, slice) else r.numel()) for s, r in rows]
 
     @classmethod
     def build(cls, slots: Sequence[int], num_slots: int, device: torch.device) -> ReferenceLoRABatch:
@@ -127,12 +150,52 @@ class ReferenceLoRABatch(LoRABatch):
         _check_slots(host, self.num_slots)
         self.slots.copy_(host)
         self.rows_of = reference.slot_rows(host)
+        self._dense_setup()
 
     def _add(self, y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
              ranks: SlotRanks, offsets: list[int], add_inputs: bool) -> None:
-        for a, b, r, off in zip(lora_a, lora_b, ranks.host, offsets):
-            buf = reference.lora_shrink(x, a, self.slots, r, self.rows_of)
-            reference.lora_expand(y, buf, b, self.slots, r, off, add_inputs, self.rows_of)
+        xs: torch.Tensor | None = None  # the dense rows of x in fp32, made once for all slices
+        for i, (a, b, r, off) in enumerate(zip(lora_a, lora_b, ranks.host, offsets)):
+            if add_inputs and self._dense_pays(a, b, r):
+                if xs is None:
+                    xs = x[self._t0:self._t1].float()
+                self._add_dense(y, xs, a, b, ranks.device[i], r, off)
+            else:
+                buf = reference.lora_shrink(x, a, self.slots, r, self.rows_of)
+                reference.lora_expand(y, buf, b, self.slots, r, off, add_inputs, self.rows_of)
+
+    def _dense_pays(self, a: torch.Tensor, b: torch.Tensor, ranks: list[int]) -> bool:
+        """Whether the dense form is cheaper for this slice: each op costs ~OP_S of host time, a product
+        1 / FLOPS (figures of the 2-core CPU this was tuned on, docs/PERFORMANCE.md)."""
+        if self.mode != "auto" or not self._counts:
+            return self.mode == "dense" and bool(self._counts)
+        width = a.size(-1) + b.size(1)
+        dense = DENSE_OPS * OP_S + 2 * (self._t1 - self._t0) * (self._hi - self._lo + 1) * a.size(1) * width / FLOPS
+        grouped = sum(GROUPED_OPS * OP_S + 2 * n * ranks[s] * width / FLOPS for s, n in self._counts)
+        return dense < grouped
+
+    def _add_dense(self, y: torch.Tensor, xs: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ranks_dev: torch.Tensor,
+                   ranks: list[int], offset: int) -> None:
+        """y[t0:t1, offset:+n] += ((xs A^T) masked) B over the slots lo..hi, A and B the padded buffers viewed flat."""
+        lo, hi, r_max, n = self._lo, self._hi, a.size(1), b.size(1)
+        a_flat = a[lo:hi + 1].reshape(-1, a.size(-1))  # [(hi-lo+1) * r_max, in]: a view of the stacked buffer
+        b_flat = b[lo:hi + 1].transpose(1, 2).reshape(-1, n)  # [(hi-lo+1) * r_max, n]: a view when rank-major
+        h = xs @ a_flat.float().t()
+        h.masked_fill_(self._mask(ranks_dev[lo:hi + 1], tuple(ranks[lo:hi + 1]), r_max), 0.0)
+        y[self._t0:self._t1, offset:offset + n] += (h @ b_flat.float()).to(y.dtype)
+
+    def _mask(self, ranks_dev: torch.Tensor, key: tuple[int, ...], r_max: int) -> torch.Tensor:
+        """M[t, (s - lo) * r_max + j] = False where row t uses slot s and j < rank(s), else True: the products
+        to drop (a fill, not a multiply, so nothing of another slot reaches a row, not even a NaN). One per
+        rank layout and step, built on the slots' device (no host copy)."""
+        m = self._masks.get((r_max, key))
+        if m is None:
+            dev = self.slots.device
+            col = torch.arange(len(key) * r_max, device=dev)
+            keep = (col % r_max) < ranks_dev.repeat_interleave(r_max)
+            own = self.slots[self._t0:self._t1].unsqueeze(1) == col // r_max + self._lo
+            m = self._masks[(r_max, key)] = ~(own & keep)
+        return m
 
     def _shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks) -> torch.Tensor:
         return reference.lora_shrink(x, a, self.slots, ranks.host[0], self.rows_of)
@@ -140,6 +203,15 @@ class ReferenceLoRABatch(LoRABatch):
     def _expand(self, y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, ranks: SlotRanks, offset: int,
                 add_inputs: bool) -> None:
         reference.lora_expand(y, buf, b, self.slots, ranks.host[0], offset, add_inputs, self.rows_of)
+
+
+# The reference batch's cost model (ReferenceLoRABatch._dense_pays), measured with one torch thread on the
+# 2-core EPYC of docs/PERFORMANCE.md: a small op's host cost, the ops of one slice in each form (grouped: per
+# slot), and the fp32 matmul rate at these shapes.
+OP_S = 3.5e-6
+DENSE_OPS = 8
+GROUPED_OPS = 10
+FLOPS = 1.0e11
 
 
 class TritonLoRABatch(LoRABatch):
