@@ -174,9 +174,10 @@ class EngineCore:
 def ready(llm: LLMEngine) -> Ready:
     lora = [] if llm.lora is None else [(n, p) for n, p, _ in llm.lora.list_adapters()]
     kernels = [(c.op, c.chosen, [tuple(r) for r in c.rejected], c.checked) for c in llm.runner.kernel_choices]
+    tok = type(llm.tokenizer)
     return Ready((llm.served_model_name, *llm.config.model.extra_served_model_names), llm.max_model_len,
                  llm.vocab_size, sorted(llm.eos_ids), llm.lora is not None, llm.config.scheduler.max_num_seqs,
-                 lora, kernels, os.getpid())
+                 lora, kernels, os.getpid(), f"{tok.__module__}.{tok.__qualname__}")
 
 
 def _sockets(ctx: zmq.Context, in_addr: str, out_addr: str) -> tuple[zmq.Socket, zmq.Socket]:

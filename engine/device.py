@@ -14,12 +14,18 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal, get_args
-
-import torch
+from typing import TYPE_CHECKING, Literal, get_args
 
 from engine.errors import ConfigError
-from kernels import triton_env
+from engine.lazy import LazyModule
+
+if TYPE_CHECKING:
+    import torch
+
+    from kernels import triton_env
+else:  # the API process reads the device names only (--device): torch loads with the first device use
+    torch = LazyModule("torch")
+    triton_env = LazyModule("kernels.triton_env")
 
 DeviceKind = Literal["xpu", "cuda", "cpu"]
 DeviceName = Literal["auto", "xpu", "cuda", "cpu"]

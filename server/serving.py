@@ -215,8 +215,11 @@ class Serving:
                 t.close()
 
         if req.stream:
+            async def closed() -> None:  # on the event loop (a plain function would go to a worker thread)
+                close()
+
             gen = self._sse(rid, req, choices, streams, trackers, chat)
-            return StreamingResponse(gen, media_type="text/event-stream", background=BackgroundTask(close))
+            return StreamingResponse(gen, media_type="text/event-stream", background=BackgroundTask(closed))
         try:
             await _until_disconnect(raw, asyncio.gather(*(
                 self._drain(c, s, t) for c, s, t in zip(choices, streams, trackers))))

@@ -9,6 +9,7 @@ the slots as a tensor and host rank lists; the Triton one groups the tokens by s
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -165,34 +166,36 @@ class ReferenceLoRABatch(LoRABatch):
                 reference.lora_expand(y, buf, b, self.slots, r, off, add_inputs, self.rows_of)
 
     def _dense_pays(self, a: torch.Tensor, b: torch.Tensor, ranks: list[int]) -> bool:
-        """Whether the dense form is cheaper for this slice: each op costs ~OP_S of host time, a product
-        1 / FLOPS (figures of the 2-core CPU this was tuned on, docs/PERFORMANCE.md)."""
+        """Whether the dense form is cheaper for this slice: host time per slice (dense) or per slot and slice
+        (grouped) plus the products at FLOPS (figures of the CPU this was tuned on, docs/PERFORMANCE.md)."""
         if self.mode != "auto" or not self._counts:
             return self.mode == "dense" and bool(self._counts)
         width = a.size(-1) + b.size(1)
-        dense = DENSE_OPS * OP_S + 2 * (self._t1 - self._t0) * (self._hi - self._lo + 1) * a.size(1) * width / FLOPS
-        grouped = sum(GROUPED_OPS * OP_S + 2 * n * ranks[s] * width / FLOPS for s, n in self._counts)
+        dense = DENSE_S + 2 * (self._t1 - self._t0) * (self._hi - self._lo + 1) * a.size(1) * width / FLOPS
+        grouped = sum(SLOT_S + 2 * n * ranks[s] * width / FLOPS for s, n in self._counts)
         return dense < grouped
 
     def _add_dense(self, y: torch.Tensor, xs: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ranks_dev: torch.Tensor,
                    ranks: list[int], offset: int) -> None:
         """y[t0:t1, offset:+n] += ((xs A^T) masked) B over the slots lo..hi, A and B the padded buffers viewed flat."""
         lo, hi, r_max, n = self._lo, self._hi, a.size(1), b.size(1)
-        a_flat = a[lo:hi + 1].reshape(-1, a.size(-1))  # [(hi-lo+1) * r_max, in]: a view of the stacked buffer
-        b_flat = b[lo:hi + 1].transpose(1, 2).reshape(-1, n)  # [(hi-lo+1) * r_max, n]: a view when rank-major
-        h = xs @ a_flat.float().t()
-        h.masked_fill_(self._mask(ranks_dev[lo:hi + 1], tuple(ranks[lo:hi + 1]), r_max), 0.0)
-        y[self._t0:self._t1, offset:offset + n] += (h @ b_flat.float()).to(y.dtype)
+        h = xs @ _flat(a, lo, hi, True)
+        h.masked_fill_(self._mask(ranks_dev, tuple(ranks[lo:hi + 1]), r_max), 0.0)
+        out = y[self._t0:self._t1, offset:offset + n]
+        if y.dtype == torch.float32:
+            out.addmm_(h, _flat(b, lo, hi, False))
+        else:
+            out += (h @ _flat(b, lo, hi, False)).to(y.dtype)
 
     def _mask(self, ranks_dev: torch.Tensor, key: tuple[int, ...], r_max: int) -> torch.Tensor:
         """M[t, (s - lo) * r_max + j] = False where row t uses slot s and j < rank(s), else True: the products
         to drop (a fill, not a multiply, so nothing of another slot reaches a row, not even a NaN). One per
-        rank layout and step, built on the slots' device (no host copy)."""
+        rank layout and step, built on the slots' device (no host copy); ranks_dev: every slot's ranks."""
         m = self._masks.get((r_max, key))
         if m is None:
             dev = self.slots.device
             col = torch.arange(len(key) * r_max, device=dev)
-            keep = (col % r_max) < ranks_dev.repeat_interleave(r_max)
+            keep = (col % r_max) < ranks_dev[self._lo:self._hi + 1].repeat_interleave(r_max)
             own = self.slots[self._t0:self._t1].unsqueeze(1) == col // r_max + self._lo
             m = self._masks[(r_max, key)] = ~(own & keep)
         return m
@@ -205,13 +208,35 @@ class ReferenceLoRABatch(LoRABatch):
         reference.lora_expand(y, buf, b, self.slots, ranks.host[0], offset, add_inputs, self.rows_of)
 
 
+_FLAT: dict[tuple[int, int, int], tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+
+
+def _flat(t: torch.Tensor, lo: int, hi: int, a_side: bool) -> torch.Tensor:
+    """Slots lo..hi of a stacked slot buffer as one fp32 matrix: A [S, r_max, in] -> [in, (hi-lo+1) * r_max]
+    (transposed, for x @ it), B [S, n, r_max] (rank-major memory) -> [(hi-lo+1) * r_max, n]. Views of the
+    buffer are kept per (buffer, range) across steps: the wrappers update their slots in place, which a
+    view sees. A copy (another dtype, or a layout that cannot be viewed) is made afresh on every call."""
+    key = (id(t), lo, hi)
+    hit = _FLAT.get(key)
+    if hit is not None and hit[0]() is t:
+        return hit[1]
+    part = t[lo:hi + 1]
+    flat = part.reshape(-1, part.size(-1)).t() if a_side else part.transpose(1, 2).reshape(-1, part.size(1))
+    flat = flat.float()
+    if flat.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+        if len(_FLAT) > 4096:  # buffers of engines gone (tests build many): forget the dead ones
+            for k in [k for k, (ref, _) in _FLAT.items() if ref() is None]:
+                del _FLAT[k]
+        _FLAT[key] = (weakref.ref(t), flat)
+    return flat
+
+
 # The reference batch's cost model (ReferenceLoRABatch._dense_pays), measured with one torch thread on the
-# 2-core EPYC of docs/PERFORMANCE.md: a small op's host cost, the ops of one slice in each form (grouped: per
-# slot), and the fp32 matmul rate at these shapes.
-OP_S = 3.5e-6
-DENSE_OPS = 8
-GROUPED_OPS = 10
-FLOPS = 1.0e11
+# 2-core Xeon of docs/PERFORMANCE.md (benchmarks/bench_lora_cpu.py): the host time of one slice in the dense
+# form and of one slot's share of a slice in the grouped form, and the fp32 matmul rate at these shapes.
+DENSE_S = 15e-6
+SLOT_S = 20e-6
+FLOPS = 1.2e11
 
 
 class TritonLoRABatch(LoRABatch):
