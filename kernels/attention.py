@@ -98,6 +98,8 @@ def batch_pays(cu_q: list[int], context_lens: list[int], block_size: int) -> boo
     ~10 ops per sequence. Off for a long prompt batched with short ones (it would pay its square for all)."""
     b = len(context_lens)
     n = [cu_q[s + 1] - cu_q[s] for s in range(b)]
+    if not n or min(n) < 1:  # a sequence without queries this step: the loop skips it
+        return False
     lkeys = -(-max(context_lens) // block_size) * block_size
     padded = b * max(n) * lkeys
     return padded <= 4 * sum(q * c for q, c in zip(n, context_lens)) or padded <= 1 << 16

@@ -16,16 +16,17 @@ class _StepIndex:
     the others (keyed by the step's metadata object, made fresh for each step and held here while it is
     the key). None where the padded one-call form would cost more than the per-sequence loop."""
 
-    meta: AttentionMetadata | None = None
-    index: BatchIndex | None = None
+    memo: tuple[AttentionMetadata, BatchIndex | None] | None = None
+    """(metadata, its index), replaced as one object: engines on other threads may run their steps meanwhile."""
 
     @classmethod
     def of(cls, meta: AttentionMetadata, block_size: int) -> BatchIndex | None:
-        if cls.meta is not meta:
+        memo = cls.memo
+        if memo is None or memo[0] is not meta:
             cu, ctx = meta.cu_q_list, meta.context_lens_list
-            cls.meta = meta
-            cls.index = batch_index(meta.block_tables, cu, ctx, block_size) if batch_pays(cu, ctx, block_size) else None
-        return cls.index
+            index = batch_index(meta.block_tables, cu, ctx, block_size) if batch_pays(cu, ctx, block_size) else None
+            memo = cls.memo = (meta, index)
+        return memo[1]
 
 
 class Attention(nn.Module):

@@ -53,9 +53,10 @@ class RotaryEmbedding(nn.Module):
             q_norm is None or (q_norm.eps == k_norm.eps and q_norm.zero_centered == k_norm.zero_centered))  # type: ignore[union-attr]
         if self.backend != "reference" or not same_norms or q.size(-1) != k.size(-1):
             return self._apply(positions, q, q_norm), self._apply(positions, k, k_norm)
-        if self._step is None or self._step[0] is not positions:
-            self._step = (positions, rope_tables(self.cos_sin, positions))
-        return qk_norm_rope(q, k, self._step[1], self.rotary_dim, None if q_norm is None else q_norm.weight,
+        step = self._step
+        if step is None or step[0] is not positions:
+            step = self._step = (positions, rope_tables(self.cos_sin, positions))
+        return qk_norm_rope(q, k, step[1], self.rotary_dim, None if q_norm is None else q_norm.weight,
                             None if k_norm is None else k_norm.weight, q_norm.eps if q_norm is not None else 0.0,
                             q_norm.zero_centered if q_norm is not None else False)
 

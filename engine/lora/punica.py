@@ -130,7 +130,9 @@ class ReferenceLoRABatch(LoRABatch):
 
     def _dense_setup(self) -> None:
         rows = self.rows_of
-        self._masks: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}
+        self._plans: dict[tuple[tuple[int, ...], int, int, int], torch.Tensor | None] = {}
+        """Per slice layout (ranks of slots lo..hi, r_max, in, out): the dense form's mask, or None where the
+        grouped form is cheaper. Decided once per step for all the layers of that layout."""
         self._lo = min((s for s, _ in rows), default=0)
         self._hi = max((s for s, _ in rows), default=-1)
         if rows and all(isinstance(r, slice) for _, r in rows):  # the adapter rows are one span (runner order)
@@ -157,10 +159,11 @@ class ReferenceLoRABatch(LoRABatch):
              ranks: SlotRanks, offsets: list[int], add_inputs: bool) -> None:
         xs: torch.Tensor | None = None  # the dense rows of x in fp32, made once for all slices
         for i, (a, b, r, off) in enumerate(zip(lora_a, lora_b, ranks.host, offsets)):
-            if add_inputs and self._dense_pays(a, b, r):
+            mask = self._plan(a, b, r, ranks.device[i]) if add_inputs else None
+            if mask is not None:
                 if xs is None:
                     xs = x[self._t0:self._t1].float()
-                self._add_dense(y, xs, a, b, ranks.device[i], r, off)
+                self._add_dense(y, xs, a, b, mask, off)
             else:
                 buf = reference.lora_shrink(x, a, self.slots, r, self.rows_of)
                 reference.lora_expand(y, buf, b, self.slots, r, off, add_inputs, self.rows_of)
@@ -175,30 +178,33 @@ class ReferenceLoRABatch(LoRABatch):
         grouped = sum(SLOT_S + 2 * n * ranks[s] * width / FLOPS for s, n in self._counts)
         return dense < grouped
 
-    def _add_dense(self, y: torch.Tensor, xs: torch.Tensor, a: torch.Tensor, b: torch.Tensor, ranks_dev: torch.Tensor,
-                   ranks: list[int], offset: int) -> None:
+    def _plan(self, a: torch.Tensor, b: torch.Tensor, ranks: list[int], ranks_dev: torch.Tensor) -> torch.Tensor | None:
+        key = (tuple(ranks[self._lo:self._hi + 1]), a.size(1), a.size(-1), b.size(1))
+        if key not in self._plans:
+            self._plans[key] = self._mask(ranks_dev, a.size(1)) if self._dense_pays(a, b, ranks) else None
+        return self._plans[key]
+
+    def _add_dense(self, y: torch.Tensor, xs: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor,
+                   offset: int) -> None:
         """y[t0:t1, offset:+n] += ((xs A^T) masked) B over the slots lo..hi, A and B the padded buffers viewed flat."""
-        lo, hi, r_max, n = self._lo, self._hi, a.size(1), b.size(1)
-        h = xs @ _flat(a, lo, hi, True)
-        h.masked_fill_(self._mask(ranks_dev, tuple(ranks[lo:hi + 1]), r_max), 0.0)
+        lo, hi, n = self._lo, self._hi, b.size(1)
+        h = torch.mm(xs, _flat(a, lo, hi, True))  # torch.mm, not @: matmul's dispatch costs more than this tiny GEMM
+        h.masked_fill_(mask, 0.0)
         out = y[self._t0:self._t1, offset:offset + n]
         if y.dtype == torch.float32:
             out.addmm_(h, _flat(b, lo, hi, False))
         else:
-            out += (h @ _flat(b, lo, hi, False)).to(y.dtype)
+            out += torch.mm(h, _flat(b, lo, hi, False)).to(y.dtype)
 
-    def _mask(self, ranks_dev: torch.Tensor, key: tuple[int, ...], r_max: int) -> torch.Tensor:
+    def _mask(self, ranks_dev: torch.Tensor, r_max: int) -> torch.Tensor:
         """M[t, (s - lo) * r_max + j] = False where row t uses slot s and j < rank(s), else True: the products
-        to drop (a fill, not a multiply, so nothing of another slot reaches a row, not even a NaN). One per
-        rank layout and step, built on the slots' device (no host copy); ranks_dev: every slot's ranks."""
-        m = self._masks.get((r_max, key))
-        if m is None:
-            dev = self.slots.device
-            col = torch.arange(len(key) * r_max, device=dev)
-            keep = (col % r_max) < ranks_dev[self._lo:self._hi + 1].repeat_interleave(r_max)
-            own = self.slots[self._t0:self._t1].unsqueeze(1) == col // r_max + self._lo
-            m = self._masks[(r_max, key)] = ~(own & keep)
-        return m
+        to drop (a fill, not a multiply, so nothing of another slot reaches a row, not even a NaN). Built on
+        the slots' device (no host copy); ranks_dev: every slot's ranks."""
+        dev = self.slots.device
+        col = torch.arange((self._hi - self._lo + 1) * r_max, device=dev)
+        keep = (col % r_max) < ranks_dev[self._lo:self._hi + 1].repeat_interleave(r_max)
+        own = self.slots[self._t0:self._t1].unsqueeze(1) == col // r_max + self._lo
+        return ~(own & keep)
 
     def _shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks) -> torch.Tensor:
         return reference.lora_shrink(x, a, self.slots, ranks.host[0], self.rows_of)

@@ -141,3 +141,14 @@ def test_sse_lines_split_only_where_sse_does() -> None:
     got = asyncio.run(lines())
     assert got == ['data: {"text": "a\x85b"}', 'data: {"text": "c\u2028d\u2029"}', "", "data: [DONE]", "", "x"]
     assert [json.loads(x[6:])["text"] for x in got[:2]] == ["a\x85b", "c\u2028d\u2029"]
+
+
+def test_bench_lora_cpu_quick() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_lora_cpu.py"), "--quick"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["grouped_us"] > 0 and r["dense_us"] > 0 and r["auto_us"] > 0
+        assert len(r["auto_picks"]) == len(r["sizes"]) and set(r["auto_picks"]) <= {"dense", "grouped"}
