@@ -1,11 +1,11 @@
 """OpenAI completions and chat completions over the EngineClient: request -> one engine request per
 (prompt, choice), outputs -> a JSON body or SSE chunks ending with `data: [DONE]`.
 
-Prompts are tokenized here, so the engine always gets token ids, on one dedicated thread with its own
-tokenizer copy: a HF fast tokenizer used from two threads at once can fail with "Already borrowed"
-(the step thread detokenizes with the engine's, the event loop decodes logprob tokens with another
-copy), and encoding a 1 MiB prompt takes about half a second, which must not stall the event loop
-(the tokenizer releases the GIL). Every engine request is closed (aborted if unfinished) when its HTTP
+Prompts are tokenized here, so the engine always gets token ids: a short completions prompt on the event
+loop with its own tokenizer copy, the rest on one dedicated thread with another: a HF fast tokenizer used
+from two threads at once can fail with "Already borrowed" (the receiver thread detokenizes with a third
+copy), and encoding a 1 MiB prompt takes about half a second, which must not stall the event loop (the
+tokenizer releases the GIL). Every engine request is closed (aborted if unfinished) when its HTTP
 request ends, whatever the reason: a client disconnect frees KV blocks and the adapter slot at once.
 """
 
@@ -24,6 +24,7 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+from transformers import PreTrainedTokenizerBase
 
 from engine import (
     EngineClient,
@@ -44,6 +45,8 @@ from server.reasoning import prompt_reasoning_state
 from server.structured_protocol import output_spec
 
 T = TypeVar("T")
+INLINE_PROMPT_SIZE = 2048
+"""Characters (or token ids) of a request's prompts up to which they are encoded on the event loop."""
 
 
 @dataclass
@@ -114,11 +117,11 @@ class Serving:
     async def completions(self, req: CompletionRequest, raw: Request) -> Response:
         if req.echo and req.logprobs is not None:
             raise ApiError(400, "'echo' with 'logprobs' needs prompt logprobs, which this server does not support")
-        tok = self.enc_tok
+        prompts = req.prompts()
 
-        def encode() -> list[tuple[list[int], str]]:
+        def encode(tok: PreTrainedTokenizerBase) -> list[tuple[list[int], str]]:
             out = []
-            for prompt in req.prompts():
+            for prompt in prompts:
                 ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
                 prefix = (prompt if isinstance(prompt, str) else tok.decode(ids)) if req.echo else ""
                 out.append((ids, prefix))
@@ -129,7 +132,12 @@ class Serving:
         except ValueError as e:
             raise ApiError(400, str(e)) from e
         choices: list[_Choice] = []
-        for pi, (ids, prefix) in enumerate(await self.on_tokenizer_thread(encode)):
+        # A short prompt is encoded here, with the event loop's tokenizer (tens of microseconds: less than the
+        # hand-off to the tokenizer thread and back); a long one on the tokenizer thread, as it may take a while.
+        size = sum(len(p) for p in prompts)
+        encoded = encode(self.tok) if size <= INLINE_PROMPT_SIZE else await self.on_tokenizer_thread(
+            lambda: encode(self.enc_tok))
+        for pi, (ids, prefix) in enumerate(encoded):
             for j in range(req.n):
                 choices.append(_Choice(len(choices), pi, ids,
                                        self._params(req, ids, j, req.max_tokens, req.logprobs, spec),
