@@ -90,11 +90,12 @@ def server_flags(adapters: dict[str, str], streams: int) -> list[str]:
             *(f"{n}={p}" for n, p in adapters.items())]
 
 
-def start(kind: str, model: str, flags: list[str], peer: str, log: Path, timeout: float) -> ServerProcess:
+def start(kind: str, model: str, flags: list[str], peer: str, log: Path, timeout: float,
+          env: dict[str, str] | None = None) -> ServerProcess:
     if kind == "vllm":
         srv = ServerProcess(model, flags, log, PEER_ENV, program=[peer, "-m", "vllm.entrypoints.cli.main", "serve"])
     else:
-        srv = ServerProcess(model, flags, log)
+        srv = ServerProcess(model, flags, log, env)
     try:
         srv.wait_ready(timeout)
     except BaseException:
@@ -154,11 +155,17 @@ def main() -> int:
     ap.add_argument("--cases", nargs="+", choices=["base", "adapters"], default=["base", "adapters"])
     ap.add_argument("--xpulora-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="xpulora's --dtype (auto: float32 on the CPU; bfloat16 computes as vLLM's CPU build does)")
+    ap.add_argument("--xpulora-env", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="environment of xpulora's server only (e.g. OMP_NUM_THREADS=2: the engine core's torch "
+                         "threads, all cores but one by default on the CPU)")
     ap.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for a server to come up")
     ap.add_argument("--request-timeout", type=float, default=300.0, help="seconds for one request")
     a = ap.parse_args()
     if min(a.streams, a.tokens, a.rounds, a.starts) < 1:
         ap.error("--streams, --tokens, --rounds and --starts must be >= 1")
+    if any("=" not in kv for kv in a.xpulora_env):
+        ap.error("--xpulora-env takes KEY=VALUE pairs")
+    xenv = dict(kv.split("=", 1) for kv in a.xpulora_env)
     check_peer(a.peer_python)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so the finally below stops the server
     root = Path(a.root)
@@ -170,7 +177,8 @@ def main() -> int:
     for s in range(a.starts):
         for kind in ("xpulora", "vllm"):
             own = flags + (["--dtype", a.xpulora_dtype] if kind == "xpulora" else [])
-            srv = start(kind, model, own, a.peer_python, root / f"{kind}{s}.log", a.ready_timeout)
+            srv = start(kind, model, own, a.peer_python, root / f"{kind}{s}.log", a.ready_timeout,
+                        xenv if kind == "xpulora" else None)
             try:
                 for case in a.cases:  # warm-up
                     asyncio.run(run_load(srv.url, srv.headers, plan(case, a.streams, a.tokens, 99), a.streams,
@@ -193,6 +201,7 @@ def main() -> int:
         bx, bv = (max(t, key=lambda r: r["tokens_per_s"]) for t in (xs, vs))
         emit(case="summary", which=case, streams=a.streams, tokens=a.tokens, rounds=a.rounds * a.starts,
              checkpoint="auto-round int4 (W4A16 sym g128), both servers", xpulora_dtype=a.xpulora_dtype,
+             xpulora_env=xenv,
              xpulora=x, vllm=v, ratio=ratio(x, v),
              ratio_per_start=[ratio(p, q) for p, q in zip(xs, vs)], best_start_tokens_per_s={
                  "xpulora": bx["tokens_per_s"], "vllm": bv["tokens_per_s"]}, ratio_best_start=ratio(bx, bv))

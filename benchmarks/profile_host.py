@@ -7,6 +7,8 @@ One JSON line per case: steps/s, tokens/s, ms per step; then the cProfile top-N 
     python benchmarks/profile_host.py                          # 16 requests x 32 tokens, base and 4 adapters
     python benchmarks/profile_host.py --requests 64 --top 30   # more rows
     python benchmarks/profile_host.py --quick                  # a smoke run
+    python benchmarks/profile_host.py --adapters 0 --demo-adapters   # the demo's own adapters too (ranks 8, 16
+                                                               # and 64 at max rank 64, requests over them and the base)
 """
 
 from __future__ import annotations
@@ -32,8 +34,11 @@ DEMO_SHAPE = Shape(256, 768, 4, 4, 2, 64, 448)
 """The demo model's shapes (demo/model/config.json), for the random adapters."""
 
 
-def config(adapters: list[str], max_seqs: int, device: str) -> EngineConfig:
-    lora = LoRAConfig(enable_lora=True, max_loras=len(adapters), max_lora_rank=8,
+DEMO_ADAPTERS = os.path.join(ROOT, "demo", "adapters")
+
+
+def config(adapters: list[str], max_seqs: int, device: str, max_rank: int = 8) -> EngineConfig:
+    lora = LoRAConfig(enable_lora=True, max_loras=len(adapters), max_lora_rank=max_rank,
                       lora_modules=tuple((f"a{i}", p) for i, p in enumerate(adapters))) if adapters else LoRAConfig()
     return EngineConfig(ModelConfig(DEMO, max_model_len=512), scheduler=SchedulerConfig(max_num_seqs=max_seqs),
                         lora=lora, parallel=ParallelConfig(device=device))  # type: ignore[arg-type]
@@ -61,15 +66,21 @@ def main() -> None:
     ap.add_argument("--adapters", type=int, nargs="*", default=[0, 4])
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per case (the best is reported)")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--demo-adapters", action="store_true",
+                    help="also the demo's adapters (reverse r8, upper r16, sort r64; max_lora_rank 64)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--root", default="/tmp/xpulora-profile-host")
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
     if a.quick:
         a.requests, a.new_tokens, a.repeats, a.top = 4, 4, 1, 5
-    paths = [write_adapter(f"{a.root}/lora{i}", DEMO_SHAPE, DEMO_SHAPE.layers, 8, i) for i in range(max(a.adapters))]
-    for n_ad in a.adapters:
-        with LLMEngine(config(paths[:n_ad], a.requests, a.device)) as e:
+    paths = [write_adapter(f"{a.root}/lora{i}", DEMO_SHAPE, DEMO_SHAPE.layers, 8, i)
+             for i in range(max(a.adapters, default=0))]
+    demo = [os.path.join(DEMO_ADAPTERS, n) for n in ("reverse", "upper", "sort")]
+    cases = [(paths[:n], 8, "random rank 8") for n in a.adapters] + ([(demo, 64, "demo")] if a.demo_adapters else [])
+    for adapters, max_rank, kind in cases:
+        n_ad = len(adapters)
+        with LLMEngine(config(adapters, a.requests, a.device, max_rank)) as e:
             run(e, a.requests, a.new_tokens, n_ad, seed=100)  # warm-up
             best = None
             for r in range(a.repeats):
@@ -82,7 +93,7 @@ def main() -> None:
                     best = (dt, steps, tokens)
             assert best is not None
             dt, steps, tokens = best
-            emit(case="loop", requests=a.requests, new_tokens=a.new_tokens, adapters=n_ad, steps=steps,
+            emit(case="loop", requests=a.requests, new_tokens=a.new_tokens, adapters=n_ad, lora=kind, steps=steps,
                  steps_per_s=round(steps / dt, 1), tokens_per_s=round(tokens / dt, 1),
                  ms_per_step=round(1e3 * dt / steps, 3))
             prof = cProfile.Profile()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
-from engine.device import DeviceName
+if TYPE_CHECKING:
+    from engine.device import DeviceName
 from engine.errors import ConfigError
 
 DTypeName = Literal["auto", "float32", "bfloat16", "float16"]

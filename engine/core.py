@@ -20,9 +20,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
 import zmq
 
 from engine.config import EngineConfig
+from engine.device import core_threads, detect
 from engine.errors import AdapterError, EngineDeadError, RequestError
 from engine.llm_engine import LLMEngine
 from engine.messages import (
@@ -172,9 +174,10 @@ class EngineCore:
 def ready(llm: LLMEngine) -> Ready:
     lora = [] if llm.lora is None else [(n, p) for n, p, _ in llm.lora.list_adapters()]
     kernels = [(c.op, c.chosen, [tuple(r) for r in c.rejected], c.checked) for c in llm.runner.kernel_choices]
+    tok = type(llm.tokenizer)
     return Ready((llm.served_model_name, *llm.config.model.extra_served_model_names), llm.max_model_len,
                  llm.vocab_size, sorted(llm.eos_ids), llm.lora is not None, llm.config.scheduler.max_num_seqs,
-                 lora, kernels, os.getpid())
+                 lora, kernels, os.getpid(), f"{tok.__module__}.{tok.__qualname__}")
 
 
 def _sockets(ctx: zmq.Context, in_addr: str, out_addr: str) -> tuple[zmq.Socket, zmq.Socket]:
@@ -212,6 +215,7 @@ def core_main(config: EngineConfig, in_addr: str, out_addr: str, progress: bool)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     alive, parent_fd = parent_watch()
+    _set_threads(config)
     ctx = zmq.Context()
     inbox, outbox = _sockets(ctx, in_addr, out_addr)
     enc = encoder()
@@ -236,6 +240,19 @@ def core_main(config: EngineConfig, in_addr: str, out_addr: str, progress: bool)
     outbox.close(linger=1000)
     ctx.term()
     os._exit(code)  # no atexit joins of leftover threads (adapter pool): the process is done
+
+
+def _set_threads(config: EngineConfig) -> None:
+    """Rank 0's compute threads (engine.device.core_threads), unless the operator set OMP_NUM_THREADS."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    try:
+        kind = detect(config.parallel.device)
+    except (RuntimeError, ValueError):  # LLMEngine reports a missing device itself
+        return
+    n = core_threads(kind, config.parallel.tensor_parallel_size, len(os.sched_getaffinity(0)))
+    if n is not None:
+        torch.set_num_threads(n)
 
 
 def parent_watch() -> tuple[Callable[[], bool], int | None]:

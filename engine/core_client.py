@@ -95,12 +95,10 @@ class EngineClient(AdapterCalls):
     async def spawn(cls, config: EngineConfig, progress: bool = False, max_waiting_requests: int | None = None,
                     on_failure: Callable[[BaseException], None] | None = None) -> EngineClient:
         """Start the engine-core process and wait for its Ready; its start-up error is raised here."""
-        from engine.core import core_main
-
         ctx = zmq.Context()
         folder = tempfile.mkdtemp(prefix="xpulora-")
         push, pull, in_addr, out_addr = _bind(ctx, f"ipc://{folder}/in", f"ipc://{folder}/out")
-        proc = mp.get_context("spawn").Process(target=core_main, args=(config, in_addr, out_addr, progress),
+        proc = mp.get_context("spawn").Process(target=_core_main, args=(config, in_addr, out_addr, progress),
                                                name="xpulora-core", daemon=False)
         proc.start()
         try:
@@ -349,6 +347,13 @@ class EngineClient(AdapterCalls):
                 fut.set_exception(dead)
         if self.on_failure is not None:
             self.on_failure(e)
+
+
+def _core_main(config: EngineConfig, in_addr: str, out_addr: str, progress: bool) -> None:
+    """The engine-core process's entry: engine.core (torch, the model code) is imported there, never here."""
+    from engine.core import core_main
+
+    core_main(config, in_addr, out_addr, progress)
 
 
 def _bind(ctx: zmq.Context, in_addr: str, out_addr: str) -> tuple[zmq.Socket, zmq.Socket, str, str]:

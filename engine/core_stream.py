@@ -25,6 +25,8 @@ class RequestStream:
         self.prompt_token_ids = prompt_token_ids
         self.finished = False
         self._closed = False
+        self._error: BaseException | None = None
+        """A failure ready() took off the queue, raised by the next __anext__."""
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -32,13 +34,28 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        item = self._error if self._error is not None else await self._queue.get()
         if isinstance(item, BaseException):
+            self._error = None
             self.close()
             raise item
         assert isinstance(item, RequestOutput)
         self.finished = item.finished
         return item
+
+    def ready(self) -> list[RequestOutput]:
+        """The outputs already queued behind the last one returned, taken without waiting (a streaming
+        response that fell behind the engine writes them at once). A failure stays for the next __anext__."""
+        outs: list[RequestOutput] = []
+        while not self.finished and self._error is None and not self._queue.empty():
+            item = self._queue.get_nowait()
+            if isinstance(item, BaseException):
+                self._error = item
+            else:
+                assert isinstance(item, RequestOutput)
+                self.finished = item.finished
+                outs.append(item)
+        return outs
 
     def close(self) -> None:
         if not self._closed:

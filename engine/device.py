@@ -16,12 +16,18 @@ import platform
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, get_args
-
-import torch
+from typing import TYPE_CHECKING, Literal, get_args
 
 from engine.errors import ConfigError
-from kernels import triton_env
+from engine.lazy import LazyModule
+
+if TYPE_CHECKING:
+    import torch
+
+    from kernels import triton_env
+else:  # the API process reads the device names only (--device): torch loads with the first device use
+    torch = LazyModule("torch")
+    triton_env = LazyModule("kernels.triton_env")
 
 DeviceKind = Literal["xpu", "cuda", "cpu"]
 DeviceName = Literal["auto", "xpu", "cuda", "cpu"]
@@ -295,6 +301,17 @@ def device_count(kind: DeviceKind) -> int | None:
     if kind == "xpu":
         return torch.xpu.device_count()
     return None
+
+
+def core_threads(kind: DeviceKind, tp_size: int, cpus: int) -> int | None:
+    """torch threads of TP rank 0 in the engine-core process, None where torch's default is right (GPUs).
+    On the CPU the API process next to it (HTTP, detokenizing, SSE: one busy thread under load) keeps one
+    core, and the ranks share the rest: with the default (every core) the core's compute threads and the
+    API process take turns on the same cores, which on 2 cores cost 15-20 % of the server's tokens/s
+    (docs/PERFORMANCE.md)."""
+    if kind != "cpu":
+        return None
+    return max(1, (cpus - 1) // tp_size)
 
 
 def check_tp_fits(kind: DeviceKind, tp_size: int, visible: int | None) -> None:

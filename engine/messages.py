@@ -122,6 +122,8 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
     kernels: list[tuple[str, str, list[tuple[str, str]], bool]]
     """kernels.registry.Choice fields (op, chosen, rejected, checked)."""
     pid: int
+    tokenizer_class: str = ""
+    """module.name of the tokenizer class AutoTokenizer chose in the core (the API process loads the same)."""
 
 
 class StartupFailed(msgspec.Struct, tag=True, array_like=True):

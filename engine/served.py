@@ -7,18 +7,28 @@ engine-core process).
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig, LoRAConfig
 from engine.messages import Ready
-from kernels.registry import Choice
 
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
     from engine.structured import GrammarCompiler
+
+
+class KernelChoice(NamedTuple):
+    """What the core's start-up checks chose for one op: kernels.registry.Choice's fields (that module needs
+    torch, which the API process does not load)."""
+
+    op: str
+    chosen: str
+    rejected: tuple[tuple[str, str], ...]
+    checked: bool
 
 
 @dataclass(frozen=True)
@@ -37,7 +47,7 @@ class ServedModel:
     grammar: GrammarCompiler
     """Compiles and caches structured-output grammars (the server compiles off the event loop and the step
     thread); its counters feed /metrics."""
-    kernels: tuple[Choice, ...]
+    kernels: tuple[KernelChoice, ...]
     """What the start-up kernel checks chose per op (kernels/registry.py), for /metrics."""
 
     @property
@@ -64,8 +74,26 @@ def served_from_ready(config: EngineConfig, ready: Ready, llm: LLMEngine | None 
     if llm is not None:
         tok, grammar = llm.tokenizer, llm.grammar.compiler
     else:
-        tok = AutoTokenizer.from_pretrained(config.model.path)
+        tok = load_tokenizer(config.model.path, ready.tokenizer_class)
         grammar = GrammarCompiler(tok, ready.vocab_size, frozenset(ready.eos_ids))
-    kernels = tuple(Choice(op, chosen, tuple(rejected), checked) for op, chosen, rejected, checked in ready.kernels)
+    kernels = tuple(KernelChoice(op, chosen, tuple(tuple(r) for r in rejected), checked)
+                    for op, chosen, rejected, checked in ready.kernels)
     return ServedModel(ready.names, config.model.path, ready.max_model_len, ready.vocab_size, tok, config.lora,
                        ready.lora_enabled, grammar, kernels)
+
+
+def load_tokenizer(path: str, class_path: str) -> PreTrainedTokenizerBase:
+    """The tokenizer the engine core loaded (AutoTokenizer chose its class there: class_path, module.name) on
+    the same files. Not AutoTokenizer again: it reads the model config through transformers' config classes,
+    which import torch, and the API process never needs torch. Another class (or none named): AutoTokenizer."""
+    module, _, name = class_path.rpartition(".")
+    if module.startswith("transformers."):
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            cls = None
+        if isinstance(cls, type) and issubclass(cls, PreTrainedTokenizerBase):
+            return cls.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -26,13 +26,19 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import llguidance
 import llguidance.hf
-import torch
 from transformers import PreTrainedTokenizerBase
 
+from engine.lazy import LazyModule
 from engine.protocol import RequestError, StructuredSpec
+
+if TYPE_CHECKING:
+    import torch
+else:  # the API process only compiles grammars; the bitmasks (torch) are the engine core's
+    torch = LazyModule("torch")
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,10 @@ __all__ = [
     "int4_matmul",
     "pack_int4_cols",
     "pack_int4_rows",
+    "qk_norm_rope",
     "rms_norm",
     "rope_neox",
+    "rope_tables",
     "silu_and_mul",
     "unpack_int4_cols",
     "unpack_int4_rows",
@@ -242,6 +244,31 @@ def rope_neox(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, r
     x1, x2 = xr.chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
     return torch.cat([out, xpass], dim=-1) if xpass.numel() else out
+
+
+def rope_tables(cos_sin: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(c, s), each [T, 1, rotary_dim] float32, with [cos, sin] = cos_sin[positions[t]]: c = [cos, cos] and
+    s = [-sin, sin], so that rope_neox's rotated part is x_r * c + [x2, x1] * s (qk_norm_rope reads them)."""
+    cos, sin = cos_sin[positions].float().unsqueeze(1).chunk(2, dim=-1)
+    return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor], rotary_dim: int,
+                 q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                 zero_centered: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rope_neox(rms_norm(q, q_weight)), rope_neox(rms_norm(k, k_weight))) per head, both in one pass over
+    their heads laid side by side (the norms only where the weights are given). q [T, Hq, D], k [T, Hkv, D];
+    tables = rope_tables(cos_sin, positions). Returns views of one [T, Hq + Hkv, D] tensor in q's dtype."""
+    hq, d = q.size(1), q.size(-1)
+    x = torch.cat([q, k], dim=1).float()
+    if q_weight is not None and k_weight is not None:
+        w = torch.cat([q_weight.float().expand(hq, d), k_weight.float().expand(k.size(1), d)])
+        x = torch.nn.functional.rms_norm(x, (d,), eps=eps) * (w + 1.0 if zero_centered else w)
+    c, s = tables
+    half = rotary_dim // 2
+    rot = x[..., :rotary_dim] * c + torch.cat([x[..., half:rotary_dim], x[..., :half]], dim=-1) * s
+    out = (rot if rotary_dim == d else torch.cat([rot, x[..., rotary_dim:]], dim=-1)).to(q.dtype)
+    return out[:, :hq], out[:, hq:]
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -23,14 +23,14 @@ import signal
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine import CheckpointError, EngineClient, EngineConfig, EngineCoreExitedError, LLMEngine
+from engine import CheckpointError, EngineClient, EngineConfig, EngineCoreExitedError
 from server.adapters import router as adapters_router
 from server.chat_tools import ChatOptions, think_close_id
 from server.cli_args import VERSION
@@ -40,6 +40,9 @@ from server.metrics import Metrics
 from server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from server.serving import Serving
 from server.tokenize import router as tokenize_router
+
+if TYPE_CHECKING:
+    from engine import LLMEngine
 
 log = logging.getLogger(__name__)
 GRACE_S = float(os.environ.get("XPULORA_SHUTDOWN_GRACE_S", "30"))

@@ -116,6 +116,13 @@ class Metrics:
                              buckets=_LATENCY_BUCKETS)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "Arrival to last token.", [MODEL], registry=r,
                              buckets=_E2E_BUCKETS)
+        # The children of the single model label, looked up once: labels() takes a lock and hashes its
+        # arguments, twice per streamed token otherwise.
+        self.model_ttft = self.ttft.labels(self.model)
+        self.model_itl = self.itl.labels(self.model)
+        self.model_e2e = self.e2e.labels(self.model)
+        self.model_prompt_tokens = self.prompt_tokens.labels(self.model)
+        self.model_generation_tokens = self.generation_tokens.labels(self.model)
         collector = _EngineCollector(engine, self.model)
         r.register(collector)
         r.register(_VllmNames([collector, self.prompt_tokens, self.generation_tokens, self.request_success,
@@ -140,23 +147,22 @@ class RequestTracker:
     def observe(self, out: RequestOutput) -> None:
         now = time.monotonic()
         n = len(out.new_token_ids)
-        m, model = self.m, self.m.model
+        m = self.m
         if n:
             if self.first:
-                m.ttft.labels(model).observe(now - self.arrival)
-                m.prompt_tokens.labels(model).inc(out.num_prompt_tokens)
+                m.model_ttft.observe(now - self.arrival)
+                m.model_prompt_tokens.inc(out.num_prompt_tokens)
                 self.first = False
             else:
                 gap = (now - self.last) / n
-                itl = m.itl.labels(model)
                 for _ in range(n):
-                    itl.observe(gap)
-            m.generation_tokens.labels(model).inc(n)
+                    m.model_itl.observe(gap)
+            m.model_generation_tokens.inc(n)
             self.last = now
         if out.finished:
             self.done = True
-            m.e2e.labels(model).observe(now - self.arrival)
-            m.request_success.labels(model, out.finish_reason or "stop").inc()
+            m.model_e2e.observe(now - self.arrival)
+            m.request_success.labels(m.model, out.finish_reason or "stop").inc()
 
     def close(self) -> None:
         """The request ended without a final output (client gone, cancelled): count it as aborted."""

@@ -6,8 +6,27 @@ import torch
 from torch import nn
 
 from engine.forward_context import AttentionMetadata, get_context
-from kernels.attention import paged_attention
+from kernels.attention import BatchIndex, batch_index, batch_pays, paged_attention
 from kernels.fused import write_kv
+
+
+class _StepIndex:
+    """The reference backend's gather index of the step being run (kernels.attention.batch_index): every
+    attention layer of a step reads the same block tables, so it is computed by the first and reused by
+    the others (keyed by the step's metadata object, made fresh for each step and held here while it is
+    the key). None where the padded one-call form would cost more than the per-sequence loop."""
+
+    memo: tuple[AttentionMetadata, BatchIndex | None] | None = None
+    """(metadata, its index), replaced as one object: engines on other threads may run their steps meanwhile."""
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, block_size: int) -> BatchIndex | None:
+        memo = cls.memo
+        if memo is None or memo[0] is not meta:
+            cu, ctx = meta.cu_q_list, meta.context_lens_list
+            index = batch_index(meta.block_tables, cu, ctx, block_size) if batch_pays(cu, ctx, block_size) else None
+            memo = cls.memo = (meta, index)
+        return memo[1]
 
 
 class Attention(nn.Module):
@@ -34,6 +53,7 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping, self.backend)
+        index = _StepIndex.of(meta, self.k_cache.size(1)) if self.backend == "reference" else None
         o = paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_q, meta.context_lens,
-                            meta.cu_q_list, meta.context_lens_list, meta.max_q_len, self.scale, self.backend)
+                            meta.cu_q_list, meta.context_lens_list, meta.max_q_len, self.scale, self.backend, index)
         return o.reshape(t, self.num_heads * self.head_dim)

@@ -10,6 +10,7 @@ from torch import nn
 from engine.errors import RopeConfigError
 from engine.layers.norm import RMSNorm
 from kernels.fused import norm_rope
+from kernels.reference import qk_norm_rope, rope_tables
 
 
 def rope_theta_of(hf: dict[str, Any]) -> float:
@@ -38,12 +39,26 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
         self.backend = backend
         """kernels.fused backend (engine.device.Kernels.fused), given when the model is built."""
+        self._step: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+        """(positions, rope_tables of them): the reference backend gathers a step's cos / sin once for all
+        its layers (this module is shared by them; a step's positions tensor is made fresh for it)."""
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None = None,
                 k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotated q and k (contiguous), each first RMS-normed per head by q_norm / k_norm where given
-        (Qwen3's query/key norms: one launch per tensor for both steps on the Triton backend)."""
-        return self._apply(positions, q, q_norm), self._apply(positions, k, k_norm)
+        """Rotated q and k, each first RMS-normed per head by q_norm / k_norm where given (Qwen3's query/key
+        norms). Triton: one launch per tensor for both steps, contiguous results. Reference (the CPU path):
+        q and k in one pass over their heads side by side (kernels.reference.qk_norm_rope), the results views
+        of one tensor: a CPU step is op-bound, and this is 7 ops where two norm_rope calls are ~30."""
+        same_norms = (q_norm is None) == (k_norm is None) and (
+            q_norm is None or (q_norm.eps == k_norm.eps and q_norm.zero_centered == k_norm.zero_centered))  # type: ignore[union-attr]
+        if self.backend != "reference" or not same_norms or q.size(-1) != k.size(-1):
+            return self._apply(positions, q, q_norm), self._apply(positions, k, k_norm)
+        step = self._step
+        if step is None or step[0] is not positions:
+            step = self._step = (positions, rope_tables(self.cos_sin, positions))
+        return qk_norm_rope(q, k, step[1], self.rotary_dim, None if q_norm is None else q_norm.weight,
+                            None if k_norm is None else k_norm.weight, q_norm.eps if q_norm is not None else 0.0,
+                            q_norm.zero_centered if q_norm is not None else False)
 
     def _apply(self, positions: torch.Tensor, x: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
         w, eps, zero_centered = (norm.weight, norm.eps, norm.zero_centered) if norm is not None else (None, 0.0, False)

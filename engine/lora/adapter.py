@@ -21,11 +21,10 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import AdapterError, AdapterNotFoundError, AdapterPathForbiddenError, FileChangedError
+from engine.lazy import LazyModule
 from engine.lora.adapter_files import (
     CONFIG_FILE,
     MAX_CONFIG_BYTES,
@@ -45,6 +44,11 @@ from engine.lora.peft_config import (
     pattern_value,
     targeted_one,
 )
+
+if TYPE_CHECKING:
+    import torch
+else:  # the API process validates adapter names only; loading tensors is the engine core's
+    torch = LazyModule("torch")
 
 log = logging.getLogger(__name__)
 _NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")

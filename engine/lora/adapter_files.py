@@ -25,11 +25,18 @@ import math
 import os
 import stat
 import sys
+import types
 from collections.abc import Sequence
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import safetensors.torch
-import torch
+from engine.lazy import LazyModule
+
+if TYPE_CHECKING:
+    import safetensors.torch
+    import torch
+else:  # the API process resolves adapter paths only; reading tensors is the engine core's
+    safetensors = types.SimpleNamespace(torch=LazyModule("safetensors.torch"))
+    torch = LazyModule("torch")
 
 from engine.errors import (
     AdapterError,

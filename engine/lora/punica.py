@@ -9,6 +9,7 @@ the slots as a tensor and host rank lists; the Triton one groups the tokens by s
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -133,14 +134,39 @@ def _check_slots(slots: torch.Tensor, num_slots: int) -> None:
 
 
 class ReferenceLoRABatch(LoRABatch):
-    """The torch reference (kernels.reference): per slot, boolean gathers, fp32 matmuls. The CPU path."""
+    """The torch reference (kernels.reference), fp32 matmuls: the CPU path. Two formulations of add_lora, picked
+    per slice by a cost model (`_dense_pays`):
+    - grouped: per slot in use, its rows times its A and B (kernels.reference.lora_shrink / lora_expand):
+      ~10 small ops per slot and slice, no wasted products;
+    - dense: the rows that use adapters times every slot of the range in use at once, the padded buffers
+      viewed as one [slots * r_max, in] A and one [slots * r_max, out] B (no copies), with a mask that keeps
+      each row's own slot's first `rank` columns: y += ((x A^T) masked) B. Three ops per slice, but every
+      row pays for every slot's r_max columns.
+    Decode steps (few rows, several adapters) are op-bound on a CPU, prefill steps product-bound."""
 
     name = "reference"
+    mode: ClassVar[Literal["auto", "dense", "grouped"]] = "auto"
+    """auto: the cost model chooses per slice; dense / grouped force one (tests)."""
 
     def __init__(self, slots: torch.Tensor, num_slots: int, rows_of: reference.SlotRows | None = None) -> None:
         self.slots, self.num_tokens, self.num_slots = slots, slots.numel(), num_slots
         self.rows_of = rows_of if rows_of is not None else reference.slot_rows(slots)
         """Each slot's token rows, found once per step (from the host copy) for all the layers' calls."""
+        self._dense_setup()
+
+    def _dense_setup(self) -> None:
+        rows = self.rows_of
+        self._plans: dict[tuple[tuple[int, ...], int, int, int], torch.Tensor | None] = {}
+        """Per slice layout (ranks of slots lo..hi, r_max, in, out): the dense form's mask, or None where the
+        grouped form is cheaper. Decided once per step for all the layers of that layout."""
+        self._lo = min((s for s, _ in rows), default=0)
+        self._hi = max((s for s, _ in rows), default=-1)
+        if rows and all(isinstance(r, slice) for _, r in rows):  # the adapter rows are one span (runner order)
+            self._t0 = min(r.start for _, r in rows)  # type: ignore[union-attr]
+            self._t1 = max(r.stop for _, r in rows)  # type: ignore[union-attr]
+        else:
+            self._t0, self._t1 = 0, self.num_tokens
+        self._counts = [(s, r.stop - r.start if isinstance(r, slice) else r.numel()) for s, r in rows]
 
     @classmethod
     def build(cls, slots: Sequence[int], num_slots: int, device: torch.device) -> ReferenceLoRABatch:
@@ -153,13 +179,60 @@ class ReferenceLoRABatch(LoRABatch):
         _check_slots(host, self.num_slots)
         _copy_into(self.slots, host)
         self.rows_of = reference.slot_rows(host)
+        self._dense_setup()
 
     def _add(self, y: torch.Tensor, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor],
              ranks: SlotRanks, offsets: list[int], add_inputs: bool, scales: Scales | None) -> None:
+        xs: torch.Tensor | None = None  # the dense rows of x in fp32, made once for all slices
         for i, (a, b, r, off) in enumerate(zip(lora_a, lora_b, ranks.host, offsets)):
-            sa, sb = (scales.a[i], scales.b[i]) if scales is not None else (None, None)
-            buf = reference.lora_shrink(x, a, self.slots, r, self.rows_of, sa)
-            reference.lora_expand(y, buf, b, self.slots, r, off, add_inputs, self.rows_of, sb)
+            # The dense form reads the buffers as they are: fp8 storage (scales) takes the grouped reference.
+            mask = self._plan(a, b, r, ranks.device[i]) if add_inputs and scales is None else None
+            if mask is not None:
+                if xs is None:
+                    xs = x[self._t0:self._t1].float()
+                self._add_dense(y, xs, a, b, mask, off)
+            else:
+                sa, sb = (scales.a[i], scales.b[i]) if scales is not None else (None, None)
+                buf = reference.lora_shrink(x, a, self.slots, r, self.rows_of, sa)
+                reference.lora_expand(y, buf, b, self.slots, r, off, add_inputs, self.rows_of, sb)
+
+    def _dense_pays(self, a: torch.Tensor, b: torch.Tensor, ranks: list[int]) -> bool:
+        """Whether the dense form is cheaper for this slice: host time per slice (dense) or per slot and slice
+        (grouped) plus the products at FLOPS (figures of the CPU this was tuned on, docs/PERFORMANCE.md)."""
+        if self.mode != "auto" or not self._counts:
+            return self.mode == "dense" and bool(self._counts)
+        width = a.size(-1) + b.size(1)
+        dense = DENSE_S + 2 * (self._t1 - self._t0) * (self._hi - self._lo + 1) * a.size(1) * width / FLOPS
+        grouped = sum(SLOT_S + 2 * n * ranks[s] * width / FLOPS for s, n in self._counts)
+        return dense < grouped
+
+    def _plan(self, a: torch.Tensor, b: torch.Tensor, ranks: list[int], ranks_dev: torch.Tensor) -> torch.Tensor | None:
+        key = (tuple(ranks[self._lo:self._hi + 1]), a.size(1), a.size(-1), b.size(1))
+        if key not in self._plans:
+            self._plans[key] = self._mask(ranks_dev, a.size(1)) if self._dense_pays(a, b, ranks) else None
+        return self._plans[key]
+
+    def _add_dense(self, y: torch.Tensor, xs: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor,
+                   offset: int) -> None:
+        """y[t0:t1, offset:+n] += ((xs A^T) masked) B over the slots lo..hi, A and B the padded buffers viewed flat."""
+        lo, hi, n = self._lo, self._hi, b.size(1)
+        h = torch.mm(xs, _flat(a, lo, hi, True))  # torch.mm, not @: matmul's dispatch costs more than this tiny GEMM
+        h.masked_fill_(mask, 0.0)
+        out = y[self._t0:self._t1, offset:offset + n]
+        if y.dtype == torch.float32:
+            out.addmm_(h, _flat(b, lo, hi, False))
+        else:
+            out += torch.mm(h, _flat(b, lo, hi, False)).to(y.dtype)
+
+    def _mask(self, ranks_dev: torch.Tensor, r_max: int) -> torch.Tensor:
+        """M[t, (s - lo) * r_max + j] = False where row t uses slot s and j < rank(s), else True: the products
+        to drop (a fill, not a multiply, so nothing of another slot reaches a row, not even a NaN). Built on
+        the slots' device (no host copy); ranks_dev: every slot's ranks."""
+        dev = self.slots.device
+        col = torch.arange((self._hi - self._lo + 1) * r_max, device=dev)
+        keep = (col % r_max) < ranks_dev[self._lo:self._hi + 1].repeat_interleave(r_max)
+        own = self.slots[self._t0:self._t1].unsqueeze(1) == col // r_max + self._lo
+        return ~(own & keep)
 
     def _shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks, a_scale: torch.Tensor | None
                 ) -> torch.Tensor:
@@ -168,6 +241,37 @@ class ReferenceLoRABatch(LoRABatch):
     def _expand(self, y: torch.Tensor, buf: torch.Tensor, b: torch.Tensor, ranks: SlotRanks, offset: int,
                 add_inputs: bool, b_scale: torch.Tensor | None) -> None:
         reference.lora_expand(y, buf, b, self.slots, ranks.host[0], offset, add_inputs, self.rows_of, b_scale)
+
+
+_FLAT: dict[tuple[int, int, int], tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+
+
+def _flat(t: torch.Tensor, lo: int, hi: int, a_side: bool) -> torch.Tensor:
+    """Slots lo..hi of a stacked slot buffer as one fp32 matrix: A [S, r_max, in] -> [in, (hi-lo+1) * r_max]
+    (transposed, for x @ it), B [S, n, r_max] (rank-major memory) -> [(hi-lo+1) * r_max, n]. Views of the
+    buffer are kept per (buffer, range) across steps: the wrappers update their slots in place, which a
+    view sees. A copy (another dtype, or a layout that cannot be viewed) is made afresh on every call."""
+    key = (id(t), lo, hi)
+    hit = _FLAT.get(key)
+    if hit is not None and hit[0]() is t:
+        return hit[1]
+    part = t[lo:hi + 1]
+    flat = part.reshape(-1, part.size(-1)).t() if a_side else part.transpose(1, 2).reshape(-1, part.size(1))
+    flat = flat.float()
+    if flat.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+        if len(_FLAT) > 4096:  # buffers of engines gone (tests build many): forget the dead ones
+            for k in [k for k, (ref, _) in _FLAT.items() if ref() is None]:
+                del _FLAT[k]
+        _FLAT[key] = (weakref.ref(t), flat)
+    return flat
+
+
+# The reference batch's cost model (ReferenceLoRABatch._dense_pays), measured with one torch thread on the
+# 2-core Xeon of docs/PERFORMANCE.md (benchmarks/bench_lora_cpu.py): the host time of one slice in the dense
+# form and of one slot's share of a slice in the grouped form, and the fp32 matmul rate at these shapes.
+DENSE_S = 15e-6
+SLOT_S = 20e-6
+FLOPS = 1.2e11
 
 
 class TritonLoRABatch(LoRABatch):

@@ -31,6 +31,11 @@ def _core_tree(srv: ServerProcess) -> tuple[psutil.Process, list[psutil.Process]
     return core, core.children(recursive=True)
 
 
+def _maps_torch(pid: int) -> bool:
+    """Whether the process has torch's shared library mapped (importing torch loads it; nothing unloads it)."""
+    return any("libtorch" in Path(m.path).name for m in psutil.Process(pid).memory_maps(grouped=True))
+
+
 def _start(tmp_path: Path, *flags: str) -> ServerProcess:
     srv = ServerProcess(None, ["--dtype", "float32", *flags], tmp_path / "server.log")
     srv.wait_ready()
@@ -117,5 +122,10 @@ def test_64_streams_over_4_adapters_during_churn_equal_offline(tmp_path: Path) -
         got, cycles = asyncio.run(main())
         assert cycles >= 1
         assert got == want
+        # DESIGN.md §3: the API process (HTTP, tokenizing, detokenizing, adapter calls) never loads torch or
+        # the model code; the engine core does.
+        core, _ = _core_tree(srv)
+        assert _maps_torch(core.pid)
+        assert not _maps_torch(srv.proc.pid), "the API process loaded torch"
     finally:
         srv.stop()

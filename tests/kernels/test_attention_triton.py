@@ -25,7 +25,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.attention import ATTENTION_BACKENDS, paged_attention, paged_attention_ref
+from kernels.attention import (
+    ATTENTION_BACKENDS,
+    batch_index,
+    batch_pays,
+    paged_attention,
+    paged_attention_batched,
+    paged_attention_ref,
+)
 from tests.kernels.triton_env import DEV, HAS_TRITON, INTERPRETING, assert_close_rel, needs_kernels
 
 REPO = Path(__file__).resolve().parents[2]
@@ -200,3 +207,34 @@ def test_reference_backend_batched_decode(heads: tuple[int, int], dtype: torch.d
     _assert_close(out, _ref(b), dtype, "batched decode")
     one = _batch(3, [1], [9], hq, hkv, 64, dtype)  # a single sequence
     _assert_close(_run(one, torch.device("cpu"), "reference"), _ref(one), dtype, "batched decode, B=1")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", [*HEADS, (4, 2)], ids=["gqa4", "mha", "gqa2"])
+@pytest.mark.parametrize("q_lens,contexts", [
+    ([5, 1, 12, 3], [5, 40, 12, 33]),  # fresh prompts, a decode, prompt chunks after cached context
+    ([9], [9]),  # one prompt
+    ([3, 16, 1, 1], [20, 16, 1, 17]),  # a 1-token context and a context of exactly one block
+], ids=["mixed", "one", "edges"])
+def test_reference_backend_one_call_for_a_mixed_step(heads: tuple[int, int], dtype: torch.dtype, q_lens: list[int],
+                                                     contexts: list[int]) -> None:
+    """The reference backend's one-call path over any step (kernels.attention.paged_attention_batched: queries
+    padded per sequence, keys gathered up to the longest context, a causal + context mask) against the
+    per-sequence loop, through paged_attention with the step's index as the attention layers pass it."""
+    hq, hkv = heads
+    b = _batch(5, q_lens, contexts, hq, hkv, 64, dtype)
+    assert batch_pays(b["cu"], b["ctx"], BLOCK_SIZE)
+    index = batch_index(b["bt"], b["cu"], b["ctx"], BLOCK_SIZE)
+    got = paged_attention(b["q"], b["k"], b["v"], b["bt"], torch.tensor(b["cu"], dtype=torch.int32),
+                          torch.tensor(b["ctx"], dtype=torch.int32), b["cu"], b["ctx"], b["max_q"], b["scale"],
+                          "reference", index)
+    _assert_close(got, _ref(b), dtype, "one-call step")
+    _assert_close(paged_attention_batched(b["q"], b["k"], b["v"], index, b["scale"]), _ref(b), dtype, "direct")
+
+
+def test_one_call_is_refused_when_padding_would_dominate() -> None:
+    """A 2000-token prompt next to 16 decodes: padding every sequence to 2000 queries would cost ~17x the
+    real work, so the layers keep the per-sequence loop; a step of similar prompts takes the one call."""
+    cu, ctx = [0, 2000, *range(2001, 2017)], [2000] + [300] * 16
+    assert not batch_pays(cu, ctx, BLOCK_SIZE)
+    assert batch_pays([0, 30, 61, 90], [30, 31, 29], BLOCK_SIZE)

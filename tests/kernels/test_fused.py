@@ -61,6 +61,20 @@ def test_rope_reference_matches_transformers(rotary_dim: int) -> None:
         torch.testing.assert_close(got[..., rotary_dim:], x[..., rotary_dim:])
 
 
+@pytest.mark.parametrize("rotary_dim,zero_centered,with_norm", [(64, False, True), (16, True, True), (64, False, False)])
+def test_joint_qk_norm_rope_is_the_two_separate_ones(rotary_dim: int, zero_centered: bool, with_norm: bool) -> None:
+    """kernels.reference.qk_norm_rope (the CPU path: q and k heads side by side in one pass, the rotation as
+    x * [cos, cos] + [x2, x1] * [-sin, sin]) equals rms_norm then rope_neox on each tensor alone."""
+    q, k = _rand(7, 4, 64), _rand(7, 2, 64, seed=1)
+    wq, wk = _rand(64, seed=2), _rand(64, seed=3)
+    cos_sin, pos = _rand(100, rotary_dim, seed=4), torch.tensor([0, 5, 99, 3, 3, 42, 7])
+    got_q, got_k = ref.qk_norm_rope(q, k, ref.rope_tables(cos_sin, pos), rotary_dim, wq if with_norm else None,
+                                    wk if with_norm else None, 1e-6, zero_centered)
+    for got, x, w in ((got_q, q, wq), (got_k, k, wk)):
+        normed = ref.rms_norm(x, w, 1e-6, zero_centered)[0] if with_norm else x
+        torch.testing.assert_close(got, ref.rope_neox(normed, cos_sin, pos, rotary_dim), rtol=1e-6, atol=1e-6)
+
+
 def test_silu_and_mul_reference_is_the_formula() -> None:
     x = _rand(4, 10)
     torch.testing.assert_close(ref.silu_and_mul(x), x[:, :5] * torch.sigmoid(x[:, :5]) * x[:, 5:])

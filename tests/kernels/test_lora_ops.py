@@ -36,8 +36,15 @@ def _oracle(y, x, a_list, b_list, ranks, offsets, slots, add_inputs):
     return y
 
 
+@pytest.fixture(params=["auto", "dense", "grouped"])
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each formulation of ReferenceLoRABatch.add_lora (the cost model's choice, and each one forced)."""
+    monkeypatch.setattr(ReferenceLoRABatch, "mode", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("add_inputs", [True, False])
-def test_add_lora_mixed_slots_and_ranks(add_inputs: bool) -> None:
+def test_add_lora_mixed_slots_and_ranks(add_inputs: bool, mode: str) -> None:
     g = torch.Generator().manual_seed(0)
     slots_n, r_max, k = 4, 16, 32
     sizes = [24, 8]
@@ -53,6 +60,41 @@ def test_add_lora_mixed_slots_and_ranks(add_inputs: bool) -> None:
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-5)
     # Tokens with slot -1 are untouched (never routed to the last slot by a negative index).
     assert torch.equal(out[1], y[1]) and torch.equal(out[5], y[5])
+
+
+@pytest.mark.parametrize("order", ["grouped", "scattered"])
+def test_add_lora_rows_grouped_by_slot_and_not(order: str, mode: str) -> None:
+    """As the model runner orders a step (base rows, then each slot's rows: one span, slices) and in any order
+    (index rows); an unused slot between used ones, a slot of rank 0, garbage past each rank, and a base row
+    whose input would overflow every adapter's product (inf): it must stay exactly as it was (no NaN from a
+    masked product), as the adapter rows must be their own slot's."""
+    g = torch.Generator().manual_seed(3)
+    slots_n, r_max, k, sizes = 5, 8, 16, [12, 4, 4]
+    ranks = [[8, 3, 8, 0, 5], [2, 8, 8, 0, 1], [8, 8, 4, 0, 8]]
+    a_list = [torch.randn(slots_n, r_max, k, generator=g) for _ in sizes]
+    # B rank-major, as the wrappers store it: [S, n, r_max] indexing over [S, r_max, n] memory.
+    b_list = [torch.randn(slots_n, r_max, n, generator=g).transpose(1, 2) for n in sizes]
+    slots = [-1, -1, 0, 0, 0, 1, 3, 4, 4] if order == "grouped" else [4, -1, 0, 3, 1, 0, -1, 4, 0]
+    x = torch.randn(len(slots), k, generator=g)
+    base_rows = [i for i, s in enumerate(slots) if s < 0]
+    x[base_rows[0]] = float("inf")
+    y = torch.randn(len(slots), sum(sizes), generator=g)
+    offsets = [0, 12, 16]
+    want = _oracle(y, x, a_list, b_list, ranks, offsets, slots, True)
+    got = add_lora(y.clone(), x, a_list, b_list, ranks, offsets, torch.tensor(slots))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-5)
+    assert all(torch.equal(got[t], y[t]) for t in base_rows)
+
+
+def test_the_cost_model_picks_dense_for_decode_and_grouped_for_long_prefills() -> None:
+    """Few rows over several adapters: the dense form (op-bound); thousands of rows at a wide padded rank
+    with small true ranks: the grouped form (product-bound)."""
+    a, b = torch.zeros(4, 8, 256), torch.zeros(4, 8, 512).transpose(1, 2)
+    decode = ReferenceLoRABatch.build(sorted(i % 4 for i in range(16)), 4, CPU)
+    assert decode._dense_pays(a, b, [8] * 4)
+    a64, b64 = torch.zeros(4, 64, 256), torch.zeros(4, 64, 512).transpose(1, 2)
+    prefill = ReferenceLoRABatch.build(sorted(i % 4 for i in range(4096)), 4, CPU)
+    assert not prefill._dense_pays(a64, b64, [8] * 4)
 
 
 def test_expand_truncates_to_each_slots_rank() -> None:

@@ -152,3 +152,14 @@ def test_bench_lora_fill_quick() -> None:
     assert rows["per_slice"]["num_ops"] == 28 * 6 + 16 * 2
     assert rows["packed"]["ops"] == {"_foreach_copy_": 1}  # the host is the device: one multi-tensor copy
     assert rows["packed"]["host_ms"] > 0 and rows["packed"]["adapter_mb"] > 0
+
+
+def test_bench_lora_cpu_quick() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_lora_cpu.py"), "--quick"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["grouped_us"] > 0 and r["dense_us"] > 0 and r["auto_us"] > 0
+        assert len(r["auto_picks"]) == len(r["sizes"]) and set(r["auto_picks"]) <= {"dense", "grouped"}

@@ -29,6 +29,18 @@ def test_server_path_does_not_import_auto_round() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
+def test_the_api_process_modules_import_neither_torch_nor_the_model_code() -> None:
+    """What `xpulora serve` imports in the API process (the CLI, the app, the engine client and what the
+    engine package exports eagerly) loads no torch and no model code: those live in the engine core."""
+    proc = _python("import sys, server.cli, server.app, engine; from engine import EngineClient, SamplingParams, "
+                   "DEVICE_CHOICES; heavy = sorted(m for m in sys.modules if m == 'torch' or m.startswith("
+                   "('engine.models', 'engine.layers', 'engine.llm_engine', 'engine.model_runner', 'kernels.int4'))); "
+                   "assert not heavy, heavy; print(DEVICE_CHOICES)")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = _python("import sys, engine; engine.LLMEngine; assert 'torch' in sys.modules")  # still there, on use
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 _ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
