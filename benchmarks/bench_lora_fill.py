@@ -22,12 +22,10 @@ import argparse
 import json
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -36,6 +34,7 @@ from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, 
 from engine.lora.adapter import LoRAModule
 from engine.lora.layers import BaseLayerWithLoRA, ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA
 from engine.lora.slots import SlotFiller
+from tools.op_count import CountWrites
 
 
 class _NoWeights:
@@ -102,19 +101,6 @@ def per_slice_fill(ws: list[BaseLayerWithLoRA], slot: int, modules: dict[str, Lo
             w.a_ranks_dev[i, slot] = a.size(0)
 
 
-class _CountOps(TorchDispatchMode):
-    WRITES = ("copy_", "_foreach_copy_", "zero_", "_foreach_zero_", "fill_", "index_put_", "_to_copy")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket.__name__ in self.WRITES:
-            self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def busy(dev: torch.device, ms: float) -> None:
     """Keep the device busy for about `ms` (queued, returns at once)."""
     if dev.type == "cuda":
@@ -148,7 +134,7 @@ def measure(fn, dev: torch.device, reps: int, busy_ms: float) -> dict:
         busy(dev, busy_ms)
         sync()
         rec["busy_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
-    with _CountOps() as c:
+    with CountWrites() as c:
         fn()
     sync()
     rec["ops"] = dict(c.ops)

@@ -21,6 +21,18 @@ if triton is not None:
         return (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.float16, bitcast=True)
 
     @triton.jit
+    def _slice_of(pid_n, slot, b_table_ptr, ranks_ptr, stride_rs, stride_rt, R_MAX: tl.constexpr,
+                  NUM_SLICES: tl.constexpr):
+        """(table row, slice, the slot's rank in it) of a program's column group: table row s = (ptr, stride0,
+        n_s, offset_s, first group of s, rank stride of s when B is stored rank-major, fp8 scale ptr, its slot
+        stride)."""
+        s = 0
+        for i in tl.static_range(1, NUM_SLICES):
+            s += (pid_n >= tl.load(b_table_ptr + i * 8 + 4)).to(tl.int32)
+        rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot * stride_rt), R_MAX)
+        return b_table_ptr + s * 8, s, rank
+
+    @triton.jit
     def _lora_shrink_kernel(
         x_ptr, a_table_ptr, a0_ptr, buf_ptr, ranks_ptr, meta_ptr,
         sorted_off, blocks_off, num_blocks, chunk,
@@ -103,13 +115,7 @@ if triton is not None:
         slot = tl.load(meta_ptr + blocks_off + pid_b)
         if slot >= num_slots:
             return
-        # Which slice owns this column group: table row s = (ptr, stride0, n_s, offset_s, first group of s,
-        # rank stride of s when B is stored rank-major, fp8 scale ptr, its slot stride).
-        s = 0
-        for i in tl.static_range(1, NUM_SLICES):
-            s += (pid_n >= tl.load(b_table_ptr + i * 8 + 4)).to(tl.int32)
-        tab = b_table_ptr + s * 8
-        rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot * stride_rt), R_MAX)
+        tab, s, rank = _slice_of(pid_n, slot, b_table_ptr, ranks_ptr, stride_rs, stride_rt, R_MAX, NUM_SLICES)
         if ADD_INPUTS and rank == 0:  # adds nothing (a replace still writes its zeros)
             return
         b_ptr = tl.load(tab).to(tl.pointer_type(b0_ptr.dtype.element_ty))
@@ -188,11 +194,7 @@ if triton is not None:
         slot = tl.load(meta_ptr + blocks_off + pid_b)
         if slot >= num_slots:
             return
-        s = 0
-        for i in tl.static_range(1, NUM_SLICES):
-            s += (pid_n >= tl.load(b_table_ptr + i * 8 + 4)).to(tl.int32)
-        tab = b_table_ptr + s * 8
-        rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot * stride_rt), R_MAX)
+        tab, s, rank = _slice_of(pid_n, slot, b_table_ptr, ranks_ptr, stride_rs, stride_rt, R_MAX, NUM_SLICES)
         if ADD_INPUTS and rank == 0:
             return
         a_ptr = tl.load(a_table_ptr + 2 * s).to(tl.pointer_type(a0_ptr.dtype.element_ty))

@@ -9,7 +9,6 @@ from collections.abc import Mapping
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from engine.layers.linear import (
     ColumnParallelLinear,
@@ -22,6 +21,7 @@ from engine.lora.adapter import LoRAModule
 from engine.lora.layers import BaseLayerWithLoRA, ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA
 from engine.lora.slots import SlotFiller, pack_adapter
 from tests.helpers import as_tp_rank
+from tools.op_count import CountWrites
 
 R_MAX, SLOTS = 16, 3
 
@@ -132,22 +132,6 @@ def test_refill_with_a_smaller_rank_leaves_no_stale_rows() -> None:
     assert w.a_store[0].any()  # the neighbouring slot is untouched
 
 
-class _CountOps(TorchDispatchMode):
-    """Counts the data-writing ops dispatched (views and metadata excluded)."""
-
-    WRITES = ("copy_", "_foreach_copy_", "zero_", "_foreach_zero_", "fill_", "index_put_", "_to_copy")
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name in self.WRITES:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("layers", [4, 16])
 def test_a_fill_issues_a_fixed_number_of_ops(layers: int) -> None:
     """One staging copy and one multi-tensor copy per window (plus one multi-tensor zero when stale rows
@@ -161,7 +145,7 @@ def test_a_fill_issues_a_fixed_number_of_ops(layers: int) -> None:
     small = {n: LoRAModule(m.a[:4].clone(), m.b[:, :4].clone(), 4) for n, m in big.items()}
     for mods, zero_ops in ((big, 0), (big, 0), (small, 1)):
         pack = filler.pack(mods)
-        with _CountOps() as c:
+        with CountWrites() as c:
             filler.fill(0, pack)
         assert c.ops == Counter({"copy_": 1, "_foreach_copy_": 1, **({"_foreach_zero_": 1} if zero_ops else {})}), c.ops
 
