@@ -108,7 +108,7 @@ def _env_overrides(text: str) -> dict[str, int]:
 
 CONFIG_OVERRIDES: dict[str, int] = _env_overrides(os.environ.get("XPULORA_LORA_CONFIG", ""))
 """Force a launch parameter (CONFIG_KEYS): fused (add_lora in one launch), run_m (tokens of one slot per
-program: TokenGroups.block_m, set by engine.lora.punica.group_tokens), block_m (the token tile a program steps
+program: TokenGroups.block_m, set by engine.lora.token_groups.group_tokens), block_m (the token tile a program steps
 through its run in), the split kernels' shrink_* / expand_* and the fused kernel's fused_* sizes. For tuning
 runs (benchmarks, or XPULORA_LORA_CONFIG in the environment); empty normally."""
 

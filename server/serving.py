@@ -15,12 +15,10 @@ import asyncio
 import copy
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
@@ -28,7 +26,6 @@ from transformers import PreTrainedTokenizerBase
 
 from engine import (
     EngineClient,
-    ErrorKind,
     OverloadedError,
     RequestError,
     RequestOutput,
@@ -37,46 +34,18 @@ from engine import (
     StructuredSpec,
 )
 from server.chat_tools import ChatOptions, ChatOutput, plan_chat, reasoning_spec, template_message, think_close_id
+from server.choices import Choice, reported_reason, usage
 from server.errors import ApiError, error_body, error_response, output_error_status, status_of
 from server.logprobs import TokenText
 from server.metrics import Metrics, RequestTracker
 from server.openai_protocol import ChatCompletionRequest, CompletionRequest, TokenizeChatRequest
 from server.reasoning import prompt_reasoning_state
+from server.sse import ClientGone, sse_event, until_disconnect
 from server.structured_protocol import output_spec
 
 T = TypeVar("T")
 INLINE_PROMPT_SIZE = 2048
 """Characters (or token ids) of a request's prompts up to which they are encoded on the event loop."""
-
-
-@dataclass
-class _Choice:
-    """One engine request: a (prompt, choice) pair and what it produced so far."""
-
-    index: int
-    prompt_index: int
-    ids: list[int]
-    params: SamplingParams
-    prefix: str = ""  # echoed prompt text (chat: the echoed last message)
-    role: str = "assistant"  # chat: the reply's role
-    text: str = ""
-    logprobs: list[Any] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-    error_kind: ErrorKind = "internal"
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    started: bool = False  # streaming: the echo prefix was sent
-    offset: int = 0  # completions text_offset of the next token
-    out: ChatOutput | None = None  # chat: the reply's reasoning / tool-call split
-
-    def apply(self, out: RequestOutput) -> None:
-        self.text += out.new_text
-        self.logprobs.extend(out.new_logprobs or ())
-        self.num_output_tokens = out.num_output_tokens or self.num_output_tokens
-        self.num_cached_tokens = out.num_cached_tokens or self.num_cached_tokens
-        if out.finished:
-            self.finish_reason, self.error, self.error_kind = out.finish_reason, out.error, out.error_kind
 
 
 class Serving:
@@ -131,7 +100,7 @@ class Serving:
             spec = await self.compiled(output_spec(req.response_format, req.structured_outputs))
         except ValueError as e:
             raise ApiError(400, str(e)) from e
-        choices: list[_Choice] = []
+        choices: list[Choice] = []
         # A short prompt is encoded here, with the event loop's tokenizer (tens of microseconds: less than the
         # hand-off to the tokenizer thread and back); a long one on the tokenizer thread, as it may take a while.
         size = sum(len(p) for p in prompts)
@@ -139,7 +108,7 @@ class Serving:
             lambda: encode(self.enc_tok))
         for pi, (ids, prefix) in enumerate(encoded):
             for j in range(req.n):
-                choices.append(_Choice(len(choices), pi, ids,
+                choices.append(Choice(len(choices), pi, ids,
                                        self._params(req, ids, j, req.max_tokens, req.logprobs, spec),
                                        prefix, offset=len(prefix)))
         return await self._respond("cmpl", req, raw, choices, chat=False)
@@ -156,7 +125,7 @@ class Serving:
         last = req.messages[-1]
         role = "assistant" if req.add_generation_prompt else last.role
         echo = last.text() if req.echo and last.role == role else ""
-        choices = [_Choice(j, 0, ids, self._params(req, ids, j, req.output_limit, lp, spec), echo, role=role,
+        choices = [Choice(j, 0, ids, self._params(req, ids, j, req.output_limit, lp, spec), echo, role=role,
                            out=ChatOutput(state, plan.parse_tools) if state or plan.parse_tools else None)
                    for j in range(req.n)]
         return await self._respond("chatcmpl", req, raw, choices, chat=True)
@@ -209,7 +178,7 @@ class Serving:
 
     # -- running ---------------------------------------------------------------------------------------
     async def _respond(self, kind: str, req: CompletionRequest | ChatCompletionRequest, raw: Request,
-                       choices: list[_Choice], chat: bool) -> Response:
+                       choices: list[Choice], chat: bool) -> Response:
         if req.model not in self.base_names and not self.lora_enabled:
             raise ApiError(404, f"model {req.model!r} does not exist (the base model is {self.base!r})")
         lora = None if req.model in self.base_names else req.model
@@ -229,9 +198,9 @@ class Serving:
             gen = self._sse(rid, req, choices, streams, trackers, chat)
             return StreamingResponse(gen, media_type="text/event-stream", background=BackgroundTask(closed))
         try:
-            await _until_disconnect(raw, asyncio.gather(*(
+            await until_disconnect(raw, asyncio.gather(*(
                 self._drain(c, s, t) for c, s, t in zip(choices, streams, trackers))))
-        except _ClientGone:
+        except ClientGone:
             return error_response(499, "client disconnected")
         finally:
             close()
@@ -242,10 +211,10 @@ class Serving:
             raise ApiError(503, "the request was aborted: the server is shutting down")
         body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
                 "model": req.model, "choices": [self._full_choice(c, chat) for c in choices],
-                "usage": _usage(choices)}
+                "usage": usage(choices)}
         return JSONResponse(body)
 
-    async def _start(self, rid: str, choices: list[_Choice], lora: str | None) -> list[RequestStream]:
+    async def _start(self, rid: str, choices: list[Choice], lora: str | None) -> list[RequestStream]:
         """Queue every choice at once; if any is refused, close the accepted ones and raise its error."""
         results = await asyncio.gather(*(self.engine.add_request(f"{rid}-{c.index}", c.ids, c.params, lora)
                                          for c in choices), return_exceptions=True)
@@ -258,13 +227,13 @@ class Serving:
         return streams
 
     @staticmethod
-    async def _drain(c: _Choice, stream: RequestStream, tracker: RequestTracker) -> None:
+    async def _drain(c: Choice, stream: RequestStream, tracker: RequestTracker) -> None:
         async for out in stream:
             tracker.observe(out)
             c.apply(out)
 
-    async def _merge(self, choices: list[_Choice], streams: list[RequestStream],
-                     trackers: list[RequestTracker]) -> AsyncIterator[list[tuple[_Choice, RequestOutput]]]:
+    async def _merge(self, choices: list[Choice], streams: list[RequestStream],
+                     trackers: list[RequestTracker]) -> AsyncIterator[list[tuple[Choice, RequestOutput]]]:
         """The choices' outputs as they come, in batches: each batch holds everything that was ready (a
         streaming response that fell behind the engine writes a batch at once). One choice (n = 1, the
         common case) reads its stream directly; several are interleaved through a queue."""
@@ -300,7 +269,7 @@ class Serving:
                 got = [await queue.get()]
                 while not queue.empty():
                     got.append(queue.get_nowait())
-                batch: list[tuple[_Choice, RequestOutput]] = []
+                batch: list[tuple[Choice, RequestOutput]] = []
                 for i, item in got:
                     if item is None:
                         remaining -= 1
@@ -319,17 +288,18 @@ class Serving:
                 s.close()
 
     # -- formatting ------------------------------------------------------------------------------------
-    def _full_choice(self, c: _Choice, chat: bool) -> dict[str, Any]:
+    def _full_choice(self, c: Choice, chat: bool) -> dict[str, Any]:
         want = c.params.logprobs is not None
         if chat:
             lp = {"content": self.tokens.chat(c.logprobs)} if want else None
             text = c.prefix + c.text
             msg = {"role": c.role, **(c.out.message(text) if c.out is not None else {"content": text})}
-            return {"index": c.index, "message": msg, "logprobs": lp, "finish_reason": _finish(c, c.finish_reason)}
+            return {"index": c.index, "message": msg, "logprobs": lp,
+                    "finish_reason": reported_reason(c, c.finish_reason)}
         lp = self.tokens.completion(c.logprobs, len(c.prefix))[0] if want else None
         return {"index": c.index, "text": c.prefix + c.text, "logprobs": lp, "finish_reason": c.finish_reason}
 
-    def _delta(self, c: _Choice, out: RequestOutput, chat: bool) -> dict[str, Any] | None:
+    def _delta(self, c: Choice, out: RequestOutput, chat: bool) -> dict[str, Any] | None:
         """One choice's part of a streamed chunk, or None when there is nothing to send."""
         finish = out.finish_reason if out.finished else None
         want = c.params.logprobs is not None and bool(out.new_logprobs)
@@ -344,7 +314,7 @@ class Serving:
                 delta = {"content": text} if text else {}
             if not delta and lp is None and finish is None:
                 return None
-            return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": _finish(c, finish)}
+            return {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": reported_reason(c, finish)}
         text = out.new_text
         if not c.started:
             text, c.started = c.prefix + text, True
@@ -355,7 +325,7 @@ class Serving:
             return None
         return {"index": c.index, "text": text, "logprobs": clp, "finish_reason": finish}
 
-    async def _sse(self, rid: str, req: CompletionRequest | ChatCompletionRequest, choices: list[_Choice],
+    async def _sse(self, rid: str, req: CompletionRequest | ChatCompletionRequest, choices: list[Choice],
                    streams: list[RequestStream], trackers: list[RequestTracker], chat: bool) -> AsyncIterator[bytes]:
         created = int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
@@ -363,7 +333,7 @@ class Serving:
         null_usage = {"usage": None} if req.include_usage else {}
 
         def chunk(parts: list[dict[str, Any]], **extra: Any) -> bytes:
-            return _event({**head, "choices": parts, **null_usage, **extra})
+            return sse_event({**head, "choices": parts, **null_usage, **extra})
 
         try:
             if chat:  # the role comes first, as OpenAI sends it
@@ -375,7 +345,7 @@ class Serving:
                 failed = False
                 for c, out in batch:
                     if out.finish_reason == "error":
-                        events.append(_event(error_body(output_error_status(out.error_kind),
+                        events.append(sse_event(error_body(output_error_status(out.error_kind),
                                                         out.error or "generation failed")))
                         failed = True
                         break
@@ -388,54 +358,7 @@ class Serving:
                     break
             else:
                 if req.include_usage:
-                    yield chunk([], usage=_usage(choices))
+                    yield chunk([], usage=usage(choices))
         except (RequestError, OverloadedError) as e:  # e.g. the engine died mid-stream
-            yield _event(error_body(status_of(e), str(e)))
+            yield sse_event(error_body(status_of(e), str(e)))
         yield b"data: [DONE]\n\n"
-
-
-class _ClientGone(Exception):
-    pass
-
-
-_JSON = msgspec.json.Encoder()
-
-
-def _event(obj: dict[str, Any]) -> bytes:
-    """One SSE event: compact UTF-8 JSON (msgspec: ~9x faster than json.dumps, which cost ~10 % of the API
-    process's time per streamed token). No NaN reaches it: logprobs are floored (server/logprobs.py)."""
-    return b"data: " + _JSON.encode(obj) + b"\n\n"
-
-
-def _finish(c: _Choice, reason: str | None) -> str | None:
-    """A reply that ends with tool calls reports "tool_calls" (OpenAI's and vLLM's reason)."""
-    return "tool_calls" if reason == "stop" and c.out is not None and c.out.called else reason
-
-
-def _usage(choices: list[_Choice]) -> dict[str, Any]:
-    firsts = [c for c in choices if c.index == 0 or c.prompt_index != choices[c.index - 1].prompt_index]
-    prompt = sum(len(c.ids) for c in firsts)
-    completion = sum(c.num_output_tokens for c in choices)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(c.num_cached_tokens for c in firsts)}}
-
-
-async def _wait_disconnect(raw: Request) -> None:
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _until_disconnect(raw: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it if the client goes away first (raises _ClientGone)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(raw))
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if task not in done:
-        await asyncio.gather(task, return_exceptions=True)
-        raise _ClientGone
-    return task.result()

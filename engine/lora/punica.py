@@ -4,7 +4,7 @@ A token whose request has no adapter maps to slot -1 and gets no LoRA work; a st
 has an adapter builds no batch at all, so the wrappers launch nothing. One implementation is picked
 per engine (LORA_IMPLS, chosen and self-checked once by the model runner): the torch reference reads
 the slots as a tensor and host rank lists; the Triton one groups the tokens by slot once per step
-(host work, here) and launches kernels.lora_triton with the layer's device rank tensor.
+(engine/lora/token_groups.py) and launches kernels.lora_triton with the layer's device rank tensor.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from typing import ClassVar, Literal
 
 import torch
 
+from engine.lora.token_groups import check_slots, copy_into, group_tokens, to_device
 from kernels import lora_triton, reference
-from kernels.lora_triton import TokenGroups, max_blocks
+from kernels.lora_triton import TokenGroups
 from kernels.registry import Choice, choose
 
 LoRAImplName = Literal["reference", "triton"]
@@ -117,22 +118,6 @@ class LoRABatch(ABC):
         return y
 
 
-def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A CPU tensor on `device` without waiting for the device's queued work (a blocking copy from pageable
-    memory synchronizes the stream): page-locked staging, non_blocking copy."""
-    return host if host.device == device else host.pin_memory().to(device, non_blocking=True)
-
-
-def _copy_into(dst: torch.Tensor, host: torch.Tensor) -> None:
-    dst.copy_(host if host.device == dst.device else host.pin_memory(), non_blocking=True)
-
-
-def _check_slots(slots: torch.Tensor, num_slots: int) -> None:
-    bad = (slots < -1) | (slots >= num_slots)
-    if bool(bad.any()):
-        raise ValueError(f"LoRA slots {sorted(set(slots[bad].tolist()))} outside [-1, {num_slots})")
-
-
 class ReferenceLoRABatch(LoRABatch):
     """The torch reference (kernels.reference), fp32 matmuls: the CPU path. Two formulations of add_lora, picked
     per slice by a cost model (`_dense_pays`):
@@ -171,13 +156,13 @@ class ReferenceLoRABatch(LoRABatch):
     @classmethod
     def build(cls, slots: Sequence[int], num_slots: int, device: torch.device) -> ReferenceLoRABatch:
         host = torch.tensor(list(slots), dtype=torch.long)
-        _check_slots(host, num_slots)
-        return cls(_to_device(host, torch.device(device)), num_slots, reference.slot_rows(host))
+        check_slots(host, num_slots)
+        return cls(to_device(host, torch.device(device)), num_slots, reference.slot_rows(host))
 
     def update(self, slots: Sequence[int]) -> None:
         host = torch.tensor(list(slots), dtype=torch.long)
-        _check_slots(host, self.num_slots)
-        _copy_into(self.slots, host)
+        check_slots(host, self.num_slots)
+        copy_into(self.slots, host)
         self.rows_of = reference.slot_rows(host)
         self._dense_setup()
 
@@ -357,69 +342,3 @@ def choose_impl(candidates: Sequence[str], in_features: int, out_sizes: list[int
 
     choice = choose("lora", candidates, run, CHECK_TOLERANCE[dtype])
     return LORA_IMPLS[choice.chosen], choice  # type: ignore[index]
-
-
-# -- token grouping for the Triton kernels (host work, once per step) ------------------------------------
-
-
-def _default_block_m(num_tokens: int) -> int:
-    """Tokens of one slot per program (the kernels go over them in 16-row tiles, reading the slot's weights
-    from DRAM once per run). Decode steps: short runs, more programs; prefill: longer runs."""
-    run = lora_triton.CONFIG_OVERRIDES.get("run_m")
-    if run is not None:
-        return run
-    return 16 if num_tokens <= 256 else 32 if num_tokens <= 2048 else 64
-
-
-def _schedule(slots: torch.Tensor, num_slots: int, block_m: int, num_blocks: int) -> torch.Tensor:
-    """meta (int32, on slots' device) for int64 slots: sort by slot, count, cut each slot's run into blocks."""
-    key = torch.where(slots >= 0, slots, num_slots)  # -1 sorts last, as slot S
-    order = torch.sort(key, stable=True).indices
-    counts = torch.zeros(num_slots + 1, dtype=torch.long, device=slots.device)
-    cnt = counts.scatter_add_(0, key, torch.ones_like(key))[:num_slots]  # bincount without a host sync
-    start = torch.cumsum(cnt, 0) - cnt
-    nblk = (cnt + block_m - 1) // block_m
-    cum = torch.cumsum(nblk, 0)
-    b = torch.arange(num_blocks, dtype=torch.long, device=slots.device)
-    bslot = torch.searchsorted(cum, b, right=True)  # slot s owns blocks cum[s-1] <= b < cum[s]; S: unused
-    s_c = bslot.clamp(max=num_slots - 1)
-    bstart = start[s_c] + (b - (cum[s_c] - nblk[s_c])) * block_m
-    bend = start[s_c] + cnt[s_c]
-    return torch.cat([slots, order, start, cnt, bslot, bstart, bend]).to(torch.int32)
-
-
-def group_tokens(token_slots: torch.Tensor | Sequence[int], num_slots: int, *, device: torch.device | None = None,
-                 block_m: int | None = None, out: TokenGroups | None = None) -> TokenGroups:
-    """The tokens sorted by slot, per-slot start/len and the M-block schedule the kernels read.
-
-    token_slots: [T] ints in [-1, num_slots). From the host (a sequence or a CPU tensor; `device` says
-    where the kernels run, default CPU) it is checked, `has_lora` is known, and the schedule is computed
-    on the CPU and sent in ONE copy (a handful of tiny device ops cost more in launches). A device tensor
-    is scheduled on the device with no host sync (has_lora None). With `out`, everything is written into
-    out's tensor (same T, num_slots and block_m) and out is returned: what a captured graph needs.
-    """
-    if num_slots <= 0:
-        raise ValueError(f"group_tokens: num_slots must be positive, got {num_slots}")
-    if not isinstance(token_slots, torch.Tensor):
-        token_slots = torch.tensor(list(token_slots), dtype=torch.long)
-    if token_slots.dim() != 1:
-        raise ValueError(f"group_tokens: token_slots must be 1-D, got {tuple(token_slots.shape)}")
-    slots = token_slots.to(torch.long)
-    dev = torch.device(device) if device is not None else (out.meta.device if out is not None else slots.device)
-    t = slots.numel()
-    bm = block_m or (out.block_m if out is not None else _default_block_m(t))
-    nb = max_blocks(t, num_slots, bm)
-    has_lora: bool | None = None
-    if slots.device.type == "cpu":
-        _check_slots(slots, num_slots)
-        has_lora = bool((slots >= 0).any())
-    meta = _schedule(slots, num_slots, bm, nb)
-    if out is None:
-        return TokenGroups(meta=_to_device(meta, dev), num_tokens=t, num_slots=num_slots, num_blocks=nb,
-                           block_m=bm, has_lora=has_lora)
-    if out.num_tokens != t or out.num_slots != num_slots or out.block_m != bm:
-        raise ValueError(f"group_tokens(out=...): out holds T={out.num_tokens}, S={out.num_slots}, "
-                         f"block_m={out.block_m}; got T={t}, S={num_slots}, block_m={bm}")
-    _copy_into(out.meta, meta)
-    out.has_lora = has_lora
-    return out
