@@ -25,6 +25,7 @@ from benchmarks.timing import device_sync
 from engine import (
     CacheConfig,
     EngineConfig,
+    KernelConfig,
     LLMEngine,
     LoRAConfig,
     ModelConfig,
@@ -93,8 +94,8 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * n * 10 / (time.perf_counter() - t0)
 
 
-def engine_config(path: str, adapters: list[str], max_batch: int, device: str, lora_dtype: str = "auto"
-                  ) -> EngineConfig:
+def engine_config(path: str, adapters: list[str], max_batch: int, device: str, lora_dtype: str = "auto",
+                  int4: str = "auto") -> EngineConfig:
     """One engine per adapter count serves every batch size (graphs are captured up to max_batch), with
     max_loras = the number of adapters, as a deployment for that many would set it."""
     lora = LoRAConfig(enable_lora=True, max_loras=len(adapters), max_lora_rank=16,
@@ -102,7 +103,8 @@ def engine_config(path: str, adapters: list[str], max_batch: int, device: str, l
                       lora_dtype=lora_dtype) if adapters else LoRAConfig()  # type: ignore[arg-type]
     return EngineConfig(ModelConfig(path, dtype="bfloat16" if device != "cpu" else "float32", max_model_len=512),
                         cache=CacheConfig(num_blocks=None if device == "cpu" else 8192),
-                        scheduler=SchedulerConfig(max_num_seqs=max_batch), lora=lora)
+                        scheduler=SchedulerConfig(max_num_seqs=max_batch), lora=lora,
+                        kernels=KernelConfig(int4=int4))  # type: ignore[arg-type]
 
 
 def requests(batch: int, n_adapters: int) -> tuple[list[list[int]], list[str | None]]:
@@ -186,6 +188,7 @@ def model_args(ap: argparse.ArgumentParser, batches: list[int], adapters: list[i
     ap.add_argument("--adapters", type=int, nargs="*", default=adapters,
                     help="distinct rank-16 adapters on all seven projections")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--int4-kernel", default="auto", help="KernelConfig.int4 of our engines (auto, tuned, ...)")
     ap.add_argument("--root", default=root)
     ap.add_argument("--sync-too", action="store_true",
                     help="also time the engine with async scheduling off (same engine, side by side)")
@@ -224,11 +227,12 @@ def main() -> None:
     base_ms: dict[int, float] = {}  # batch -> ms per step without adapters (measured first)
     for n, ld in [(m, ld) for m in sorted({m for _, m in cases}) for ld in (a.lora_dtypes if m else ["auto"])]:
         rows = []
-        with LLMEngine(engine_config(path, adapters[:n], max(b for b, m in cases if m == n), device.type, ld)) as e:
+        cfg = engine_config(path, adapters[:n], max(b for b, m in cases if m == n), device.type, ld, a.int4_kernel)
+        with LLMEngine(cfg) as e:
             for b in [b for b, m in cases if m == n]:
                 r = ours(e, b, n, a.new_tokens)
                 row = {"case": "decode", "batch": b, "adapters": n, "layers": layers, **r,
-                       "async_scheduling": e.async_scheduling, "floor_ms_per_step": floor_ms,
+                       "async_scheduling": e.async_scheduling, "int4": a.int4_kernel, "floor_ms_per_step": floor_ms,
                        "vs_floor": r["ms_per_step"] / floor_ms}
                 if a.sync_too:
                     sync = synchronous(e, lambda b=b, n=n: ours(e, b, n, a.new_tokens))

@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_e2e import time_decode
+from benchmarks.bench_e2e import copy_bandwidth, time_decode
 from engine import CacheConfig, EngineConfig, LLMEngine, ModelConfig, ParallelConfig, SamplingParams
 from tools.checks import Checks, exit_with
 from tools.random_int4 import QWEN3_8B, QWEN36_27B, write_random_int4
@@ -34,14 +34,14 @@ def emit(**kw: object) -> None:
 
 
 def engine(path: str, tp: int, dtype: str, max_num_seqs: int = 64, eager: bool = False,
-           gdn: str = "auto") -> LLMEngine:
+           gdn: str = "auto", int4: str = "auto") -> LLMEngine:
     from engine import KernelConfig, SchedulerConfig
 
     return LLMEngine(EngineConfig(ModelConfig(path, dtype=dtype, max_model_len=1024),
                                   cache=CacheConfig(num_blocks=4096),
                                   parallel=ParallelConfig(tensor_parallel_size=tp),
                                   scheduler=SchedulerConfig(max_num_seqs=max_num_seqs), enforce_eager=eager,
-                                  kernels=KernelConfig(gdn=gdn)))  # type: ignore[arg-type]
+                                  kernels=KernelConfig(gdn=gdn, int4=int4)))  # type: ignore[arg-type]
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -64,11 +64,14 @@ def equality(name: str, path: str) -> None:
                   elapsed_s=round(time.perf_counter() - T0, 1))
 
 
-def decode_speed(name: str, path: str, tp: int, batches: list[int]) -> None:
-    with engine(path, tp, "bfloat16", max_num_seqs=max(batches)) as e:
-        emit(info=f"{name} engine ready", tp=tp)
+def decode_speed(name: str, path: str, tp: int, batches: list[int], floor_ms: float, int4: str) -> None:
+    """floor_ms: one GPU's share of the weights (all but the embedding, split over tp) at its copy bandwidth."""
+    with engine(path, tp, "bfloat16", max_num_seqs=max(batches), int4=int4) as e:
+        emit(info=f"{name} engine ready", tp=tp, int4=int4)
         for batch in batches:
-            emit(bench=f"{name} decode", tp=tp, batch=batch, **time_decode(e, prompts(batch, 32, 400, 2), 64))
+            r = time_decode(e, prompts(batch, 32, 400, 2), 64)
+            emit(bench=f"{name} decode", tp=tp, batch=batch, **r, floor_ms_per_step=floor_ms / tp,
+                 vs_floor=r["ms_per_step"] * tp / floor_ms)
 
 
 def _allreduce_worker(rank: int, hidden: int, out: str) -> None:
@@ -117,6 +120,8 @@ def main() -> None:
     ap.add_argument("--speed-layers", type=int, default=0, help="layers for the decode speed (0: the full depth)")
     ap.add_argument("--speed-shapes", nargs="*", default=["27b", "8b"])
     ap.add_argument("--skip", nargs="*", default=[])
+    ap.add_argument("--int4-kernel", default="auto", help="KernelConfig.int4 of the speed part's engines")
+    ap.add_argument("--tp-sizes", type=int, nargs="+", default=[2, 1], help="tensor-parallel sizes of the speed part")
     a = ap.parse_args()
     dev = torch.device("cuda")
     dense = write_random_int4(f"{a.root}/qwen3-8b-shape", QWEN3_8B, layers=a.layers, device=dev)
@@ -133,9 +138,12 @@ def main() -> None:
             shape, name = {"27b": (QWEN36_27B, "Qwen3.6-27B-shaped"), "8b": (QWEN3_8B, "Qwen3-8B-shaped")}[key]
             layers = a.speed_layers or shape.layers
             path = write_random_int4(f"{a.root}/{key}-{layers}", shape, layers=layers, device=dev)
-            emit(info="checkpoint written", shape=name, layers=layers)
-            for tp in (2, 1):
-                decode_speed(f"{name} ({layers} layers)", path, tp, [1, 32])
+            weights = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
+                          if f.endswith(".safetensors"))
+            floor_ms = 1e3 * (weights - shape.vocab * shape.hidden * 2) / copy_bandwidth(dev)
+            emit(info="checkpoint written", shape=name, layers=layers, weight_bytes=weights, floor_ms_tp1=floor_ms)
+            for tp in a.tp_sizes:
+                decode_speed(f"{name} ({layers} layers)", path, tp, [1, 32], floor_ms, a.int4_kernel)
             shutil.rmtree(path)
     if "equal" not in a.skip:
         exit_with(CHECKS)

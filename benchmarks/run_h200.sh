@@ -131,5 +131,32 @@ case "${1:-}" in
     timeout 230 python3 benchmarks/bench_e2e.py --layers 36 --batches 32 --adapters 0 32 --lora-dtypes auto fp8 \
       --peer-cases "" --root /tmp/e2e36l 2>&1 | grep -E '^\{|Error' | tee "$OUT/lora_e2e${XPULORA_LORA_CONFIG:+_tuned}.txt"
     ;;
-  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e"; exit 2 ;;
+  kernels18)  # issue 18 in one call: the int4 table vs bf16 (exit 1 on mismatch), the tuner's tests on CUDA, the LoRA
+              # per-layer table and 36-layer step lines vs their bytes
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    timeout 270 python3 benchmarks/bench_int4.py > "$OUT/int4.txt" 2>&1; echo "bench rc=$?" >> "$OUT/int4.txt"
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -rfE tests/layers/test_int4_auto.py -k accelerator \
+      > "$OUT/int4_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/int4_tests.txt"
+    timeout 180 python3 benchmarks/bench_lora.py --tokens 32 --adapters 1 32 --no-peers > "$OUT/lora_kernels.txt" 2>&1
+    echo "lora rc=$?" >> "$OUT/lora_kernels.txt"
+    grep -E "targets|correctness|PASS|FAIL|rc=" "$OUT/int4.txt" | tail -40; tail -3 "$OUT/int4_tests.txt"
+    grep -E '^\{' "$OUT/lora_kernels.txt" | tail -30; tail -1 "$OUT/lora_kernels.txt"
+    ;;
+  steps18)  # issue 18: 36 layers, batch 1 and 32: no adapters with the int4 kernel auto, then with tuned also 32 adapters
+            # (bf16 and fp8 storage); the 64-layer 27B-shaped hybrid at TP=1 (batch 1 and 32, graphs, tuned int4)
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    timeout 110 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 --adapters 0 --int4-kernel auto \
+      --peer-cases "" --root /tmp/e2e36l 2>&1 | grep -E '^\{|Error' | tee "$OUT/e2e36_auto.txt"
+    timeout 220 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 --adapters 0 32 --lora-dtypes auto fp8 \
+      --int4-kernel tuned --peer-cases "" --root /tmp/e2e36l 2>&1 | grep -E '^\{|Error' | tee "$OUT/e2e36_tuned.txt"
+    timeout 220 python3 benchmarks/gpu_tp_check.py --layers 1 --skip collectives equal --tp-sizes 1 --int4-kernel tuned \
+      --speed-shapes 27b 2>&1 | grep -E '^\{|Error|error' | tee "$OUT/tp1_27b.txt"
+    ;;
+  serve18)  # issue 14 after the tuned int4 default: the server vs the offline loop vs pure decode, 36 layers, 32 adapters
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    timeout 470 python3 benchmarks/bench_serve.py --layers 36 --adapters 32 --batches 32 64 --requests 256 \
+      --new-tokens 128 --clients 4 --root /tmp/serve36 2>&1 | grep -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
+    tail -n 40 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
+    ;;
+  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|steps18"; exit 2 ;;
 esac

@@ -32,6 +32,11 @@ from tests.kernels.triton_env import assert_close_rel
 
 REPO = Path(__file__).resolve().parents[2]
 
+
+def _child_env() -> dict[str, str]:
+    """This environment with the repo first on the child's path (the device's wheels stay on it)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+
 # Tolerances against kernels.reference.int4_matmul (fp32 dequant, fp32 accumulate, one final rounding),
 # as (rtol, atol relative to max|ref|):
 # - float32: backends differ only in summation order / fused multiply-add: ~1e-6 of the output scale.
@@ -428,7 +433,7 @@ def test_triton_split_k_configs_match_reference_under_interpreter() -> None:
 def test_triton_split_k_configs_match_reference_on_accelerator() -> None:
     assert _ACC is not None
     proc = subprocess.run([sys.executable, "-c", _SPLIT_K_CHECK, str(_ACC)], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          timeout=600, env=_child_env())
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
@@ -584,5 +589,5 @@ def test_mma_kernel_matches_reference_under_interpreter() -> None:
 def test_mma_kernel_matches_reference_on_accelerator() -> None:
     assert _ACC is not None
     proc = subprocess.run([sys.executable, "-c", _MMA_CHECK, str(_ACC)], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          timeout=600, env=_child_env())
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]

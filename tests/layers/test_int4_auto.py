@@ -59,7 +59,8 @@ def test_device_resolves_auto_and_tuned() -> None:
 
     assert Device("cpu").int4_backend("auto") == "reference"  # no timing at start-up on the CPU unless asked
     assert Device("cpu").int4_backend("tuned") == "tuned:native_cpu,reference"
-    assert Device("cuda").int4_backend("auto") == "auto:native_cuda"  # tuned is opt-in until it has run on a GPU
+    assert Device("cuda").int4_backend("auto") == "tuned:native_cuda,triton_mma,triton,dequant"
+    assert Device("xpu").int4_backend("auto") == "tuned:native_xpu,triton_mma,triton,dequant"
     assert Device("cuda").int4_backend("tuned") == "tuned:native_cuda,triton_mma,triton,dequant"
     assert Device("xpu").int4_backend("tuned") == "tuned:native_xpu,triton_mma,triton,dequant"
     assert Device("cuda").int4_backend("auto:native_cuda") == "auto:native_cuda"  # the fixed dispatch stays valid
@@ -201,7 +202,7 @@ def _on_accelerator(code: str) -> None:
         pytest.skip("no accelerator")
     repo = Path(__file__).resolve().parents[2]
     proc = subprocess.run([sys.executable, "-c", code, acc], cwd=repo, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONPATH": str(repo)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])})
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
