@@ -6,6 +6,11 @@ with the same requests and the same number in flight. One JSON line per concurre
     (inter-token latency: the gaps between a stream's chunks), offline_ms_per_step; and bench_e2e's pure
     decode at the same batch on the same engine (decode_tokens_per_s, decode_ms_per_step): server_vs_decode
     and offline_step_vs_decode are the issue's two ratios (server tokens/s vs bench_e2e, loop step vs its).
+    server_core / offline_core: what the steps held on each side (rows and tokens per step, the share of mixed
+    steps), the core's host ms per step inside core_step and that time over the wall (busy; the rest of a
+    server's wall is the core loop waiting for or moving messages), and api_output_busy: the API process's
+    receiver thread turning outputs into text, over the wall. idle: the core's time blocked on its inbox with
+    nothing to run, over the wall (its counter reaches /metrics once per 0.1 s of idling: +-0.1 s).
 
 Requests: token-id prompts of 16-64 tokens, greedy, ignore_eos, max_tokens between half and all of
 --new-tokens, spread round-robin over the adapters and the base model (every (adapters+1)-th request).
@@ -26,7 +31,7 @@ import random
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -71,6 +76,7 @@ def offline(e: LLMEngine, reqs: list[Req], concurrency: int, texts: list[str] | 
     for _ in range(min(concurrency, len(pending))):
         add()
     e.device.synchronize()
+    c0 = replace(e.steps)
     t0 = time.perf_counter()
     while e.has_unfinished():
         for out in e.step():
@@ -82,7 +88,20 @@ def offline(e: LLMEngine, reqs: list[Req], concurrency: int, texts: list[str] | 
     e.device.synchronize()
     dt = time.perf_counter() - t0
     tokens = sum(r.max_tokens for r in reqs)
-    return {"offline_tokens_per_s": tokens / dt, "offline_ms_per_step": 1e3 * dt / steps, "offline_steps": steps}
+    c = e.steps
+    return {"offline_tokens_per_s": tokens / dt, "offline_ms_per_step": 1e3 * dt / steps, "offline_steps": steps,
+            "offline_core": step_summary(c.steps - c0.steps, c.sequences - c0.sequences, c.tokens - c0.tokens,
+                                         c.mixed - c0.mixed, c.seconds - c0.seconds, dt)}
+
+
+def step_summary(steps: int, sequences: int, tokens: int, mixed: int, seconds: float, wall: float
+                 ) -> dict[str, float]:
+    """What a run's steps held and cost, from the engine's StepCounts (offline) or /metrics (server): rows and
+    tokens per step, the mixed steps' share, host ms per step inside core_step, and that time over the wall."""
+    n = max(steps, 1)
+    return {"steps": steps, "rows_per_step": round(sequences / n, 2), "tokens_per_step": round(tokens / n, 2),
+            "mixed_share": round(mixed / n, 3), "ms_per_step": round(1e3 * seconds / n, 3),
+            "busy": round(seconds / wall, 3) if wall else 0.0}
 
 
 @dataclass
@@ -160,11 +179,19 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
     streams: list[Stream] = [Stream()] * len(reqs)
     with ProcessPoolExecutor(clients, mp_context=mp.get_context("spawn")) as pool:
         list(pool.map(abs, range(clients)))  # the workers start before the clock does
+        m0 = srv.metrics()
         t0 = time.perf_counter()
         futures = [pool.submit(_client, srv.url, srv.headers, base, [reqs[j] for j in idx],
                                max(1, concurrency // clients)) for idx in parts]
         done = [f.result() for f in futures]
         dt = time.perf_counter() - t0
+        m1 = srv.metrics()  # every stream has ended: the core's last message, with its counters, has arrived
+    core = step_summary(*(int(m1[k] - m0[k]) for k in (f"xpulora:engine_{n}_total" for n in (
+        "steps", "step_sequences", "step_tokens", "mixed_steps"))),
+        m1["xpulora:engine_step_seconds_total"] - m0["xpulora:engine_step_seconds_total"], dt)
+    core["idle"] = round((m1["xpulora:engine_idle_seconds_total"] - m0["xpulora:engine_idle_seconds_total"]) / dt, 3)
+    core["api_output_busy"] = round((m1["xpulora:api_output_seconds_total"] - m0["xpulora:api_output_seconds_total"])
+                                    / dt, 3)
     for idx, (part, _) in zip(parts, done):
         for j, st in zip(idx, part):
             streams[j] = st
@@ -172,7 +199,7 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
     wrong = sum(st.tokens != r.max_tokens for st, r in zip(streams, reqs) if not st.error)
     ttft = [st.ttft for st in streams if st.ttft is not None]
     gaps = [g for st in streams for g in st.gaps]
-    return {"server_tokens_per_s": sum(st.tokens for st in streams) / dt, "clients": clients,
+    return {"server_tokens_per_s": sum(st.tokens for st in streams) / dt, "clients": clients, "server_core": core,
             "client_cpu": round(max(cpu for _, cpu in done) / dt, 3),
             "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
             "itl_s": {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99)},

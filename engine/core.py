@@ -67,6 +67,8 @@ class EngineCore:
         self._stop = False
         self.failed = False
         self._got = False  # a message arrived this iteration: send fresh stats
+        self.idle_seconds = 0.0
+        """Time blocked on the inbox with nothing to run (the rest of the loop outside steps moves messages)."""
 
     def send(self, msg: Outbound) -> None:
         self.outbox.send(self._enc.encode(msg))
@@ -77,7 +79,8 @@ class EngineCore:
             while not self._stop:
                 busy = llm.has_unfinished()
                 self._got = False
-                accepted = self._drain(0 if busy or self._pending_calls else POLL_S)
+                waits = not (busy or self._pending_calls)
+                accepted = self._drain(POLL_S if waits else 0)
                 if not self.parent_alive():
                     log.warning("the API process is gone; the engine core exits")
                     return
@@ -85,7 +88,8 @@ class EngineCore:
                     raise EngineDeadError(f"tensor-parallel worker died: {dead}")
                 deltas = llm.core_step() if not self._stop and llm.has_unfinished() else []
                 replies = [self._replies.get() for _ in range(self._replies.qsize())]
-                if accepted or deltas or busy or self._got or replies:
+                if accepted or deltas or busy or self._got or replies or waits:
+                    # after an idle wait too (at most once per POLL_S): /metrics' idle time stays current
                     self.send(Outputs(accepted, deltas, self._stats()))
                 for reply in replies:
                     self._pending_calls -= 1
@@ -100,7 +104,10 @@ class EngineCore:
     # -- inputs ---------------------------------------------------------------------------------------
     def _drain(self, timeout_s: float) -> list[Accepted]:
         accepted: list[Accepted] = []
+        t0 = time.perf_counter()
         events = dict(self.poller.poll(int(timeout_s * 1000)))
+        if timeout_s:
+            self.idle_seconds += time.perf_counter() - t0
         if self._parent_fd is not None and self._parent_fd in events:
             self.parent_alive = lambda: False
         while not self._stop:
@@ -166,9 +173,10 @@ class EngineCore:
         running = {n for s in e.scheduler.running if s.lora_id is not None and (n := name_of(s.lora_id))}
         waiting = {n for s in e.scheduler.waiting if s.lora_id is not None and (n := name_of(s.lora_id))}
         counts = (lora.num_loads, lora.num_unloads, lora.num_evictions) if lora is not None else (0, 0, 0)
+        st = e.steps
         return Stats(len(e.scheduler.running), len(e.scheduler.waiting), e.blocks.usage, e.num_preemptions,
                      e.blocks.num_queries, e.blocks.num_hits, tuple(sorted(running)), tuple(sorted(waiting)), *counts,
-                     time.time())
+                     time.time(), st.steps, st.tokens, st.sequences, st.mixed, st.seconds, self.idle_seconds)
 
 
 def ready(llm: LLMEngine) -> Ready:

@@ -76,6 +76,9 @@ class EngineClient(AdapterCalls):
         self._params: dict[str, SamplingParams] = {}  # sent adds whose acceptance has not arrived
         self._queued = 0
         self._stats = EngineStats(timestamp=time.time())
+        self.output_seconds = 0.0
+        """Receiver-thread time turning the core's outputs into text (detokenization, stop strings): with the
+        event loop's work it shares this process's one interpreter."""
         self._adapters: dict[str, str] = dict(ready.adapters)  # the core's registry after its last reply
         self._streams: dict[str, asyncio.Queue[_Item]] = {}  # event loop only
         self._calls: dict[int, asyncio.Future[Reply]] = {}
@@ -280,7 +283,10 @@ class EngineClient(AdapterCalls):
                 continue
             msg = dec.decode(self._pull.recv(copy=False).buffer)
             if isinstance(msg, Outputs):
-                self._post(self._outputs, self._outputs_items(msg))
+                t0 = time.perf_counter()
+                items = self._outputs_items(msg)
+                self.output_seconds += time.perf_counter() - t0
+                self._post(self._outputs, items)
             elif isinstance(msg, Reply):
                 self._post(self._reply, msg)
             elif isinstance(msg, Failed):

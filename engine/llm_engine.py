@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 
@@ -43,6 +44,28 @@ from engine.worker import make_executor
 
 log = logging.getLogger(__name__)
 
+
+
+@dataclass
+class StepCounts:
+    """Running totals over the steps launched (counters: readers take differences)."""
+
+    steps: int = 0
+    tokens: int = 0
+    """Tokens computed (prompt chunks plus one per decoding sequence)."""
+    sequences: int = 0
+    """Sequences in the steps (rows sampled or chunked)."""
+    mixed: int = 0
+    """Steps that hold a prompt chunk of more than one token (they cost more than a decode step)."""
+    seconds: float = 0.0
+    """Host time in core_step: scheduling, launch and the wait for the read-back."""
+
+    def count(self, step: SchedulerOutput) -> None:
+        tokens = step.num_tokens
+        self.steps += 1
+        self.tokens += tokens
+        self.sequences += len(step.seqs)
+        self.mixed += tokens > len(step.seqs)
 
 @dataclass
 class _Request:
@@ -134,6 +157,8 @@ class LLMEngine:
         """Text for step() (offline); the engine-core process leaves it empty (add_core, core_step)."""
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
+        self.steps = StepCounts()
+        """What the steps held and cost (/metrics; benchmarks compare the server's steps with the offline loop's)."""
         self._launched: _Launched | None = None
 
     @property
@@ -262,6 +287,13 @@ class LLMEngine:
     def core_step(self) -> list[TokenDelta]:
         """Schedule and launch the next step, then read back the previous one (async scheduling) or this one;
         the deltas of the step read back."""
+        t0 = time.perf_counter()
+        try:
+            return self._core_step()
+        finally:
+            self.steps.seconds += time.perf_counter() - t0
+
+    def _core_step(self) -> list[TokenDelta]:
         outputs: list[TokenDelta] = []
         if self._launched is not None and self._needs_ids(self._launched):
             outputs += self._read_back()
@@ -289,6 +321,7 @@ class LLMEngine:
                 return None
         future = self.executor.launch(step, loads)  # EngineDeadError once a rank is gone, at every later step too
         self.scheduler.step_ran()
+        self.steps.count(step)
         for entry, seq in zip(step.seqs, seqs):
             seq.num_computed_tokens += len(entry.token_ids)
             seq.num_pending += entry.sample

@@ -94,6 +94,14 @@ class Stats(msgspec.Struct, array_like=True, frozen=True):
     lora_evictions: int = 0
     timestamp: float = 0.0
     """When the core took these counts (time.time())."""
+    steps: int = 0
+    step_tokens: int = 0
+    step_sequences: int = 0
+    mixed_steps: int = 0
+    step_seconds: float = 0.0
+    """Totals over the core's steps (engine.llm_engine.StepCounts)."""
+    idle_seconds: float = 0.0
+    """The core loop's time blocked on its inbox with nothing to run."""
 
 
 class Outputs(msgspec.Struct, tag=True, array_like=True):

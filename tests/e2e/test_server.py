@@ -291,3 +291,19 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(env: Env) -> None:
     for name in ("xpulora:prefix_cache_hits_total", "vllm:prefix_cache_hits_total"):
         assert after[name] - before[name] == 32
     assert after["vllm:prefix_cache_queries_total"] - before["vllm:prefix_cache_queries_total"] == 40
+
+
+def test_step_counters_in_metrics(env: Env) -> None:
+    """The core's step totals: one request alone is one prefill step, then one decode step per further token."""
+    ids = list(range(120, 157))  # 37 tokens no other test sends
+    before = env.srv.wait_idle()
+    r = env.client.completions.create(model="a2", prompt=ids, max_tokens=MAX, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    after = env.srv.wait_idle()
+    d = {k: after[f"xpulora:engine_{k}_total"] - before[f"xpulora:engine_{k}_total"]
+         for k in ("steps", "step_tokens", "step_sequences", "mixed_steps", "step_seconds")}
+    computed = len(ids) - r.usage.prompt_tokens_details.cached_tokens + MAX - 1  # the last token is never fed
+    assert r.usage.completion_tokens == MAX
+    assert d["steps"] == MAX and d["step_sequences"] == MAX and d["mixed_steps"] == 1, d
+    assert d["step_tokens"] == computed and d["step_seconds"] > 0, d
+    assert after["xpulora:api_output_seconds_total"] > before["xpulora:api_output_seconds_total"]
