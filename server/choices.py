@@ -30,6 +30,7 @@ class Choice:
     started: bool = False  # streaming: the echo prefix was sent
     offset: int = 0  # completions text_offset of the next token
     out: ChatOutput | None = None  # chat: the reply's reasoning / tool-call split
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:{id}" (return_tokens_as_token_ids)
 
     def apply(self, out: RequestOutput) -> None:
         self.text += out.new_text

@@ -48,23 +48,31 @@ class TokenText:
             self._bytes[token_id] = b
         return b
 
-    def completion(self, lps: list[TokenLogprob], offset: int) -> tuple[dict[str, list[Any]], int]:
-        """Completions logprobs for these tokens; text_offset counts from `offset`. Returns the next offset."""
+    def name(self, token_id: int, as_id: bool) -> str:
+        """How logprobs name a token: its text, or "token_id:{id}" (vLLM's return_tokens_as_token_ids: tokens
+        whose text is empty or shared by several ids stay distinguishable)."""
+        return f"token_id:{token_id}" if as_id else self.text(token_id)
+
+    def completion(self, lps: list[TokenLogprob], offset: int, as_ids: bool = False
+                   ) -> tuple[dict[str, list[Any]], int]:
+        """Completions logprobs for these tokens; text_offset counts from `offset` (in text, whatever names the
+        tokens). Returns the next offset."""
         out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for lp in lps:
             s = self.text(lp.token_id)
-            top = {self.text(t): _lp(v) for t, v in lp.top}
-            top.setdefault(s, _lp(lp.logprob))
-            out["tokens"].append(s)
+            name = self.name(lp.token_id, as_ids)
+            top = {self.name(t, as_ids): _lp(v) for t, v in lp.top}
+            top.setdefault(name, _lp(lp.logprob))
+            out["tokens"].append(name)
             out["token_logprobs"].append(_lp(lp.logprob))
             out["top_logprobs"].append(top)
             out["text_offset"].append(offset)
             offset += len(s)
         return out, offset
 
-    def chat(self, lps: list[TokenLogprob]) -> list[dict[str, Any]]:
+    def chat(self, lps: list[TokenLogprob], as_ids: bool = False) -> list[dict[str, Any]]:
         def entry(t: int, v: float) -> dict[str, Any]:
-            return {"token": self.text(t), "logprob": _lp(v), "bytes": self.bytes(t)}
+            return {"token": self.name(t, as_ids), "logprob": _lp(v), "bytes": self.bytes(t)}
 
         return [{**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]
 

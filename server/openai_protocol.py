@@ -133,6 +133,7 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)  # token ids that end the output
     skip_special_tokens: bool = True  # leave special tokens out of the text
     include_stop_str_in_output: bool = False  # keep the matched stop string / stop token text
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:{id}" (vLLM), not by their text
     # Structured output (server/structured_protocol.py): OpenAI's response_format, vLLM's structured_outputs.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

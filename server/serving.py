@@ -110,7 +110,7 @@ class Serving:
             for j in range(req.n):
                 choices.append(Choice(len(choices), pi, ids,
                                        self._params(req, ids, j, req.max_tokens, req.logprobs, spec),
-                                       prefix, offset=len(prefix)))
+                                       prefix, offset=len(prefix), tokens_as_ids=req.return_tokens_as_token_ids))
         return await self._respond("cmpl", req, raw, choices, chat=False)
 
     async def chat(self, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -126,7 +126,8 @@ class Serving:
         role = "assistant" if req.add_generation_prompt else last.role
         echo = last.text() if req.echo and last.role == role else ""
         choices = [Choice(j, 0, ids, self._params(req, ids, j, req.output_limit, lp, spec), echo, role=role,
-                           out=ChatOutput(state, plan.parse_tools) if state or plan.parse_tools else None)
+                           out=ChatOutput(state, plan.parse_tools) if state or plan.parse_tools else None,
+                           tokens_as_ids=req.return_tokens_as_token_ids)
                    for j in range(req.n)]
         return await self._respond("chatcmpl", req, raw, choices, chat=True)
 
@@ -291,12 +292,12 @@ class Serving:
     def _full_choice(self, c: Choice, chat: bool) -> dict[str, Any]:
         want = c.params.logprobs is not None
         if chat:
-            lp = {"content": self.tokens.chat(c.logprobs)} if want else None
+            lp = {"content": self.tokens.chat(c.logprobs, c.tokens_as_ids)} if want else None
             text = c.prefix + c.text
             msg = {"role": c.role, **(c.out.message(text) if c.out is not None else {"content": text})}
             return {"index": c.index, "message": msg, "logprobs": lp,
                     "finish_reason": reported_reason(c, c.finish_reason)}
-        lp = self.tokens.completion(c.logprobs, len(c.prefix))[0] if want else None
+        lp = self.tokens.completion(c.logprobs, len(c.prefix), c.tokens_as_ids)[0] if want else None
         return {"index": c.index, "text": c.prefix + c.text, "logprobs": lp, "finish_reason": c.finish_reason}
 
     def _delta(self, c: Choice, out: RequestOutput, chat: bool) -> dict[str, Any] | None:
@@ -304,7 +305,7 @@ class Serving:
         finish = out.finish_reason if out.finished else None
         want = c.params.logprobs is not None and bool(out.new_logprobs)
         if chat:
-            lp = {"content": self.tokens.chat(out.new_logprobs or [])} if want else None
+            lp = {"content": self.tokens.chat(out.new_logprobs or [], c.tokens_as_ids)} if want else None
             text = out.new_text
             if not c.started:
                 text, c.started = c.prefix + text, True
@@ -320,7 +321,7 @@ class Serving:
             text, c.started = c.prefix + text, True
         clp = None
         if want:
-            clp, c.offset = self.tokens.completion(out.new_logprobs or [], c.offset)
+            clp, c.offset = self.tokens.completion(out.new_logprobs or [], c.offset, c.tokens_as_ids)
         if not text and clp is None and finish is None:
             return None
         return {"index": c.index, "text": text, "logprobs": clp, "finish_reason": finish}

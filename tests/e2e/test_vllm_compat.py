@@ -197,3 +197,25 @@ def test_metrics_carry_vllm_names_and_the_model_name(env: Env) -> None:
     for typ in ("gauge vllm:num_requests_waiting", "counter vllm:prompt_tokens", "histogram vllm:e2e_request_latency"):
         kind, name = typ.split()
         assert re.search(rf"^# TYPE {name}\S* {kind}$", text, re.M), typ
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(env: Env) -> None:
+    kw = dict(model="a0", prompt=PROMPT, max_tokens=8, temperature=0, logprobs=2)
+    plain = env.client.completions.create(**kw).choices[0]
+    by_id = env.client.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    ids = [int(t.removeprefix("token_id:")) for t in by_id.logprobs.tokens]
+    assert all(t.startswith("token_id:") for t in by_id.logprobs.tokens) and len(ids) == 8
+    assert by_id.text == plain.text == env.tok.decode(ids)
+    assert [env.tok.decode([i]) for i in ids] == plain.logprobs.tokens
+    assert by_id.logprobs.text_offset == plain.logprobs.text_offset  # offsets still count text
+    for t, top in zip(by_id.logprobs.tokens, by_id.logprobs.top_logprobs):
+        assert t in top and all(k.startswith("token_id:") for k in top)
+    chunks = env.client.completions.create(**kw, stream=True, extra_body={"return_tokens_as_token_ids": True})
+    assert [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] \
+        == by_id.logprobs.tokens
+    chat = env.client.chat.completions.create(model="a0", messages=MESSAGES, max_tokens=6, temperature=0,
+                                              logprobs=True, top_logprobs=1,
+                                              extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    cids = [int(e.token.removeprefix("token_id:")) for e in chat.logprobs.content]
+    assert env.tok.decode(cids) == chat.message.content
+    assert all(e.top_logprobs[0].token.startswith("token_id:") for e in chat.logprobs.content)
