@@ -50,14 +50,15 @@ def module_shapes(s: Shape) -> dict[str, tuple[int, int]]:
 
 def write_adapter(path: str, s: Shape, layers: int, r: int, seed: int, only: str = "") -> str:
     """A PEFT-format adapter with random non-zero A and B on every projection (those starting with `only`)
-    of every layer."""
+    of every layer (a hybrid's text model keeps its layers under model.language_model)."""
     g = torch.Generator().manual_seed(seed)
     t = {}
+    pre = "model.language_model" if s.hybrid else "model"
     for i in range(layers):
         for mod, (k, n) in module_shapes(s).items():
             if not mod.startswith(only):
                 continue
-            key = f"base_model.model.model.layers.{i}.{mod}"
+            key = f"base_model.model.{pre}.layers.{i}.{mod}"
             t[f"{key}.lora_A.weight"] = (torch.randn(r, k, generator=g) / k**0.5).to(torch.bfloat16)
             t[f"{key}.lora_B.weight"] = (torch.randn(n, r, generator=g) * 0.01).to(torch.bfloat16)
     os.makedirs(path, exist_ok=True)

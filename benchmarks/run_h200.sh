@@ -22,6 +22,12 @@ case "${1:-}" in
     timeout 570 python3 benchmarks/gpu_tp_check.py --skip collectives ${2:+--speed-shapes $2} 2>&1 \
       | grep -E '^\{|Error|error' | tail -40 | tee "$OUT/tp.txt"
     ;;
+  tp2server)  # issue 21, 2 GPUs: TP=2 == TP=1 through the server (API + core + ranks), float32, 8B- and 27B-shaped
+              # random int4 (4 layers) with two adapters, both LoRA modes; exit 1 on a difference
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    timeout 570 python3 benchmarks/gpu_tp_server_check.py 2>&1 | grep -E '^\{|PASS|FAIL|Error' | tee "$OUT/tp_server.txt"
+    grep -q "gpu_tp_server_check: PASS" "$OUT/tp_server.txt"
+    ;;
   check)  # every GPU test and check, within the device's 10-minute call; ends with one PASS/FAIL line, exit 1 on FAIL
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/env.txt"
     python3 -c "import torch, triton, transformers, numpy; print(torch.__version__, triton.__version__, transformers.__version__, numpy.__version__)" | tee -a "$OUT/env.txt"
@@ -159,5 +165,5 @@ case "${1:-}" in
       --new-tokens 128 --clients 4 --root /tmp/serve36 2>&1 | grep -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
     tail -n 40 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
     ;;
-  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|steps18"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|steps18|serve18|tp2server"; exit 2 ;;
 esac

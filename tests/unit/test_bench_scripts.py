@@ -14,9 +14,9 @@ from tests.interp import interpreter_skip_reason
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run(script: str, tmp_path: Path) -> list[dict]:
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--quick", "--root", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+def _run(script: str, tmp_path: Path, *extra: str) -> list[dict]:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--quick", "--root", str(tmp_path),
+                           *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
@@ -51,6 +51,9 @@ def test_bench_serve_quick(tmp_path: Path) -> None:
         assert r["ttft_s"]["p50"] is not None and r["itl_s"]["p50"] is not None
         # float32 on the CPU: the server's greedy texts are the offline engine's
         assert r["text_mismatch"] == 0, r
+        for side in (r["server_core"], r["offline_core"]):  # the step counters of both sides
+            assert side["steps"] > 0 and 1 <= side["rows_per_step"] <= r["concurrency"], r
+            assert side["tokens_per_step"] >= side["rows_per_step"] and 0 < side["busy"] <= 1.05, r
 
 
 def test_bench_grammar_quick(tmp_path: Path) -> None:
@@ -163,3 +166,10 @@ def test_bench_lora_cpu_quick() -> None:
     for r in rows:
         assert r["grouped_us"] > 0 and r["dense_us"] > 0 and r["auto_us"] > 0
         assert len(r["auto_picks"]) == len(r["sizes"]) and set(r["auto_picks"]) <= {"dense", "grouped"}
+
+
+def test_gpu_tp_server_check_quick(tmp_path: Path) -> None:
+    """The issue-21 script (TP=2 vs TP=1 through the server) over gloo, one shape, one prompt on three models."""
+    rows = _run("gpu_tp_server_check.py", tmp_path, "--device", "cpu", "--shapes", "8b", "--prompts", "1")
+    checks = [r for r in rows if "check" in r]
+    assert len(checks) == 4 and all(r["ok"] for r in checks), checks
