@@ -39,33 +39,13 @@ from engine.sampler import StepFuture
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import SeqStatus, Sequence
 from engine.state_snapshots import SnapshotPool
+from engine.step_counts import StepCounts
 from engine.structured import GrammarCompiler, GrammarMatchers
 from engine.worker import make_executor
 
 log = logging.getLogger(__name__)
 
 
-
-@dataclass
-class StepCounts:
-    """Running totals over the steps launched (counters: readers take differences)."""
-
-    steps: int = 0
-    tokens: int = 0
-    """Tokens computed (prompt chunks plus one per decoding sequence)."""
-    sequences: int = 0
-    """Sequences in the steps (rows sampled or chunked)."""
-    mixed: int = 0
-    """Steps that hold a prompt chunk of more than one token (they cost more than a decode step)."""
-    seconds: float = 0.0
-    """Host time in core_step: scheduling, launch and the wait for the read-back."""
-
-    def count(self, step: SchedulerOutput) -> None:
-        tokens = step.num_tokens
-        self.steps += 1
-        self.tokens += tokens
-        self.sequences += len(step.seqs)
-        self.mixed += tokens > len(step.seqs)
 
 @dataclass
 class _Request:
