@@ -46,7 +46,6 @@ from engine.worker import make_executor
 log = logging.getLogger(__name__)
 
 
-
 @dataclass
 class _Request:
     seq: Sequence

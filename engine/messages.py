@@ -99,7 +99,7 @@ class Stats(msgspec.Struct, array_like=True, frozen=True):
     step_sequences: int = 0
     mixed_steps: int = 0
     step_seconds: float = 0.0
-    """Totals over the core's steps (engine.llm_engine.StepCounts)."""
+    """Totals over the core's steps (engine.step_counts.StepCounts)."""
     idle_seconds: float = 0.0
     """The core loop's time blocked on its inbox with nothing to run."""
 
