@@ -216,10 +216,11 @@ class EngineClient(AdapterCalls):
                 raise OverloadedError(f"the server is overloaded ({limit} requests waiting); retry later")
             if request_id in self._streams:
                 raise RequestError(f"duplicate request id {request_id!r}")
+            if not self._push_frame(wire):
+                raise EngineFailedError("the engine core is gone; no request is served")
             self._streams[request_id] = queue
             self._params[request_id] = params
             self._queued += 1
-            self._push.send(wire)
         try:
             first = await queue.get()
         except BaseException:  # cancelled while queued: the core may still add it, so abort after it
@@ -252,10 +253,21 @@ class EngineClient(AdapterCalls):
         if not self._accepting:
             raise OverloadedError("the server is shutting down")
 
-    def _send(self, msg: Inbound) -> None:
+    def _send(self, msg: Inbound) -> bool:
+        """False when it could not go: closing, or no core reads the inbox any more (then an abort has nothing
+        left to free)."""
         with self._lock:
-            if not self._closing:
-                self._push.send(self._enc.encode(msg))
+            return not self._closing and self._push_frame(self._enc.encode(msg))
+
+    def _push_frame(self, frame: bytes) -> bool:
+        """Send without blocking (the caller holds the lock). A PUSH socket with no peer blocks a plain send
+        for ever: once the core's process is gone, that would freeze the event loop, and with it the error
+        events of the streams and the server's shutdown."""
+        try:
+            self._push.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
 
     async def _call(self, msg: AdapterCall | Utility) -> Reply:
         """Send a call and wait for its reply; its error is raised as the same engine.errors class."""
@@ -265,7 +277,8 @@ class EngineClient(AdapterCalls):
         fut: asyncio.Future[Reply] = self._loop.create_future()
         self._calls[msg.call_id] = fut
         try:
-            self._send(msg)
+            if not self._send(msg):
+                raise EngineFailedError(f"the engine core cannot be reached ({msg.op} not sent)")
             reply = await fut
         finally:
             self._calls.pop(msg.call_id, None)
@@ -306,7 +319,7 @@ class EngineClient(AdapterCalls):
                     items.append((acc.request_id, acc.prompt_token_ids))
             outs, stopped = self._processor.process(msg.deltas)
             if stopped and not self._closing:  # a stop string ended them: free their KV blocks now
-                self._push.send(self._enc.encode(Abort(stopped)))
+                self._push_frame(self._enc.encode(Abort(stopped)))
             if msg.stats is not None:
                 self._stats = msg.stats
         items.extend((o.request_id, o) for o in outs)
@@ -364,6 +377,9 @@ def _core_main(config: EngineConfig, in_addr: str, out_addr: str, progress: bool
 
 def _bind(ctx: zmq.Context, in_addr: str, out_addr: str) -> tuple[zmq.Socket, zmq.Socket, str, str]:
     push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    # No queue limit: a send fails (EngineClient._push_frame) only when no core is connected any more,
+    # never because a busy core has not read its inbox yet.
+    push.setsockopt(zmq.SNDHWM, 0)
     push.bind(in_addr)
     pull.bind(out_addr)
     return push, pull, in_addr, out_addr
