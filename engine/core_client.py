@@ -31,6 +31,9 @@ import zmq
 
 from engine.config import EngineConfig
 from engine.core_adapters import AdapterCalls
+from engine.core_sockets import bind as _bind
+from engine.core_sockets import close as _close
+from engine.core_sockets import first_message as _first_message
 from engine.core_stream import EngineStats, RequestStream
 from engine.errors import EngineCoreExitedError, EngineDeadError, EngineFailedError, OverloadedError, RequestError
 from engine.messages import (
@@ -42,7 +45,6 @@ from engine.messages import (
     Outputs,
     Ready,
     Reply,
-    StartupFailed,
     Utility,
     encoder,
     outbound_decoder,
@@ -373,33 +375,3 @@ def _core_main(config: EngineConfig, in_addr: str, out_addr: str, progress: bool
     from engine.core import core_main
 
     core_main(config, in_addr, out_addr, progress)
-
-
-def _bind(ctx: zmq.Context, in_addr: str, out_addr: str) -> tuple[zmq.Socket, zmq.Socket, str, str]:
-    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    # No queue limit: a send fails (EngineClient._push_frame) only when no core is connected any more,
-    # never because a busy core has not read its inbox yet.
-    push.setsockopt(zmq.SNDHWM, 0)
-    push.bind(in_addr)
-    pull.bind(out_addr)
-    return push, pull, in_addr, out_addr
-
-
-def _close(ctx: zmq.Context, push: zmq.Socket, pull: zmq.Socket) -> None:
-    push.close(linger=0)
-    pull.close(linger=0)
-    ctx.term()
-
-
-def _first_message(pull: zmq.Socket, alive: Callable[[], bool]) -> Ready:
-    """The core's Ready (start-up can take minutes: wait as long as it lives), or its start-up error."""
-    dec = outbound_decoder()
-    while not pull.poll(100):
-        if not alive():
-            raise EngineDeadError("the engine core exited during start-up")
-    msg = dec.decode(pull.recv())
-    if isinstance(msg, StartupFailed):
-        raise raise_error(msg.error)
-    if not isinstance(msg, Ready):
-        raise EngineDeadError(f"the engine core sent {type(msg).__name__} before Ready")
-    return msg

@@ -21,14 +21,13 @@ import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field, replace
 
-from transformers import AutoTokenizer, GenerationConfig, PreTrainedTokenizerBase
-from transformers.utils import GENERATION_CONFIG_NAME
+from transformers import AutoTokenizer
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.device import Device, detect, rank_device
 from engine.errors import AdapterError, ConfigError, ModelNotFoundError, RequestError
-from engine.loader import inspect_checkpoint
+from engine.loader import eos_ids, inspect_checkpoint
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.manager import LoRAManager
 from engine.messages import TokenDelta
@@ -76,20 +75,6 @@ class GenerationResult:
     """Prompt tokens served from the prefix cache."""
 
 
-def _eos_ids(path: str, tokenizer: PreTrainedTokenizerBase, hf: dict) -> frozenset[int]:
-    """The union of config.json's, the tokenizer's and generation_config.json's eos ids."""
-    ids: set[int] = set()
-    sources: list[object] = [hf.get("eos_token_id"), tokenizer.eos_token_id]
-    if os.path.isfile(os.path.join(path, GENERATION_CONFIG_NAME)):  # optional; the folder only, never a hub
-        sources.append(GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id)
-    for s in sources:
-        if isinstance(s, int):
-            ids.add(s)
-        elif isinstance(s, list):
-            ids.update(int(x) for x in s)
-    return frozenset(ids)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = False) -> None:
         kind = detect(config.parallel.device)
@@ -105,7 +90,7 @@ class LLMEngine:
         if self.max_model_len > limit:
             raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings {limit}")
         self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-        self.eos_ids = _eos_ids(config.model.path, self.tokenizer, self.hf_config)
+        self.eos_ids = eos_ids(config.model.path, self.tokenizer, self.hf_config)
         self.served_model_name = config.model.served_model_name or os.path.basename(
             os.path.normpath(config.model.path))
         self.base_names = frozenset((self.served_model_name, *config.model.extra_served_model_names))

@@ -18,6 +18,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm import tqdm
+from transformers import GenerationConfig, PreTrainedTokenizerBase
+from transformers.utils import GENERATION_CONFIG_NAME
 
 from engine.device import Kernels
 from engine.errors import CheckpointError
@@ -173,3 +175,17 @@ def _count(fn: str) -> int:
             return len(list(f.keys()))
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"{fn}: not a readable safetensors file ({e}); is it truncated or corrupt?") from e
+
+
+def eos_ids(path: str, tokenizer: PreTrainedTokenizerBase, hf: dict) -> frozenset[int]:
+    """The union of config.json's, the tokenizer's and generation_config.json's eos ids."""
+    ids: set[int] = set()
+    sources: list[object] = [hf.get("eos_token_id"), tokenizer.eos_token_id]
+    if os.path.isfile(os.path.join(path, GENERATION_CONFIG_NAME)):  # optional; the folder only, never a hub
+        sources.append(GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id)
+    for s in sources:
+        if isinstance(s, int):
+            ids.add(s)
+        elif isinstance(s, list):
+            ids.update(int(x) for x in s)
+    return frozenset(ids)

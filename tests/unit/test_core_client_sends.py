@@ -9,7 +9,9 @@ import time
 
 import zmq
 
-from engine.core_client import EngineClient, _bind, _close
+from engine.core_client import EngineClient
+from engine.core_sockets import bind as _bind
+from engine.core_sockets import close as _close
 from engine.messages import Abort, encoder, inbound_decoder
 
 
