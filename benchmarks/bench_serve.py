@@ -109,6 +109,8 @@ class Stream:
     tokens: int = 0
     text: str = ""
     ttft: float | None = None
+    seconds: float = 0.0
+    """From the request's send to its stream's end (summed over streams / wall: the streams open on average)."""
     gaps: list[float] = field(default_factory=list)
     error: str | None = None
 
@@ -141,6 +143,7 @@ async def one(client: httpx.AsyncClient, base: str, r: Req) -> Stream:
                 last = now
             if ev.get("usage"):
                 s.tokens = ev["usage"]["completion_tokens"]
+    s.seconds = time.perf_counter() - t0
     return s
 
 
@@ -159,11 +162,25 @@ async def _streams(url: str, headers: dict[str, str], base: str, reqs: list[Req]
 
 
 def _client(url: str, headers: dict[str, str], base: str, reqs: list[Req], concurrency: int
-            ) -> tuple[list[Stream], float]:
-    """One client process's share of the plan: its streams and the CPU seconds it used."""
+            ) -> tuple[list[Stream], float, float]:
+    """One client process's share of the plan: its streams, the CPU seconds it used and its start (time.time())."""
+    start = time.time()
     c0 = time.process_time()
     streams, _ = asyncio.run(_streams(url, headers, base, reqs, concurrency))
-    return streams, time.process_time() - c0
+    return streams, time.process_time() - c0, start
+
+
+def _pid_after(seconds: float) -> int:
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def _start_workers(pool: ProcessPoolExecutor, n: int) -> None:
+    """Return once all n workers run: a spawned worker imports this module (torch included, seconds), and a
+    client that starts seconds after the others leaves the server's batch that much emptier."""
+    pids: set[int] = set()
+    while len(pids) < n:  # n tasks that each hold a worker 0.2 s land on n workers once all are up
+        pids |= set(pool.map(_pid_after, [0.2] * n))
 
 
 def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, texts: list[str] | None = None,
@@ -171,16 +188,18 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
     """The plan over HTTP with at most `concurrency` streams open, spread over `clients` processes (request i
     goes to client i % clients, each with concurrency / clients streams): one Python client parsing every SSE
     event of 64 fast streams can saturate its core, and then it, not the server, sets the latencies.
-    client_cpu is the busiest client's CPU time over the wall time (near 1: the client was the limit).
+    client_cpu is the busiest client's CPU time over the wall time (near 1: the client was the limit);
+    client_start_s the latest client's start after the clock's; open_streams the streams open on average (each
+    from its send to its end, over the wall: the most the server's steps can hold).
     text_mismatch counts the requests whose text differs from texts (the offline run's; informational: on a
     GPU a different batch composition can flip a near tie)."""
     clients = max(1, min(clients, concurrency))
     parts = [list(range(i, len(reqs), clients)) for i in range(clients)]
     streams: list[Stream] = [Stream()] * len(reqs)
     with ProcessPoolExecutor(clients, mp_context=mp.get_context("spawn")) as pool:
-        list(pool.map(abs, range(clients)))  # the workers start before the clock does
+        _start_workers(pool, clients)  # the workers start before the clock does
         m0 = srv.metrics()
-        t0 = time.perf_counter()
+        t0, t0_wall = time.perf_counter(), time.time()
         futures = [pool.submit(_client, srv.url, srv.headers, base, [reqs[j] for j in idx],
                                max(1, concurrency // clients)) for idx in parts]
         done = [f.result() for f in futures]
@@ -192,7 +211,7 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
     core["idle"] = round((m1["xpulora:engine_idle_seconds_total"] - m0["xpulora:engine_idle_seconds_total"]) / dt, 3)
     core["api_output_busy"] = round((m1["xpulora:api_output_seconds_total"] - m0["xpulora:api_output_seconds_total"])
                                     / dt, 3)
-    for idx, (part, _) in zip(parts, done):
+    for idx, (part, _, _) in zip(parts, done):
         for j, st in zip(idx, part):
             streams[j] = st
     errors = [st.error for st in streams if st.error]
@@ -200,7 +219,9 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
     ttft = [st.ttft for st in streams if st.ttft is not None]
     gaps = [g for st in streams for g in st.gaps]
     return {"server_tokens_per_s": sum(st.tokens for st in streams) / dt, "clients": clients, "server_core": core,
-            "client_cpu": round(max(cpu for _, cpu in done) / dt, 3),
+            "client_cpu": round(max(cpu for _, cpu, _ in done) / dt, 3),
+            "client_start_s": round(max(start for _, _, start in done) - t0_wall, 3),
+            "open_streams": round(sum(st.seconds for st in streams) / dt, 2),
             "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
             "itl_s": {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99)},
             "errors": len(errors), "wrong_length": wrong,
