@@ -114,14 +114,18 @@ def main() -> None:
     ap.add_argument("--lora-kernel", default="auto", choices=("auto", "triton", "reference"),
                     help="LoRA kernels of the fast engine")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, one batch, no hybrid, no timing")
+    ap.add_argument("--only", default="all", choices=("all", "dense", "hybrid"),
+                    help="one half of the checks (run_h200.sh check runs the two halves side by side)")
     ap.add_argument("--root", default="/tmp/gpu-check")
     ap.parse_args(namespace=ARGS)
+    if ARGS.quick and ARGS.only == "hybrid":
+        ap.error("--quick has no hybrid checks")
     dev = torch.device(ARGS.device)
     s = Shape(256, 512, 2, 2, 2, 128, 512) if ARGS.quick else Shape(1024, 2048, 4, 8, 2, 128, 2048)
     path = write_random_int4(f"{ARGS.root}/model", s, device=dev)
     adapters = [write_adapter(f"{ARGS.root}/lora{i}", s, s.layers, [4, 8, 16][i % 3], i) for i in range(6)]
     g = torch.Generator().manual_seed(0)
-    for n in (3, 17) if ARGS.quick else (1, 3, 17, 40):
+    for n in () if ARGS.only == "hybrid" else (3, 17) if ARGS.quick else (1, 3, 17, 40):
         batch = [(torch.randint(0, 400, (8 + 5 * i,), generator=g).tolist(), None if i % 3 == 0 else f"a{i % 6}")
                  for i in range(n)]
         ref, _ = run(path, adapters, batch, eager=True, reference=True, dtype="float32")
@@ -144,9 +148,9 @@ def main() -> None:
             chunked, _ = run(path, adapters, batch, eager=False, reference=False, dtype="float32", max_batched=64)
             CHECKS.expect(f"mixed-step graphs (64-token chunks) == torch reference, float32, batch {n}",
                           chunked == ref, matching_requests=sum(a == b for a, b in zip(chunked, ref)), of=n)
-    if ARGS.device != "cpu":
+    if ARGS.device != "cpu" and ARGS.only != "hybrid":
         check_no_host_sync(path, adapters, batch)
-    if ARGS.quick:
+    if ARGS.quick or ARGS.only == "dense":
         exit_with(CHECKS)
     hs = Shape(1024, 2048, 4, 8, 2, 128, 2048, hybrid=True, lin_k_heads=4, lin_v_heads=8, lin_dim=128)
     hpath = write_random_int4(f"{ARGS.root}/hybrid", hs, device=dev)
@@ -165,6 +169,8 @@ def main() -> None:
         # fla-core computes in bf16: against the float32 reference only a count (near-tied logits differ).
         CHECKS.expect(f"hybrid, fla GDN: graphs == eager, batch {n}", res[("fla", False)] == res[("fla", True)],
                       fla_matching_requests_vs_reference=sum(a == b for a, b in zip(res[("fla", True)], ref)), of=n)
+    if ARGS.only == "hybrid":
+        exit_with(CHECKS)
     batch = [(torch.randint(0, 400, (16,), generator=g).tolist(), f"a{i % 4}") for i in range(32)]
     _, t_eager = run(path, adapters, batch, eager=True, reference=False, dtype="bfloat16")
     _, t_graph = run(path, adapters, batch, eager=False, reference=False, dtype="bfloat16")
