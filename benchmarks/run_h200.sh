@@ -169,20 +169,5 @@ case "${1:-}" in
       --new-tokens 128 --clients 4 --root /tmp/serve36 2>&1 | grep -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
     tail -n 40 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
     ;;
-  gemv18)  # issue 18, the one-row int4 kernel: its CUDA tests, the int4 table at 1/2/4 rows (exit 1 on mismatch), 36-layer
-           # decode at batch 1 and 32 on a fresh tuned table; then issue 14's server run at concurrency 32
-    export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_int4.py -k "mma or gemv" \
-      > "$OUT/gemv_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/gemv_tests.txt"; tail -2 "$OUT/gemv_tests.txt"
-    timeout 150 python3 benchmarks/bench_int4.py --ms 1 2 4 --no-tuner > "$OUT/int4.txt" 2>&1; echo "bench rc=$?" >> "$OUT/int4.txt"
-    grep -E "correctness|rc=" "$OUT/int4.txt" | tail -3
-    timeout 170 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 --adapters 0 --int4-kernel tuned \
-      --peer-cases "" --root /tmp/e2e36g > "$OUT/e2e36.txt" 2>&1; grep -E '^\{|Error' "$OUT/e2e36.txt"
-    cp ~/.cache/xpulora/int4_dispatch.json "$OUT/" 2>/dev/null
-    python3 -c "import json,sys; [print(k.split(' | ')[4], v[:2]) for k, v in json.load(open(sys.argv[1])).items()]" \
-      ~/.cache/xpulora/int4_dispatch.json 2>&1 | head -12
-    timeout 200 python3 benchmarks/bench_serve.py --layers 36 --adapters 32 --batches 32 --requests 256 \
-      --new-tokens 128 --clients 4 --root /tmp/serve36 2>&1 | grep -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
-    ;;
-  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|steps18|serve18|tp2server|gemv18"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|steps18|serve18|tp2server"; exit 2 ;;
 esac

@@ -10,8 +10,7 @@ Backends (each checked against kernels.reference.int4_matmul by tests/kernels/te
   native_xpu   torch._weight_int4pack_mm_with_scales_and_zeros  (oneDNN: (q - zp) * scale, int8 zp)
   triton       our Triton kernels (kernels.int4_triton), reading qweight / packed qzeros / scales as stored
   triton_mma   our Triton kernel for decode batches (kernels.int4_mma) on weights repacked at prepare time into
-               MMA-fragment order, zero points unpacked to uint8; a launch shape with a one-row token tile runs the
-               FMA kernel for single rows on the same tensors (kernels.int4_gemv)
+               MMA-fragment order, zero points unpacked to uint8
 This module never picks a device: the caller (engine/device.py) chooses the backend; a native backend
 only accepts tensors on the device its name says.
 """
@@ -24,7 +23,6 @@ from typing import Literal, get_args
 
 import torch
 
-from kernels.int4_gemv import GEMV_ROWS, gemv_mm
 from kernels.int4_mma import MmaConfig, mma_config, mma_meta, mma_mm, repack_mma
 from kernels.int4_triton import TritonInt4Config, dequant_triton, triton_config, triton_mm
 from kernels.reference import dequant_int4, unpack_int4_cols, unpack_int4_rows
@@ -317,10 +315,7 @@ def int4_mm(x: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None = None) 
     if w.backend == "triton_mma":
         assert w.scales_and_zeros is not None
         assert w.config is None or isinstance(w.config, MmaConfig)
-        if w.config is not None and w.config.block_t in GEMV_ROWS:  # a tuned one-row launch: no matrix unit
-            y = gemv_mm(x2, w.weight, w.scales_and_zeros, w.layout.group_size, bias, w.config)
-        else:
-            y = mma_mm(x2, w.weight, w.scales_and_zeros, w.layout.group_size, bias, w.config)
+        y = mma_mm(x2, w.weight, w.scales_and_zeros, w.layout.group_size, bias, w.config)
         return y.reshape(*lead, n)
 
     xc = x2.to(w.dtype).contiguous()  # the native ops require a contiguous 2-D A in their dtype

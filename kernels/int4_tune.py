@@ -37,7 +37,6 @@ from kernels.int4 import (
     prepare_int4,
     triton_config,
 )
-from kernels.int4_gemv import gemv_variants
 from kernels.triton_env import triton
 
 log = logging.getLogger(__name__)
@@ -48,7 +47,7 @@ LARGE_M = 1024
 DEQUANT = "dequant"
 CACHE_ENV = "XPULORA_KERNEL_CACHE_DIR"
 CACHE_FILE = "int4_dispatch.json"
-TABLE_VERSION = 2
+TABLE_VERSION = 1
 """Part of the cache key: bump it when the kernels or their candidates change, so that old tables are timed again."""
 TIMED_BYTES = 256 * 2**20
 """Weight copies timed in turn add up to at least this (several times a large GPU's last-level cache)."""
@@ -133,14 +132,12 @@ class Shape:
 
 def _mma_variants(m: int, k: int, n: int, g: int) -> list[MmaConfig]:
     """The rule's launch shape and a few neighbours (wider N tile, half / double the K split, more stages); a
-    token tile of 128 for large M; the one-row kernel's shapes for one and two rows."""
+    token tile of 128 for large M."""
     base = mma_config(m, k, n, g)
     out = [base, replace(base, block_n=128, split_k=max(1, base.split_k // 2)), replace(base, num_stages=4),
            replace(base, split_k=base.split_k * 2)]
     if m > 64:
         out.append(replace(base, block_t=128, block_n=128, num_warps=8))
-    if m <= 2:  # the one-row FMA kernel (kernels.int4_gemv), once per row
-        out.extend(gemv_variants(m, k, n, g))
     return list(dict.fromkeys(c for c in out if c.fits(m, k, n, g)))
 
 

@@ -28,7 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels import int4_gemv, int4_mma, int4_triton
+from kernels import int4_mma, int4_triton
 
 TTGIR = ["local_alloc", "local_load", "convert_layout", "async_copy_global_to_local", "warp_group_dot ", "tt.dot "]
 SASS = ["HGMMA", "HMMA", "LDS", "STS", "LDSM", "LDGSTS", "LDG", "I2F", "F2FP", "PRMT", "LOP3", "SHF", "HADD2",
@@ -59,7 +59,7 @@ def compile_variant(fn, sig: dict[str, str], const: dict, div16: list[str], num_
     res.update({f"sass_{op}": len(re.findall(r"\b" + op + r"[.\s]", sass)) for op in SASS})
     res["sass_instructions"] = len(re.findall(r"/\*[0-9a-f]{4}\*/", sass))
     if dump:
-        named = ("BN", "BT", "BK", "SPLIT_K", "BLOCK_M", "BLOCK_N", "WTYPE", "EXACT")
+        named = ("BN", "BT", "BK", "SPLIT_K", "BLOCK_M", "BLOCK_N", "WTYPE")
         tag = "_".join(f"{k}{v}" for k, v in const.items() if k in named)
         base = os.path.join(dump, f"{fn.__name__}_{tag}_w{num_warps}s{num_stages}")
         for ext, text in (("ttgir", ir), ("ptx", ptx), ("sass", sass)):
@@ -92,10 +92,6 @@ def variants() -> list[tuple[str, object, dict, dict, list[str], int, int]]:
         dt = "bf16" if wtype == 0 else "fp16"
         out.append((f"mma BN{bn} BT{bt} BK{bk} w{warps} s{stages} {dt}", int4_mma._w4a16_mma_kernel,
                     {**MMA_SIG, "x_ptr": f"*{dt}", "b_ptr": f"*{dt}", "out_ptr": f"*{dt}"}, c, MMA_DIV, warps, stages))
-    for bn, bk, warps in ((64, 128, 4), (128, 128, 4), (128, 128, 8), (64, 64, 4)):
-        c = dict(GROUP=128, HAS_BIAS=False, SPLIT_K=4, EXACT=False, BN=bn, BK=bk)
-        out.append((f"gemv BN{bn} BK{bk} w{warps} bf16", int4_gemv._w4a16_gemv_kernel, MMA_SIG, c, MMA_DIV,
-                    warps, 1))
     return out
 
 

@@ -469,16 +469,6 @@ def test_mma_repack_round_trips_and_follows_the_documented_order(k: int, n: int)
         assert _nibble_formula(packed, kk, nn) == int(u[kk, nn]), (kk, nn)
 
 
-def test_gemv_takes_only_one_row_tiles() -> None:
-    from kernels.int4_gemv import gemv_mm, gemv_variants
-    from kernels.int4_mma import MmaConfig
-
-    packed, meta = torch.zeros(8, 8, 2, 32, dtype=torch.int32), torch.zeros(2, 128, dtype=torch.int32)
-    with pytest.raises(ValueError, match="does not fit"):  # a 2-row tile is the mma kernel's business
-        gemv_mm(torch.zeros(2, 256), packed, meta, 128, None, MmaConfig(64, 2, 128, 1, 4, 1))
-    assert all(c.block_t == 1 and c.fits(1, 4096, 6144, 128) for c in gemv_variants(1, 4096, 6144, 128))
-
-
 def test_mma_repack_rejects_shapes_off_its_blocks() -> None:
     from kernels.int4_mma import repack_mma
 
@@ -558,11 +548,6 @@ cases = [
     (9, 256, 80, 64, torch.bfloat16, "asym", True, MmaConfig(64, 16, 64, 2)),  # a partial N tile
     (2, 512, 32, 128, torch.bfloat16, "sym", True, MmaConfig(16, 16, 128, 4)),
     (64, 256, 48, 32, torch.bfloat16, "sym", True, None),
-    # the one-row kernel (kernels.int4_gemv): a token tile of 1, one program per row
-    (1, 256, 96, 128, torch.bfloat16, "asym", True, MmaConfig(32, 1, 128, 2, 4, 1)),
-    (2, 512, 80, 64, torch.float32, "sym", False, MmaConfig(64, 1, 64, 4, 4, 1)),  # a partial N tile
-    (3, 128, 48, 32, torch.float16, "asym", True, MmaConfig(16, 1, 32, 1, 4, 1)),
-    (1, 1024, 32, 128, torch.bfloat16, "asym", False, MmaConfig(32, 1, 128, 2, 4, 1)),  # 4 K steps per split
 ]
 checked = 0
 for m, k, n, gs, dtype, zeros, has_bias, cfg in cases:
@@ -594,10 +579,9 @@ print("ok", checked)
 
 
 def test_mma_kernel_matches_reference_under_interpreter() -> None:
-    """The triton_mma kernel (bf16 / fp16 through their magic-number conversions, fp32 exact) and its one-row
-    FMA kernel (1 + u/16 floats) against the reference: M 1..70, groups 32/64/128, v1 and v2 zeros, one-row
-    (symmetric) and per-group zero points, bias, split-K launch shapes (the same bits on a second run), partial N
-    and token tiles."""
+    """The triton_mma kernel (bf16 / fp16 through their magic-number conversions, fp32 exact) against the
+    reference: M 1..70, groups 32/64/128, v1 and v2 zeros, one-row (symmetric) and per-group zero points, bias,
+    split-K launch shapes (the same bits on a second run), partial N and token tiles."""
     run_under_interpreter(_MMA_CHECK.replace("sys.argv[1]", "\"cpu\""), timeout=600)
 
 
