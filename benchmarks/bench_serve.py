@@ -189,6 +189,7 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
     goes to client i % clients, each with concurrency / clients streams): one Python client parsing every SSE
     event of 64 fast streams can saturate its core, and then it, not the server, sets the latencies.
     client_cpu is the busiest client's CPU time over the wall time (near 1: the client was the limit);
+    ttft_after_burst_s leaves out each stream's first request (the opening burst, which arrives at once);
     client_start_s the latest client's start after the clock's; open_streams the streams open on average (each
     from its send to its end, over the wall: the most the server's steps can hold).
     text_mismatch counts the requests whose text differs from texts (the offline run's; informational: on a
@@ -217,12 +218,18 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
     errors = [st.error for st in streams if st.error]
     wrong = sum(st.tokens != r.max_tokens for st, r in zip(streams, reqs) if not st.error)
     ttft = [st.ttft for st in streams if st.ttft is not None]
+    # after the opening burst: the requests each stream sends once its first has ended (request i of a client
+    # with c streams is among its opening burst for i < c)
+    per_client = max(1, concurrency // clients)
+    steady = [st.ttft for idx in parts for pos, j in enumerate(idx)
+              if pos >= per_client and (st := streams[j]).ttft is not None]
     gaps = [g for st in streams for g in st.gaps]
     return {"server_tokens_per_s": sum(st.tokens for st in streams) / dt, "clients": clients, "server_core": core,
             "client_cpu": round(max(cpu for _, cpu, _ in done) / dt, 3),
             "client_start_s": round(max(start for _, _, start in done) - t0_wall, 3),
             "open_streams": round(sum(st.seconds for st in streams) / dt, 2),
             "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
+            "ttft_after_burst_s": {"p50": percentile(steady, 50), "p99": percentile(steady, 99)},
             "itl_s": {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99)},
             "errors": len(errors), "wrong_length": wrong,
             "text_mismatch": None if texts is None else sum(st.text != t for st, t in zip(streams, texts)),
