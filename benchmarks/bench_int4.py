@@ -102,12 +102,14 @@ def mma_sweep(m: int, k: int, n: int) -> list[MmaConfig]:
              replace(base, block_n=32, split_k=base.split_k * 2)]
     if m > 64:
         extra.append(replace(base, block_t=128, block_n=64, num_warps=4))
-    return list(dict.fromkeys(c for c in [*_mma_variants(m, k, n, GROUP), *extra] if c.fits(m, k, n, GROUP)))
+    return list(dict.fromkeys(c for c in [*_mma_variants(m, k, n, GROUP, fold=True), *extra]
+                              if c.fits(m, k, n, GROUP)))
 
 
 def cfg_name(c: MmaConfig | TritonInt4Config) -> str:
     a = (c.block_n, c.block_t, c.block_k) if isinstance(c, MmaConfig) else (c.block_m, c.block_n, c.block_k)
-    return f"{a[0]}x{a[1]}x{a[2]} s{c.split_k} w{c.num_warps} st{c.num_stages}"
+    fold = " fold" if isinstance(c, MmaConfig) and c.fold else ""
+    return f"{a[0]}x{a[1]}x{a[2]} s{c.split_k} w{c.num_warps} st{c.num_stages}{fold}"
 
 
 class Checker:

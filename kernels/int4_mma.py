@@ -153,13 +153,17 @@ if triton is not None:
         x_ptr, w_ptr, m_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
         M, N, stride_xm, stride_wb, stride_mg, WORDS_PER_SPLIT, K_PER_SPLIT,
         GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
-        WTYPE: tl.constexpr, F32_DOT: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+        WTYPE: tl.constexpr, F32_DOT: tl.constexpr, FOLD: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
+        BK: tl.constexpr,
     ):  # fmt: skip
         """y[t, n] = sum_k x[t, k] * s[k//G, n] * (u(k, n) - zq(k//G, n)), as acc[n, t] += W^T tile @ x^T tile.
 
         Grid (N tiles, token tiles, K splits). meta[g, n]: the fp16 bits of s(g, n) | zq(g, n) << 16.
         WTYPE 0: the weight tile in bf16 (magic 0x4300), 1: fp16 (0x6400), 2: fp32 (from integers).
         F32_DOT: an exact fp32 dot (fp32 activations, and the interpreter, whose bf16 dot is wrong).
+        FOLD (16-bit weight tiles): the dot takes the magic-number values m + u as they are (m = 128 or 1024),
+        and the zero point comes off the accumulator once per tile: sum_k (m + u) x - (m + zq) sum_k x, which
+        saves a 16-bit subtraction per weight (the products are exact in the fp32 accumulate).
         """
         pid_n, pid_t, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         offs_n = pid_n * BN + tl.arange(0, BN)
@@ -183,26 +187,37 @@ if triton is not None:
             g = k0 // GROUP
             words = tl.load(wp, mask=mask_w, other=0)
             u = _unpack(words, MAGIC, BN, BK)
-            # the zero points feed the weight tile, so the pipeliner copies this load ahead with the words
-            meta = tl.load(m_ptr + g * stride_mg + offs_n, mask=mask_n, other=0)
-            z16 = (((meta >> 16) & 0xFF) | (MAGIC & 0xFFFF)).to(tl.int16)[:, None]
+            if not FOLD:  # the zero points feed the weight tile, so the pipeliner copies this load ahead with it
+                meta = tl.load(m_ptr + g * stride_mg + offs_n, mask=mask_n, other=0)
+                z16 = (((meta >> 16) & 0xFF) | (MAGIC & 0xFFFF)).to(tl.int16)[:, None]
             # the scales only meet the accumulator, which the pipeliner does not look ahead for: read the next
             # step's one step early by hand (the last step reads its own again)
             g_next = tl.minimum((k0 + BK) // GROUP, last_g)
             s_next = tl.load(m_ptr + g_next * stride_mg + offs_n, mask=mask_n, other=0)
-            s = (s_meta & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            s_word = s_meta
+            s = (s_word & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
             s_meta = s_next
             xt = tl.load(xp, mask=mask_x, other=0.0)
-            if WTYPE == 2:
+            if FOLD:  # [BN, BK] of m + u against x, then (m + zq) * sum_k x per (n, t); zq from the scale's word
+                if F32_DOT:
+                    part = tl.dot(u.to(WDT, bitcast=True).to(tl.float32), xt.to(tl.float32), input_precision="ieee")
+                    xsum = tl.sum(xt.to(tl.float32), axis=0)[None, :]
+                else:  # sum_k x as a second MMA of ones (a cross-thread sum would cost more than the subtractions)
+                    part = tl.dot(u.to(WDT, bitcast=True), xt)
+                    xsum = tl.dot(tl.full((BN, BK), 1.0, WDT), xt)
+                mz = (((s_word >> 16) & 0xFF) | (MAGIC & 0xFFFF)).to(tl.int16).to(WDT, bitcast=True).to(tl.float32)
+                part = part - mz[:, None] * xsum
+            elif WTYPE == 2:
                 w = u.to(tl.float32) - z16.to(tl.float32)
             elif F32_DOT:  # the interpreter: its 16-bit float arithmetic is wrong, the bit patterns are not
                 w = u.to(WDT, bitcast=True).to(tl.float32) - z16.to(WDT, bitcast=True).to(tl.float32)
             else:  # 128 + u minus 128 + zq (bf16), 1024 + u minus 1024 + zq (fp16): exact small integers
                 w = u.to(WDT, bitcast=True) - z16.to(WDT, bitcast=True)
-            if F32_DOT:
-                part = tl.dot(w, xt.to(tl.float32), input_precision="ieee")
-            else:
-                part = tl.dot(w, xt)  # fp32 accumulate
+            if not FOLD:
+                if F32_DOT:
+                    part = tl.dot(w, xt.to(tl.float32), input_precision="ieee")
+                else:
+                    part = tl.dot(w, xt)  # fp32 accumulate
             acc += part * s[:, None]
             wp += (BK // 32) * 64
             xp += BK
@@ -224,6 +239,8 @@ class MmaConfig:
     split_k: int
     num_warps: int = 4
     num_stages: int = 3
+    fold: bool = False
+    """Zero points off the accumulator instead of each weight (the kernel's FOLD; 16-bit activations only)."""
 
     def fits(self, m: int, k: int, n: int, group_size: int) -> bool:
         return (self.block_n % MMA_N == 0 and self.block_k % MMA_K == 0 and group_size % self.block_k == 0
@@ -277,6 +294,8 @@ def mma_mm(x2: torch.Tensor, packed: torch.Tensor, meta: torch.Tensor, group_siz
     c = config or mma_config(m, k, n, group_size)
     if not c.fits(m, k, n, group_size):
         raise ValueError(f"mma int4 config {c} does not fit K={k}, N={n}, group {group_size}")
+    if c.fold and x2.dtype == torch.float32:
+        raise ValueError("mma int4: fold (zero points off the accumulator) is for 16-bit activations, not float32")
     x2 = x2 if x2.stride(1) == 1 else x2.contiguous()
     grid = (triton.cdiv(n, c.block_n), triton.cdiv(m, c.block_t), c.split_k)
     if c.split_k > 1 and grid[0] * grid[1] > _MAX_TILES:
@@ -288,6 +307,7 @@ def mma_mm(x2: torch.Tensor, packed: torch.Tensor, meta: torch.Tensor, group_siz
     _w4a16_mma_kernel[grid](
         x2, packed, meta, b, out, ws, _counters(x2.device), m, n, x2.stride(0), packed.stride(0), meta.stride(0),
         kps * 2, kps, GROUP=group_size, HAS_BIAS=bias is not None, SPLIT_K=c.split_k,
-        WTYPE=_WTYPE[x2.dtype], F32_DOT=x2.dtype == torch.float32 or interpreting(), BN=c.block_n, BT=c.block_t,
+        WTYPE=_WTYPE[x2.dtype], F32_DOT=x2.dtype == torch.float32 or interpreting(),
+        FOLD=c.fold, BN=c.block_n, BT=c.block_t,
         BK=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
     return out

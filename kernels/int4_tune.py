@@ -47,7 +47,7 @@ LARGE_M = 1024
 DEQUANT = "dequant"
 CACHE_ENV = "XPULORA_KERNEL_CACHE_DIR"
 CACHE_FILE = "int4_dispatch.json"
-TABLE_VERSION = 1
+TABLE_VERSION = 2
 """Part of the cache key: bump it when the kernels or their candidates change, so that old tables are timed again."""
 TIMED_BYTES = 256 * 2**20
 """Weight copies timed in turn add up to at least this (several times a large GPU's last-level cache)."""
@@ -67,7 +67,9 @@ class Path:
     def name(self) -> str:
         if isinstance(self.config, MmaConfig):
             c = self.config
-            return f"{self.backend}[{c.block_n}x{c.block_t}x{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}]"
+            fold = " fold" if c.fold else ""
+            return (f"{self.backend}[{c.block_n}x{c.block_t}x{c.block_k} s{c.split_k} w{c.num_warps} "
+                    f"st{c.num_stages}{fold}]")
         if isinstance(self.config, TritonInt4Config):
             c = self.config
             return f"{self.backend}[{c.block_m}x{c.block_n}x{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}]"
@@ -78,11 +80,13 @@ class Path:
         backend, _, rest = name.partition("[")
         if not rest:
             return Path(backend)
-        tile, split, warps, stages = rest.rstrip("]").split(" ")
+        tile, split, warps, stages, *flags = rest.rstrip("]").split(" ")
         a, b, c = (int(v) for v in tile.split("x"))
         args = (a, b, c, int(split[1:]), int(warps[1:]), int(stages[2:]))
-        if backend == "triton_mma":
-            return Path(backend, MmaConfig(*args))
+        if backend == "triton_mma" and flags in ([], ["fold"]):
+            return Path(backend, MmaConfig(*args, fold=bool(flags)))
+        if flags:
+            raise ValueError(f"int4 dispatch: unknown flags in path {name!r}")
         if backend == "triton":
             return Path(backend, TritonInt4Config(*args))
         raise ValueError(f"int4 dispatch: unknown path {name!r}")
@@ -130,25 +134,29 @@ class Shape:
 # ----------------------------------------------------------------------------------------------------
 # candidates
 
-def _mma_variants(m: int, k: int, n: int, g: int) -> list[MmaConfig]:
+def _mma_variants(m: int, k: int, n: int, g: int, fold: bool = False) -> list[MmaConfig]:
     """The rule's launch shape and a few neighbours (wider N tile, half / double the K split, more stages); a
-    token tile of 128 for large M."""
+    token tile of 128 for large M; with `fold` (16-bit activations), up to 64 rows, the rule's shape and its double
+    split also with the zero points off the accumulator (kernels.int4_mma's FOLD)."""
     base = mma_config(m, k, n, g)
     out = [base, replace(base, block_n=128, split_k=max(1, base.split_k // 2)), replace(base, num_stages=4),
            replace(base, split_k=base.split_k * 2)]
     if m > 64:
         out.append(replace(base, block_t=128, block_n=128, num_warps=8))
+    elif fold:
+        out += [replace(base, fold=True), replace(base, split_k=base.split_k * 2, fold=True)]
     return list(dict.fromkeys(c for c in out if c.fits(m, k, n, g)))
 
 
-def candidates(backends: Sequence[str], m: int, layout: Int4Layout) -> list[Path]:
-    """The paths timed at m rows. The memory-bound Triton kernels are not timed past 256 rows (their cost grows
-    with M; dequant + GEMM wins there), dequant not below 8 rows (it writes the whole dense weight)."""
+def candidates(backends: Sequence[str], m: int, layout: Int4Layout, dtype: torch.dtype) -> list[Path]:
+    """The paths timed at m rows with activations of `dtype`. The memory-bound Triton kernels are not timed past
+    256 rows (their cost grows with M; dequant + GEMM wins there), dequant not below 8 rows (it writes the whole
+    dense weight)."""
     k, n, g = layout.in_features, layout.out_features, layout.group_size
     out: list[Path] = []
     for b in backends:
         if b == "triton_mma" and m <= 256:
-            out.extend(Path(b, c) for c in _mma_variants(m, k, n, g))
+            out.extend(Path(b, c) for c in _mma_variants(m, k, n, g, fold=dtype != torch.float32))
         elif b == "triton" and m <= 256:
             out.append(Path(b, triton_config(m, k, n, g)))
         elif (b == DEQUANT and m >= 8) or b not in ("triton_mma", "triton", DEQUANT):
@@ -193,7 +201,7 @@ def measure(shape: Shape, backends: Sequence[str], timer: Timer, device: torch.d
         name = "triton" if b == DEQUANT else b  # dequant reads the checkpoint layout, as the triton backend keeps it
         ws = [prepare_int4(*c, lay, name, dtype=shape.dtype) for c in ckpts]  # type: ignore[arg-type]
         for m in buckets:
-            for path in candidates([b], m, lay):
+            for path in candidates([b], m, lay, shape.dtype):
                 try:
                     times[m][path] = timer([_call(path, xs[m], w) for w in ws])
                 except Exception as e:  # a launch shape that does not run here (resources) is no candidate

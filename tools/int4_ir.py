@@ -59,7 +59,7 @@ def compile_variant(fn, sig: dict[str, str], const: dict, div16: list[str], num_
     res.update({f"sass_{op}": len(re.findall(r"\b" + op + r"[.\s]", sass)) for op in SASS})
     res["sass_instructions"] = len(re.findall(r"/\*[0-9a-f]{4}\*/", sass))
     if dump:
-        named = ("BN", "BT", "BK", "SPLIT_K", "BLOCK_M", "BLOCK_N", "WTYPE")
+        named = ("BN", "BT", "BK", "SPLIT_K", "BLOCK_M", "BLOCK_N", "WTYPE", "FOLD")
         tag = "_".join(f"{k}{v}" for k, v in const.items() if k in named)
         base = os.path.join(dump, f"{fn.__name__}_{tag}_w{num_warps}s{num_stages}")
         for ext, text in (("ttgir", ir), ("ptx", ptx), ("sass", sass)):
@@ -88,10 +88,12 @@ def variants() -> list[tuple[str, object, dict, dict, list[str], int, int]]:
                                              (64, 16, 128, 4, 1, 0), (64, 16, 128, 4, 4, 0), (64, 8, 128, 4, 3, 0),
                                              (64, 32, 128, 4, 3, 0), (64, 64, 128, 4, 3, 0), (128, 64, 128, 8, 3, 0),
                                              (256, 16, 128, 8, 3, 0), (64, 16, 64, 4, 3, 0)):
-        c = dict(GROUP=128, HAS_BIAS=False, SPLIT_K=4, WTYPE=wtype, F32_DOT=False, BN=bn, BT=bt, BK=bk)
-        dt = "bf16" if wtype == 0 else "fp16"
-        out.append((f"mma BN{bn} BT{bt} BK{bk} w{warps} s{stages} {dt}", int4_mma._w4a16_mma_kernel,
-                    {**MMA_SIG, "x_ptr": f"*{dt}", "b_ptr": f"*{dt}", "out_ptr": f"*{dt}"}, c, MMA_DIV, warps, stages))
+        for fold in (False, True):
+            c = dict(GROUP=128, HAS_BIAS=False, SPLIT_K=4, WTYPE=wtype, F32_DOT=False, FOLD=fold, BN=bn, BT=bt, BK=bk)
+            dt = "bf16" if wtype == 0 else "fp16"
+            sig = {**MMA_SIG, "x_ptr": f"*{dt}", "b_ptr": f"*{dt}", "out_ptr": f"*{dt}"}
+            out.append((f"mma BN{bn} BT{bt} BK{bk} w{warps} s{stages} {dt}{' fold' if fold else ''}",
+                        int4_mma._w4a16_mma_kernel, sig, c, MMA_DIV, warps, stages))
     return out
 
 

@@ -469,6 +469,14 @@ def test_mma_repack_round_trips_and_follows_the_documented_order(k: int, n: int)
         assert _nibble_formula(packed, kk, nn) == int(u[kk, nn]), (kk, nn)
 
 
+def test_mma_fold_is_for_16_bit_activations_only() -> None:
+    from kernels.int4_mma import MmaConfig, mma_mm
+
+    packed, meta = torch.zeros(4, 8, 2, 32, dtype=torch.int32), torch.zeros(2, 64, dtype=torch.int32)
+    with pytest.raises(ValueError, match="16-bit activations"):
+        mma_mm(torch.zeros(1, 256), packed, meta, 128, None, MmaConfig(64, 16, 128, 1, fold=True))
+
+
 def test_mma_repack_rejects_shapes_off_its_blocks() -> None:
     from kernels.int4_mma import repack_mma
 
@@ -548,6 +556,11 @@ cases = [
     (9, 256, 80, 64, torch.bfloat16, "asym", True, MmaConfig(64, 16, 64, 2)),  # a partial N tile
     (2, 512, 32, 128, torch.bfloat16, "sym", True, MmaConfig(16, 16, 128, 4)),
     (64, 256, 48, 32, torch.bfloat16, "sym", True, None),
+    # zero points off the accumulator (16-bit activations): sum_k (m + u) x - (m + zq) sum_k x
+    (1, 256, 96, 128, torch.bfloat16, "asym", True, MmaConfig(32, 16, 128, 2, fold=True)),
+    (5, 256, 64, 32, torch.float16, "asym", False, MmaConfig(64, 16, 32, 4, fold=True)),
+    (16, 512, 80, 128, torch.bfloat16, "sym", True, MmaConfig(64, 16, 64, 2, fold=True)),  # partial N tile
+    (40, 128, 48, 64, torch.bfloat16, "asym", False, MmaConfig(16, 64, 64, 1, num_stages=4, fold=True)),
 ]
 checked = 0
 for m, k, n, gs, dtype, zeros, has_bias, cfg in cases:

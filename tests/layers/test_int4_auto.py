@@ -298,15 +298,18 @@ def test_a_cached_table_must_fit_its_shape() -> None:
     from kernels.int4 import Int4Layout, MmaConfig, TritonInt4Config
 
     shape = tu.Shape(Int4Layout(128, 1, 512, 64), torch.bfloat16, sym=True)
-    rows = [[4, "triton_mma[64x16x128 s4 w4 st3]"], [64, "triton[16x64x64 s2 w4 st3]"], [None, "dequant"]]
+    rows = [[2, "triton_mma[64x16x128 s2 w4 st3 fold]"], [4, "triton_mma[64x16x128 s4 w4 st3]"],
+            [64, "triton[16x64x64 s2 w4 st3]"], [None, "dequant"]]
     table = tu._table_from_json(rows, shape)
     assert [(b, p.name) for b, p in table.rows] == [tuple(r) for r in rows]
-    assert table.rows[0][1].config == MmaConfig(64, 16, 128, 4, 4, 3)
+    assert table.rows[0][1].config == MmaConfig(64, 16, 128, 2, 4, 3, fold=True)
+    table = tu.TunedTable(table.rows[1:])  # the checks below read the rows from 4 on
     assert table.rows[1][1].config == TritonInt4Config(16, 64, 64, 2, 4, 3)
     assert [table.path_for(m).backend for m in (1, 4, 5, 64, 65, 10**6)] == ["triton_mma"] * 2 + ["triton"] * 2 + [
         "dequant"] * 2
     for bad in ([[None, "triton_mma[64x16x128 s8 w4 st3]"]],  # K=512 does not split 8 ways into 128-deep tiles
                 [[None, "triton_mma[64x16x48 s1 w4 st3]"]],  # 48 is not a multiple of the 32-deep block
-                [[4, "dequant"]]):  # no open bucket
+                [[4, "dequant"]],  # no open bucket
+                [[None, "triton_mma[64x16x128 s4 w4 st3 fast]"]]):  # an unknown flag
         with pytest.raises(ValueError):
             tu._table_from_json(bad, shape)
