@@ -11,7 +11,8 @@ engine's times graph replays where the device has graphs: what decode steps run)
 in a JSON file keyed by device name, torch and triton versions, dtype, shape, group, zero-point kind and the
 candidate backends ($XPULORA_KERNEL_CACHE_DIR, else $XDG_CACHE_HOME/xpulora, else ~/.cache/xpulora;
 XPULORA_KERNEL_CACHE_DIR=off keeps nothing). The cache is never required: unreadable or unwritable means timing.
-Only backends that passed the start-up check vs the reference (kernels.checks) are ever candidates.
+Only backends that passed the start-up check vs the reference (kernels.checks) are ever candidates, and each launch
+shape's output is checked against the fp32 reference (TOLERANCE) before it is timed: a wrong one is never picked.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from kernels.int4 import (
     prepare_int4,
     triton_config,
 )
+from kernels.reference import dequant_int4
 from kernels.triton_env import triton
 
 log = logging.getLogger(__name__)
@@ -51,6 +53,12 @@ TABLE_VERSION = 2
 """Part of the cache key: bump it when the kernels or their candidates change, so that old tables are timed again."""
 TIMED_BYTES = 256 * 2**20
 """Weight copies timed in turn add up to at least this (several times a large GPU's last-level cache)."""
+
+TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
+    torch.float32: (1e-4, 1e-4), torch.float16: (8e-3, 8e-3), torch.bfloat16: (3e-2, 2e-2)}
+"""(rtol, atol relative to max|ref|) of an int4 output against the fp32 dequantized reference: the start-up check's
+(kernels.checks) and the tuner's own check of every launch shape it times. A wrong nibble, zero point or scale
+moves outputs by ~10 % of their scale."""
 
 Timer = Callable[[Sequence[Callable[[], object]]], float]
 """µs per call of the given calls (each on its own weight copy), timed as the engine will run them."""
@@ -187,6 +195,32 @@ def _call(path: Path, x: torch.Tensor, w: PreparedInt4) -> Callable[[], object]:
     return lambda: int4_mm(x, wc)
 
 
+def _references(ckpt: tuple[torch.Tensor, torch.Tensor, torch.Tensor], lay: Int4Layout,
+                xs: dict[int, torch.Tensor], chunk: int = 4096) -> dict[int, torch.Tensor]:
+    """x @ W in fp32 for each x, W dequantized from ckpt `chunk` output features at a time (a whole fp32 copy of a
+    large layer would be GBs)."""
+    qw, qz, sc = ckpt
+    n = lay.out_features
+    out = {m: torch.empty(m, n, dtype=torch.float32, device=x.device) for m, x in xs.items()}
+    for n0 in range(0, n, chunk):
+        n1 = min(n, n0 + chunk)
+        w = dequant_int4(qw[:, n0:n1], qz[:, n0 // 8:n1 // 8], sc[:, n0:n1], lay.group_size, lay.zero_offset,
+                         dtype=torch.float32)
+        for m, x in xs.items():
+            out[m][:, n0:n1] = x.float() @ w
+    return out
+
+
+def _mismatch(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """None when y matches ref within TOLERANCE, else what differs."""
+    rtol, atol = TOLERANCE[dtype]
+    err = (y.float() - ref).abs()
+    bad = err > atol * ref.abs().max() + rtol * ref.abs()
+    if y.shape != ref.shape or bool(bad.any()):
+        return f"{int(bad.sum())} of {ref.numel()} outputs, max error {err.max().item():.3g}"
+    return None
+
+
 def measure(shape: Shape, backends: Sequence[str], timer: Timer, device: torch.device,
             buckets: Sequence[int] = (*BUCKETS, LARGE_M)) -> TunedTable:
     """Time every candidate path at each bucket's row count; the fastest per bucket, neighbours merged."""
@@ -196,6 +230,7 @@ def measure(shape: Shape, backends: Sequence[str], timer: Timer, device: torch.d
     gen = torch.Generator().manual_seed(0)
     ckpts = [_random_checkpoint(lay, shape.sym, device, gen) for _ in range(copies)]
     xs = {m: torch.randn(m, k, generator=gen).to(shape.dtype).to(device) for m in buckets}
+    refs = _references(ckpts[0], lay, xs)
     times: dict[int, dict[Path, float]] = {m: {} for m in buckets}
     for b in backends:  # one backend's copies at a time
         name = "triton" if b == DEQUANT else b  # dequant reads the checkpoint layout, as the triton backend keeps it
@@ -203,6 +238,13 @@ def measure(shape: Shape, backends: Sequence[str], timer: Timer, device: torch.d
         for m in buckets:
             for path in candidates([b], m, lay, shape.dtype):
                 try:
+                    # every launch shape's output is checked before it is timed: the start-up check saw only
+                    # each backend's rule, and the table may pick any of its shapes
+                    err = _mismatch(_call(path, xs[m], ws[0])(), refs[m], shape.dtype)  # type: ignore[arg-type]
+                    if err is not None:
+                        log.warning("int4 tuning %s: %s at %d rows differs from the reference (%s); not a candidate",
+                                    shape.key(), path.name, m, err)
+                        continue
                     times[m][path] = timer([_call(path, xs[m], w) for w in ws])
                 except Exception as e:  # a launch shape that does not run here (resources) is no candidate
                     log.warning("int4 tuning %s: %s at %d rows failed (%s: %s)", shape.key(), path.name, m,

@@ -66,6 +66,29 @@ def test_device_resolves_auto_and_tuned() -> None:
     assert Device("cuda").int4_backend("auto:native_cuda") == "auto:native_cuda"  # the fixed dispatch stays valid
 
 
+def test_tuner_times_only_launches_that_match_the_reference(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A candidate whose output is wrong (here native_cpu, scaled by 1.5 at 4 rows and more) is never timed
+    there, so the table cannot pick it however fast it is; where it is right it stays a candidate."""
+    import logging
+
+    import torch
+
+    import kernels.int4_tune as tu
+    from engine.device import Device
+    from kernels.int4 import Int4Layout
+
+    real = tu.int4_mm
+    monkeypatch.setattr(tu, "int4_mm", lambda x, w, bias=None: real(x, w, bias) * (
+        1.5 if w.backend == "native_cpu" and x.size(0) >= 4 else 1.0))
+    shape = tu.Shape(Int4Layout(32, 1, 64, 32), torch.float32, sym=False)
+    with caplog.at_level(logging.WARNING, logger="kernels.int4_tune"):
+        table = tu.measure(shape, ["native_cpu", "reference"], Device("cpu").time_calls, torch.device("cpu"))
+    for m, times in table.timings:
+        assert {n for n, _ in times} == ({"native_cpu", "reference"} if m < 4 else {"reference"}), (m, times)
+    assert all(table.path_for(m).backend == "reference" for m in (4, 8, 1024))
+    assert "differs from the reference" in caplog.text
+
+
 def test_measured_table_picks_the_fastest_path_per_bucket(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """With the CPU's candidates and its real timer: every bucket's path is the fastest of its recorded timings,
     neighbours with the same path are merged, the table ends with an open bucket, and it is written to the cache
