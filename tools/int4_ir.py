@@ -49,8 +49,12 @@ def compile_variant(fn, sig: dict[str, str], const: dict, div16: list[str], num_
         src, obj = os.path.join(d, "k.ptx"), os.path.join(d, "k.o")
         Path(src).write_text(ptx)
         gpu = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
-        info = subprocess.run([triton.knobs.nvidia.ptxas.path, "-v", f"--gpu-name={gpu}", src, "-o", obj],
-                              capture_output=True, text=True).stderr
+        ptxas = triton.knobs.nvidia.ptxas.path
+        info = subprocess.run([ptxas, "-v", f"--gpu-name={gpu}", src, "-o", obj], capture_output=True, text=True).stderr
+        newer = os.path.join(os.path.dirname(ptxas), "ptxas-blackwell")
+        if "Unsupported .version" in info and os.path.exists(newer):  # triton >= 3.7 bundles the newer one apart
+            info = subprocess.run([newer, "-v", f"--gpu-name={gpu}", src, "-o", obj], capture_output=True,
+                                  text=True).stderr
         regs = re.search(r"Used (\d+) registers", info)
         spill = re.search(r"(\d+) bytes spill stores", info)
         res["registers"] = int(regs.group(1)) if regs else None
