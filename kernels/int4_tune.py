@@ -39,6 +39,7 @@ from kernels.int4 import (
     triton_config,
 )
 from kernels.reference import dequant_int4
+from kernels.registry import mismatch
 from kernels.triton_env import triton
 
 log = logging.getLogger(__name__)
@@ -198,7 +199,7 @@ def _call(path: Path, x: torch.Tensor, w: PreparedInt4) -> Callable[[], object]:
 def _references(ckpt: tuple[torch.Tensor, torch.Tensor, torch.Tensor], lay: Int4Layout,
                 xs: dict[int, torch.Tensor], chunk: int = 4096) -> dict[int, torch.Tensor]:
     """x @ W in fp32 for each x, W dequantized from ckpt `chunk` output features at a time (a whole fp32 copy of a
-    large layer would be GBs)."""
+    large layer is hundreds of MB)."""
     qw, qz, sc = ckpt
     n = lay.out_features
     out = {m: torch.empty(m, n, dtype=torch.float32, device=x.device) for m, x in xs.items()}
@@ -209,16 +210,6 @@ def _references(ckpt: tuple[torch.Tensor, torch.Tensor, torch.Tensor], lay: Int4
         for m, x in xs.items():
             out[m][:, n0:n1] = x.float() @ w
     return out
-
-
-def _mismatch(y: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> str | None:
-    """None when y matches ref within TOLERANCE, else what differs."""
-    rtol, atol = TOLERANCE[dtype]
-    err = (y.float() - ref).abs()
-    bad = err > atol * ref.abs().max() + rtol * ref.abs()
-    if y.shape != ref.shape or bool(bad.any()):
-        return f"{int(bad.sum())} of {ref.numel()} outputs, max error {err.max().item():.3g}"
-    return None
 
 
 def measure(shape: Shape, backends: Sequence[str], timer: Timer, device: torch.device,
@@ -240,7 +231,7 @@ def measure(shape: Shape, backends: Sequence[str], timer: Timer, device: torch.d
                 try:
                     # every launch shape's output is checked before it is timed: the start-up check saw only
                     # each backend's rule, and the table may pick any of its shapes
-                    err = _mismatch(_call(path, xs[m], ws[0])(), refs[m], shape.dtype)  # type: ignore[arg-type]
+                    err = mismatch(_call(path, xs[m], ws[0])(), refs[m], TOLERANCE[shape.dtype])  # type: ignore[arg-type]
                     if err is not None:
                         log.warning("int4 tuning %s: %s at %d rows differs from the reference (%s); not a candidate",
                                     shape.key(), path.name, m, err)

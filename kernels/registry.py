@@ -53,7 +53,7 @@ def fault_for(op: str) -> Fault | None:
     return None
 
 
-def _mismatch(got: torch.Tensor, want: torch.Tensor, tol: tuple[float, float]) -> str | None:
+def mismatch(got: torch.Tensor, want: torch.Tensor, tol: tuple[float, float]) -> str | None:
     """Why got differs from want beyond (rtol, atol relative to max|want|), or None."""
     if got.shape != want.shape:
         return f"shape {tuple(got.shape)} != reference {tuple(want.shape)}"
@@ -71,13 +71,13 @@ def _mismatch(got: torch.Tensor, want: torch.Tensor, tol: tuple[float, float]) -
 
 def _parts_mismatch(got: Result, want: Result, tol: tuple[float, float]) -> str | None:
     if isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor):
-        return _mismatch(got, want, tol)
+        return mismatch(got, want, tol)
     if isinstance(got, torch.Tensor) or isinstance(want, torch.Tensor):
         raise TypeError("a candidate and the reference must both return one tensor or both named parts")
     for part, g in got.items():
         if part not in want:
             raise KeyError(f"the reference has no part {part!r}")
-        why = _mismatch(g, want[part], tol)
+        why = mismatch(g, want[part], tol)
         if why is not None:
             return f"{part}: {why}"
     return None
