@@ -142,13 +142,13 @@ case "${1:-}" in
     timeout 230 python3 benchmarks/bench_e2e.py --layers 36 --batches 32 --adapters 0 32 --lora-dtypes auto fp8 \
       --peer-cases "" --root /tmp/e2e36l 2>&1 | grep -E '^\{|Error' | tee "$OUT/lora_e2e${XPULORA_LORA_CONFIG:+_tuned}.txt"
     ;;
-  kernels18)  # issue 18 in one call: the int4 table vs bf16 (exit 1 on mismatch), the tuner's tests on CUDA, the LoRA
-              # per-layer table and 36-layer step lines vs their bytes
+  kernels18)  # issue 18 in one call: the int4 table vs bf16 (every launch shape, fold included, checked: exit 1 on
+              # mismatch), the mma kernel's and the tuner's tests on CUDA, the LoRA per-layer table vs its bytes
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    timeout 270 python3 benchmarks/bench_int4.py > "$OUT/int4.txt" 2>&1; echo "bench rc=$?" >> "$OUT/int4.txt"
-    timeout 90 python3 -m pytest -q -p no:cacheprovider -rfE tests/layers/test_int4_auto.py -k accelerator \
-      > "$OUT/int4_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/int4_tests.txt"
-    timeout 180 python3 benchmarks/bench_lora.py --tokens 32 --adapters 1 32 --no-peers > "$OUT/lora_kernels.txt" 2>&1
+    timeout 300 python3 benchmarks/bench_int4.py > "$OUT/int4.txt" 2>&1; echo "bench rc=$?" >> "$OUT/int4.txt"
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -rfE tests/layers/test_int4_auto.py tests/kernels/test_int4.py \
+      -k "accelerator and (mma or tun or int4_auto)" > "$OUT/int4_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/int4_tests.txt"
+    timeout 170 python3 benchmarks/bench_lora.py --tokens 32 --adapters 1 32 --no-peers > "$OUT/lora_kernels.txt" 2>&1
     echo "lora rc=$?" >> "$OUT/lora_kernels.txt"
     grep -E "targets|correctness|PASS|FAIL|rc=" "$OUT/int4.txt" | tail -40; tail -3 "$OUT/int4_tests.txt"
     grep -E '^\{' "$OUT/lora_kernels.txt" | tail -30; tail -1 "$OUT/lora_kernels.txt"
