@@ -31,10 +31,11 @@ import random
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import msgspec
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -76,7 +77,7 @@ def offline(e: LLMEngine, reqs: list[Req], concurrency: int, texts: list[str] | 
     for _ in range(min(concurrency, len(pending))):
         add()
     e.device.synchronize()
-    c0 = replace(e.steps)
+    c0 = msgspec.structs.replace(e.steps)
     t0 = time.perf_counter()
     while e.has_unfinished():
         for out in e.step():

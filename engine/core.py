@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import msgspec
 import torch
 import zmq
 
@@ -173,10 +174,9 @@ class EngineCore:
         running = {n for s in e.scheduler.running if s.lora_id is not None and (n := name_of(s.lora_id))}
         waiting = {n for s in e.scheduler.waiting if s.lora_id is not None and (n := name_of(s.lora_id))}
         counts = (lora.num_loads, lora.num_unloads, lora.num_evictions) if lora is not None else (0, 0, 0)
-        st = e.steps
         return Stats(len(e.scheduler.running), len(e.scheduler.waiting), e.blocks.usage, e.num_preemptions,
                      e.blocks.num_queries, e.blocks.num_hits, tuple(sorted(running)), tuple(sorted(waiting)), *counts,
-                     time.time(), st.steps, st.tokens, st.sequences, st.mixed, st.seconds, self.idle_seconds)
+                     time.time(), msgspec.structs.replace(e.steps), self.idle_seconds)
 
 
 def ready(llm: LLMEngine) -> Ready:

@@ -30,7 +30,7 @@ from engine.errors import AdapterError, ConfigError, ModelNotFoundError, Request
 from engine.loader import eos_ids, inspect_checkpoint
 from engine.lora.adapter import LoRAAdapter
 from engine.lora.manager import LoRAManager
-from engine.messages import TokenDelta
+from engine.messages import StepCounts, TokenDelta
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
 from engine.protocol import ErrorKind, FinishReason, RequestOutput, SamplingParams, TokenLogprob
@@ -38,7 +38,6 @@ from engine.sampler import StepFuture
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import SeqStatus, Sequence
 from engine.state_snapshots import SnapshotPool
-from engine.step_counts import StepCounts
 from engine.structured import GrammarCompiler, GrammarMatchers
 from engine.worker import make_executor
 
@@ -285,7 +284,7 @@ class LLMEngine:
                 return None
         future = self.executor.launch(step, loads)  # EngineDeadError once a rank is gone, at every later step too
         self.scheduler.step_ran()
-        self.steps.count(step)
+        self.steps.count(step.num_tokens, len(step.seqs))
         for entry, seq in zip(step.seqs, seqs):
             seq.num_computed_tokens += len(entry.token_ids)
             seq.num_pending += entry.sample

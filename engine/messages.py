@@ -78,6 +78,27 @@ class TokenDelta(msgspec.Struct, array_like=True):
     error_kind: ErrorKind = "internal"
 
 
+class StepCounts(msgspec.Struct, array_like=True):
+    """Running totals over an engine's launched steps (counters: readers take differences). LLMEngine keeps one;
+    the core sends a copy in each Stats (/metrics), benchmarks compare a server's with the offline loop's."""
+
+    steps: int = 0
+    tokens: int = 0
+    """Tokens computed (prompt chunks plus one per decoding sequence)."""
+    sequences: int = 0
+    """Sequences in the steps (rows sampled or chunked)."""
+    mixed: int = 0
+    """Steps that hold a prompt chunk of more than one token (they cost more than a decode step)."""
+    seconds: float = 0.0
+    """Host time in core_step: scheduling, launch and the wait for the read-back."""
+
+    def count(self, tokens: int, sequences: int) -> None:
+        self.steps += 1
+        self.tokens += tokens
+        self.sequences += sequences
+        self.mixed += tokens > sequences
+
+
 class Stats(msgspec.Struct, array_like=True, frozen=True):
     """The core's counters as the API process exposes them (/metrics reads the last one, lock-free)."""
 
@@ -94,12 +115,8 @@ class Stats(msgspec.Struct, array_like=True, frozen=True):
     lora_evictions: int = 0
     timestamp: float = 0.0
     """When the core took these counts (time.time())."""
-    steps: int = 0
-    step_tokens: int = 0
-    step_sequences: int = 0
-    mixed_steps: int = 0
-    step_seconds: float = 0.0
-    """Totals over the core's steps (engine.step_counts.StepCounts)."""
+    steps: StepCounts = msgspec.field(default_factory=StepCounts)
+    """The core's step totals when it took these counts (a copy)."""
     idle_seconds: float = 0.0
     """The core loop's time blocked on its inbox with nothing to run."""
 

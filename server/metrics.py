@@ -61,13 +61,13 @@ class _EngineCollector(Collector):
                       s.prefix_cache_queries)
         yield counter(P + "prefix_cache_hits", "Of those, tokens found in the prefix cache.", s.prefix_cache_hits)
         yield gauge(P + "engine_healthy", "1 while the step loop is alive.", float(self.engine.healthy))
-        yield counter(P + "engine_steps", "Steps the engine core ran.", s.steps)
+        yield counter(P + "engine_steps", "Steps the engine core ran.", s.steps.steps)
         yield counter(P + "engine_step_tokens", "Tokens those steps computed (prompt chunks + one per decode).",
-                      s.step_tokens)
-        yield counter(P + "engine_step_sequences", "Sequences in those steps (summed over steps).", s.step_sequences)
-        yield counter(P + "engine_mixed_steps", "Steps that held a prompt chunk.", s.mixed_steps)
+                      s.steps.tokens)
+        yield counter(P + "engine_step_sequences", "Sequences in those steps (summed over steps).", s.steps.sequences)
+        yield counter(P + "engine_mixed_steps", "Steps that held a prompt chunk.", s.steps.mixed)
         yield counter(P + "engine_step_seconds", "Engine-core time in steps: scheduling, launch, read-back wait.",
-                      s.step_seconds)
+                      s.steps.seconds)
         yield counter(P + "engine_idle_seconds", "Engine-core time waiting for requests with nothing to run.",
                       s.idle_seconds)
         yield counter(P + "api_output_seconds", "API-process time turning engine outputs into text.",
