@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_e2e import emit, engine_config, model_args, ours, synchronous, write_model
 from engine import LLMEngine, SamplingParams
+from engine.gc_pauses import GcPauses
 from tools.loadgen import percentile, sse_lines
 from tools.serverlib import ServerProcess
 
@@ -78,6 +79,7 @@ def offline(e: LLMEngine, reqs: list[Req], concurrency: int, texts: list[str] | 
         add()
     e.device.synchronize()
     c0 = msgspec.structs.replace(e.steps)
+    gc = GcPauses().install()  # this process's collections (an offline engine's caller's heap is not frozen)
     t0 = time.perf_counter()
     while e.has_unfinished():
         for out in e.step():
@@ -88,11 +90,14 @@ def offline(e: LLMEngine, reqs: list[Req], concurrency: int, texts: list[str] | 
         steps += 1
     e.device.synchronize()
     dt = time.perf_counter() - t0
+    gc.uninstall()
     tokens = sum(r.max_tokens for r in reqs)
     c = e.steps
+    core = step_summary(c.steps - c0.steps, c.sequences - c0.sequences, c.tokens - c0.tokens, c.mixed - c0.mixed,
+                        c.seconds - c0.seconds, dt)
+    core |= {"gc_ms": round(1e3 * gc.total_seconds, 1), "gc_full": gc.collections[2]}
     return {"offline_tokens_per_s": tokens / dt, "offline_ms_per_step": 1e3 * dt / steps, "offline_steps": steps,
-            "offline_core": step_summary(c.steps - c0.steps, c.sequences - c0.sequences, c.tokens - c0.tokens,
-                                         c.mixed - c0.mixed, c.seconds - c0.seconds, dt)}
+            "offline_core": core}
 
 
 def step_summary(steps: int, sequences: int, tokens: int, mixed: int, seconds: float, wall: float
@@ -171,17 +176,26 @@ def _client(url: str, headers: dict[str, str], base: str, reqs: list[Req], concu
     return streams, time.process_time() - c0, start
 
 
-def _pid_after(seconds: float) -> int:
+async def _touch(url: str, headers: dict[str, str]) -> None:
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as client:
+        (await client.get("/v1/models")).raise_for_status()
+
+
+def _pid_after(seconds: float, url: str, headers: dict[str, str]) -> int:
+    """Hold this worker `seconds`, after one request through the HTTP stack the streams use: its first use in a
+    process (lazy imports, the connection machinery) cost tens of ms that a stream's TTFT would otherwise count."""
+    asyncio.run(_touch(url, headers))
     time.sleep(seconds)
     return os.getpid()
 
 
-def _start_workers(pool: ProcessPoolExecutor, n: int) -> None:
-    """Return once all n workers run: a spawned worker imports this module (torch included, seconds), and a
-    client that starts seconds after the others leaves the server's batch that much emptier."""
+def _start_workers(pool: ProcessPoolExecutor, n: int, url: str, headers: dict[str, str]) -> None:
+    """Return once all n workers run, each with its HTTP client used once: a spawned worker imports this module
+    (torch included, seconds), and a client that starts seconds after the others leaves the server's batch that
+    much emptier."""
     pids: set[int] = set()
     while len(pids) < n:  # n tasks that each hold a worker 0.2 s land on n workers once all are up
-        pids |= set(pool.map(_pid_after, [0.2] * n))
+        pids |= set(pool.map(_pid_after, [0.2] * n, [url] * n, [headers] * n))
 
 
 def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, texts: list[str] | None = None,
@@ -190,7 +204,8 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
     goes to client i % clients, each with concurrency / clients streams): one Python client parsing every SSE
     event of 64 fast streams can saturate its core, and then it, not the server, sets the latencies.
     client_cpu is the busiest client's CPU time over the wall time (near 1: the client was the limit);
-    ttft_after_burst_s leaves out each stream's first request (the opening burst, which arrives at once);
+    ttft_after_burst_s leaves out each stream's first request (the opening burst, which arrives at once), and
+    ttft_burst_s has only those;
     client_start_s the latest client's start after the clock's; open_streams the streams open on average (each
     from its send to its end, over the wall: the most the server's steps can hold).
     text_mismatch counts the requests whose text differs from texts (the offline run's; informational: on a
@@ -199,7 +214,7 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
     parts = [list(range(i, len(reqs), clients)) for i in range(clients)]
     streams: list[Stream] = [Stream()] * len(reqs)
     with ProcessPoolExecutor(clients, mp_context=mp.get_context("spawn")) as pool:
-        _start_workers(pool, clients)  # the workers start before the clock does
+        _start_workers(pool, clients, srv.url, srv.headers)  # the workers start before the clock does
         m0 = srv.metrics()
         t0, t0_wall = time.perf_counter(), time.time()
         futures = [pool.submit(_client, srv.url, srv.headers, base, [reqs[j] for j in idx],
@@ -213,6 +228,12 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
     core["idle"] = round((m1["xpulora:engine_idle_seconds_total"] - m0["xpulora:engine_idle_seconds_total"]) / dt, 3)
     core["api_output_busy"] = round((m1["xpulora:api_output_seconds_total"] - m0["xpulora:api_output_seconds_total"])
                                     / dt, 3)
+    for proc in ("api", "engine_core"):  # garbage-collection pauses in the run, each a stall of that process's loop
+        key = f'{{process="{proc}"}}'
+        core[f"gc_ms_{proc}"] = round(1e3 * (m1["xpulora:gc_seconds_total" + key]
+                                             - m0["xpulora:gc_seconds_total" + key]), 1)
+        core[f"gc_full_{proc}"] = int(m1["xpulora:gc_full_collections_total" + key]
+                                      - m0["xpulora:gc_full_collections_total" + key])
     for idx, (part, _, _) in zip(parts, done):
         for j, st in zip(idx, part):
             streams[j] = st
@@ -224,6 +245,8 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
     per_client = max(1, concurrency // clients)
     steady = [st.ttft for idx in parts for pos, j in enumerate(idx)
               if pos >= per_client and (st := streams[j]).ttft is not None]
+    burst = sorted(st.ttft for idx in parts for pos, j in enumerate(idx)
+                   if pos < per_client and (st := streams[j]).ttft is not None)
     gaps = [g for st in streams for g in st.gaps]
     return {"server_tokens_per_s": sum(st.tokens for st in streams) / dt, "clients": clients, "server_core": core,
             "client_cpu": round(max(cpu for _, cpu, _ in done) / dt, 3),
@@ -231,6 +254,8 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
             "open_streams": round(sum(st.seconds for st in streams) / dt, 2),
             "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
             "ttft_after_burst_s": {"p50": percentile(steady, 50), "p99": percentile(steady, 99)},
+            "ttft_burst_s": {"min": burst[0] if burst else None, "p50": percentile(burst, 50),
+                             "max": burst[-1] if burst else None},
             "itl_s": {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99)},
             "errors": len(errors), "wrong_length": wrong,
             "text_mismatch": None if texts is None else sum(st.text != t for st, t in zip(streams, texts)),

@@ -163,11 +163,21 @@ case "${1:-}" in
     timeout 220 python3 benchmarks/gpu_tp_check.py --layers 1 --skip collectives equal --tp-sizes 1 --int4-kernel tuned \
       --speed-shapes 27b 2>&1 | grep -E '^\{|Error|error' | tee "$OUT/tp1_27b.txt"
     ;;
+  ncu18)  # issue 18: Nsight Compute on one launch each of the copy, bf16, native and mma int4 kernels (M = 1, 16)
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    stalls=$(for r in long_scoreboard short_scoreboard mio_throttle lg_throttle barrier wait math_pipe_throttle \
+      not_selected selected no_instruction dispatch_stall drain membar branch_resolving imc_miss; do
+      printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' $r; done)
+    timeout ${2:-200} ncu --profile-from-start off --section SpeedOfLight --section Occupancy --section LaunchStats \
+      --section WarpStateStats --section MemoryWorkloadAnalysis --metrics "${stalls%,}" --csv --page details \
+      python3 benchmarks/ncu_int4.py > "$OUT/ncu.csv" 2> "$OUT/ncu_cases.txt"; echo "ncu rc=$?" | tee -a "$OUT/ncu_cases.txt"
+    grep -E '^\{' "$OUT/ncu_cases.txt" | tail -3; grep -c '"Duration"' "$OUT/ncu.csv"
+    ;;
   serve18)  # issue 14 after the tuned int4 default: the server vs the offline loop vs pure decode, 36 layers, 32 adapters
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    timeout 470 python3 benchmarks/bench_serve.py --layers 36 --adapters 32 --batches 32 64 --requests 256 \
+    timeout 520 python3 benchmarks/bench_serve.py --layers 36 --adapters 32 --batches 32 64 --requests 256 \
       --new-tokens 128 --clients 4 --root /tmp/serve36 2>&1 | grep -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
     tail -n 40 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
     ;;
-  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|steps18|serve18|tp2server"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|serve18|tp2server"; exit 2 ;;
 esac

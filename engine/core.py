@@ -11,6 +11,7 @@ tensor-parallel rank dies. It runs in its own process (`core_main`) or, in-proce
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -27,6 +28,7 @@ import zmq
 from engine.config import EngineConfig
 from engine.device import core_threads, detect
 from engine.errors import AdapterError, EngineDeadError, RequestError
+from engine.gc_pauses import PROCESS, GcPauses, freeze_startup_heap
 from engine.llm_engine import LLMEngine
 from engine.messages import (
     Abort,
@@ -53,7 +55,8 @@ POLL_S = 0.1  # idle: how long to block on the inbox before checking the parent 
 
 class EngineCore:
     def __init__(self, llm: LLMEngine, inbox: zmq.Socket, outbox: zmq.Socket,
-                 parent_alive: Callable[[], bool] = lambda: True, parent_fd: int | None = None) -> None:
+                 parent_alive: Callable[[], bool] = lambda: True, parent_fd: int | None = None,
+                 gc_pauses: GcPauses | None = None) -> None:
         self.llm, self.inbox, self.outbox = llm, inbox, outbox
         self.parent_alive = parent_alive
         self.poller = zmq.Poller()
@@ -69,6 +72,9 @@ class EngineCore:
         self.failed = False
         self._got = False  # a message arrived this iteration: send fresh stats
         self.idle_seconds = 0.0
+        # this process's collections when it is the engine-core process; on a thread of the API process its count
+        # covers the core's
+        self.gc = gc_pauses or GcPauses()
         """Time blocked on the inbox with nothing to run (the rest of the loop outside steps moves messages)."""
 
     def send(self, msg: Outbound) -> None:
@@ -176,7 +182,8 @@ class EngineCore:
         counts = (lora.num_loads, lora.num_unloads, lora.num_evictions) if lora is not None else (0, 0, 0)
         return Stats(len(e.scheduler.running), len(e.scheduler.waiting), e.blocks.usage, e.num_preemptions,
                      e.blocks.num_queries, e.blocks.num_hits, tuple(sorted(running)), tuple(sorted(waiting)), *counts,
-                     time.time(), msgspec.structs.replace(e.steps), self.idle_seconds)
+                     time.time(), msgspec.structs.replace(e.steps), self.idle_seconds, self.gc.total_seconds,
+                     self.gc.collections[2], gc.get_freeze_count())
 
 
 def ready(llm: LLMEngine) -> Ready:
@@ -235,7 +242,10 @@ def core_main(config: EngineConfig, in_addr: str, out_addr: str, progress: bool)
         log.info("engine start-up failed: %s", e)
         code = 1
     else:
-        core = EngineCore(llm, inbox, outbox, alive, parent_fd)
+        # what start-up built lives as long as the process: out of every later full collection's walk
+        frozen = freeze_startup_heap()
+        log.info("engine core: %d start-up objects frozen out of garbage collection", frozen)
+        core = EngineCore(llm, inbox, outbox, alive, parent_fd, PROCESS.install())
         try:
             core.send(ready(llm))
             core.run()

@@ -119,6 +119,12 @@ class Stats(msgspec.Struct, array_like=True, frozen=True):
     """The core's step totals when it took these counts (a copy)."""
     idle_seconds: float = 0.0
     """The core loop's time blocked on its inbox with nothing to run."""
+    gc_seconds: float = 0.0
+    """The engine-core process's time in garbage collection (engine.gc_pauses; 0 when the core runs on a
+    thread of the API process, whose own count covers it)."""
+    gc_full_collections: int = 0
+    gc_frozen_objects: int = 0
+    """Objects the engine-core process froze out of collection after start-up (engine.gc_pauses)."""
 
 
 class Outputs(msgspec.Struct, tag=True, array_like=True):

@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from engine.device import DeviceKind, check_tp_fits, detect, device_count, dist_backend, rank_device, worker_env
 from engine.distributed import destroy_tp, init_tp
 from engine.errors import EngineDeadError
+from engine.gc_pauses import freeze_startup_heap
 from engine.loader import CheckpointInfo, inspect_checkpoint
 from engine.lora.adapter import LoRAAdapter
 from engine.model_runner import KVCacheSpec, ModelRunner
@@ -112,6 +113,7 @@ def _worker_main(config: EngineConfig, max_model_len: int, rank: int, size: int,
         device.activate()
         init_tp(rank, size, dist_backend(kind), init_method, device.dist_device_id, TP_TIMEOUT_S)
         runner = ModelRunner(config, inspect_checkpoint(config.model.path), device, max_model_len)
+        freeze_startup_heap()  # a collection's pause here would stall every rank's collective (engine.gc_pauses)
         conn.send(ReadyMsg(rank))
         while True:
             msg = conn.recv()

@@ -9,6 +9,7 @@ Extension, Grafana boards) read them unchanged. `lora_requests_info` has vLLM's 
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterator
 
@@ -17,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from engine import EngineClient, RequestOutput
+from engine.gc_pauses import PROCESS as GC_PAUSES
 
 P = "xpulora:"
 VLLM = "vllm:"
@@ -72,6 +74,20 @@ class _EngineCollector(Collector):
                       s.idle_seconds)
         yield counter(P + "api_output_seconds", "API-process time turning engine outputs into text.",
                       self.engine.output_seconds)
+        for name, doc, api, core in (
+                ("gc_seconds", "Time in Python garbage collection, per process (engine_core: 0 when the core runs "
+                 "on a thread of the API process).", GC_PAUSES.total_seconds, s.gc_seconds),
+                ("gc_full_collections", "Full (generation 2) garbage collections, per process.",
+                 GC_PAUSES.collections[2], s.gc_full_collections)):
+            fam = CounterMetricFamily(P + name, doc, labels=[MODEL, "process"])
+            fam.add_metric([self.model, "api"], api)
+            fam.add_metric([self.model, "engine_core"], core)
+            yield fam
+        frozen = GaugeMetricFamily(P + "gc_frozen_objects", "Start-up objects frozen out of garbage collection, "
+                                   "per process.", labels=[MODEL, "process"])
+        frozen.add_metric([self.model, "api"], gc.get_freeze_count())
+        frozen.add_metric([self.model, "engine_core"], s.gc_frozen_objects)
+        yield frozen
         g = self.engine.served.grammar
         yield counter(P + "grammar_compiles", "Structured-output grammars compiled (cache misses).", g.num_compiles)
         yield counter(P + "grammar_compile_seconds", "Time spent compiling grammars.", g.compile_seconds)

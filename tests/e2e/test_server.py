@@ -307,3 +307,16 @@ def test_step_counters_in_metrics(env: Env) -> None:
     assert d["steps"] == MAX and d["step_sequences"] == MAX and d["mixed_steps"] == 1, d
     assert d["step_tokens"] == computed and d["step_seconds"] > 0, d
     assert after["xpulora:api_output_seconds_total"] > before["xpulora:api_output_seconds_total"]
+
+
+def test_startup_heap_frozen_and_gc_pauses_counted(env: Env) -> None:
+    """Both processes froze their start-up objects out of garbage collection (engine.gc_pauses), and /metrics
+    has each one's collection time and count (GcPauses itself: tests/unit/test_gc_pauses.py)."""
+    for i in range(4):
+        env.client.completions.create(model=env.base, prompt=list(range(200 + i, 230 + i)), max_tokens=MAX,
+                                      temperature=0)
+    after = env.srv.wait_idle()
+    for proc in ("api", "engine_core"):
+        key = f'{{process="{proc}"}}'
+        assert after["xpulora:gc_frozen_objects" + key] > 10_000, (proc, after["xpulora:gc_frozen_objects" + key])
+        assert after["xpulora:gc_seconds_total" + key] >= 0 and after["xpulora:gc_full_collections_total" + key] >= 0
