@@ -16,16 +16,16 @@ case "${1:-}" in
     python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" | tee -a "$OUT/env.txt"
     timeout 240 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/layers/test_lora_layers.py 2>&1 | tail -30 | tee "$OUT/kernel_tests.txt"
     timeout 120 python3 benchmarks/check_fla.py 2>&1 | tail -8 | tee "$OUT/fla.txt"
-    timeout 200 python3 benchmarks/gpu_engine_check.py 2>&1 | grep -v Warn | tail -12 | tee "$OUT/engine_check.txt"
+    timeout 200 python3 benchmarks/gpu_engine_check.py 2>&1 | grep --line-buffered -v Warn | tail -12 | tee "$OUT/engine_check.txt"
     ;;
   tp2)  # TP=2 vs TP=1 equality (4 layers) and full-depth decode speed, 2 GPUs
     timeout 570 python3 benchmarks/gpu_tp_check.py --skip collectives ${2:+--speed-shapes $2} 2>&1 \
-      | grep -E '^\{|Error|error' | tail -40 | tee "$OUT/tp.txt"
+      | grep --line-buffered -E '^\{|Error|error' | tail -40 | tee "$OUT/tp.txt"
     ;;
   tp2server)  # issue 21, 2 GPUs: TP=2 == TP=1 through the server (API + core + ranks), float32, 8B- and 27B-shaped
               # random int4 (4 layers) with two adapters, both LoRA modes; exit 1 on a difference
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    timeout 570 python3 benchmarks/gpu_tp_server_check.py 2>&1 | grep -E '^\{|PASS|FAIL|Error' | tee "$OUT/tp_server.txt"
+    timeout 570 python3 benchmarks/gpu_tp_server_check.py 2>&1 | grep --line-buffered -E '^\{|PASS|FAIL|Error' | tee "$OUT/tp_server.txt"
     grep -q "gpu_tp_server_check: PASS" "$OUT/tp_server.txt"
     ;;
   check)  # every GPU test and check, within the device's 10-minute call; ends with one PASS/FAIL line, exit 1 on FAIL
@@ -62,34 +62,34 @@ case "${1:-}" in
     ;;
   final)  # e2e decode (36 layers: batch 1 and 32 without adapters; 8 layers: batch x adapters with the peer), int4 table
     timeout 110 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 --adapters 0 --peer-cases "" \
-      --root /tmp/e2e36 2>&1 | grep -E '^\{|Error' | tee "$OUT/e2e36.txt"
+      --root /tmp/e2e36 2>&1 | grep --line-buffered -E '^\{|Error' | tee "$OUT/e2e36.txt"
     timeout 250 python3 benchmarks/bench_e2e.py --layers 8 --batches 1 8 32 64 --adapters 0 1 8 32 \
-      --peer-cases 32:32,8:8 --root /tmp/e2e8 2>&1 | grep -E '^\{|Error' | tee "$OUT/e2e8.txt"
-    timeout 110 python3 benchmarks/bench_int4.py --budget-ms 10 2>&1 | grep -E '^\{|Error' | tee "$OUT/int4.txt"
+      --peer-cases 32:32,8:8 --root /tmp/e2e8 2>&1 | grep --line-buffered -E '^\{|Error' | tee "$OUT/e2e8.txt"
+    timeout 110 python3 benchmarks/bench_int4.py --budget-ms 10 2>&1 | grep --line-buffered -E '^\{|Error' | tee "$OUT/int4.txt"
     ;;
   probe)  # CUDA tests of the changed kernels, int4 launch sweep, engine fast paths (one GPU)
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/env.txt"
     PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 120 python3 -m pytest -q -p no:cacheprovider -rf --tb=short \
       tests/kernels/test_fused.py tests/kernels/test_int4.py -k "(fused or split_k or accelerator) and not interpreter" \
       2>&1 | tail -25 | tee "$OUT/kernel_tests.txt"
-    timeout 150 python3 benchmarks/gpu_engine_check.py 2>&1 | grep -E '^\{|Error' | tee "$OUT/engine_check.txt"
-    timeout 220 python3 benchmarks/bench_int4.py --sweep --budget-ms 5 2>&1 | grep -E '^\{|Error' | tee "$OUT/sweep.txt"
+    timeout 150 python3 benchmarks/gpu_engine_check.py 2>&1 | grep --line-buffered -E '^\{|Error' | tee "$OUT/engine_check.txt"
+    timeout 220 python3 benchmarks/bench_int4.py --sweep --budget-ms 5 2>&1 | grep --line-buffered -E '^\{|Error' | tee "$OUT/sweep.txt"
     ;;
   e2e36)  # the whole e2e matrix at 36 layers with the peer (one engine per adapter count; not yet run)
     timeout 560 python3 benchmarks/bench_e2e.py --layers 36 --peer-cases 32:32,8:8 --root /tmp/e2e36m 2>&1 \
-      | grep -E '^\{|Error' | tee "$OUT/e2e36_matrix.txt"
+      | grep --line-buffered -E '^\{|Error' | tee "$OUT/e2e36_matrix.txt"
     ;;
   lora)  # where the adapters' time goes: 8 layers, batch 32, 0 / 1 / 32 adapters (one GPU)
     timeout 200 python3 benchmarks/profile_step.py --layers 8 --batches 32 --adapters 0 1 32 --top 12 2>&1 \
-      | grep -E '^\{|Error' | tee "$OUT/profile_lora.txt"
+      | grep --line-buffered -E '^\{|Error' | tee "$OUT/profile_lora.txt"
     ;;
   serve)  # the engine-core issue on one H200: fast paths vs reference (quick), then the server vs the offline loop vs
           # pure decode on the 36-layer model with 32 adapters (one model, one engine, one server)
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    timeout 150 python3 benchmarks/gpu_engine_check.py --quick --device cuda 2>&1 | grep -E '^\{|PASS|FAIL|Error' \
+    timeout 150 python3 benchmarks/gpu_engine_check.py --quick --device cuda 2>&1 | grep --line-buffered -E '^\{|PASS|FAIL|Error' \
       | tee "$OUT/engine_check.txt"
     timeout 420 python3 benchmarks/bench_serve.py --layers 36 --adapters 32 --batches 32 64 --requests 256 \
-      --new-tokens 128 --clients 4 --root /tmp/serve36 2>&1 | grep -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
+      --new-tokens 128 --clients 4 --root /tmp/serve36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
     tail -n 60 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
     ;;
   async)  # issue 14 after async scheduling, one H200: engine check (async == sync == reference; no implicit host sync in
@@ -98,7 +98,7 @@ case "${1:-}" in
     timeout 190 python3 benchmarks/gpu_engine_check.py --quick --device cuda > "$OUT/engine_check.txt" 2>&1
     grep -E '^\{|PASS|FAIL|Error' "$OUT/engine_check.txt"
     timeout 380 python3 benchmarks/bench_serve.py --layers 36 --adapters 32 --batches 32 64 --requests 256 \
-      --new-tokens 128 --clients 4 --sync-too --root /tmp/serve36 2>&1 | grep -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
+      --new-tokens 128 --clients 4 --sync-too --root /tmp/serve36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
     tail -n 40 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
     ;;
   int4)  # issue 18: the int4 kernels side by side with bf16 (new triton_mma sweep, old Triton, native, dequant), every
@@ -113,7 +113,7 @@ case "${1:-}" in
   serve64)  # the serving run at concurrency 64 only (the last minutes of a session)
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     timeout 290 python3 benchmarks/bench_serve.py --layers 36 --adapters 32 --batches 64 --requests 256 \
-      --new-tokens 128 --clients 4 --sync-too --root /tmp/serve36 2>&1 | grep -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
+      --new-tokens 128 --clients 4 --sync-too --root /tmp/serve36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
     ;;
   plan)  # where the loop's time goes on the serving plan, async scheduling on and off, and its implicit host syncs
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -124,23 +124,23 @@ case "${1:-}" in
   lora-fill)  # issue 14: one rank-16 adapter's slot fill at 36 Qwen3-8B layers, per-slice copies vs the packed fill
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/layers/test_lora_slots.py 2>&1 | tail -3 | tee "$OUT/fill_tests.txt"
-    timeout 200 python3 benchmarks/bench_lora_fill.py --layers 36 --rank 16 --r-max 16 2>&1 | grep -E '^\{|Error' \
+    timeout 200 python3 benchmarks/bench_lora_fill.py --layers 36 --rank 16 --r-max 16 2>&1 | grep --line-buffered -E '^\{|Error' \
       | tee "$OUT/fill.txt"
     ;;
   lora-kernels)  # issue 18: LoRA kernel tests on CUDA, then the per-layer table and 36-layer step lines vs bytes
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_lora_triton.py tests/layers/test_lora_layers.py \
       tests/layers/test_lora_triton_wrappers.py 2>&1 | tail -4 | tee "$OUT/lora_tests.txt"
-    timeout 220 python3 benchmarks/bench_lora.py --tokens 32 --adapters 1 32 --no-peers 2>&1 | grep -E '^\{|Error' \
+    timeout 220 python3 benchmarks/bench_lora.py --tokens 32 --adapters 1 32 --no-peers 2>&1 | grep --line-buffered -E '^\{|Error' \
       | tee "$OUT/lora_kernels.txt"
     ;;
   lora-sweep)  # issue 18: launch parameters one at a time (${2:-split}: split or fused), decode, 32 tokens
     timeout 230 python3 benchmarks/bench_lora.py --sweep --variants "${2:-split}" --lora-dtypes model 2>&1 \
-      | grep -E '^\{|Error' | tee "$OUT/lora_sweep_${2:-split}.txt"
+      | grep --line-buffered -E '^\{|Error' | tee "$OUT/lora_sweep_${2:-split}.txt"
     ;;
   lora-e2e)  # issue 18: 36 layers, batch 32, 0 and 32 adapters, bf16 and fp8 storage (XPULORA_LORA_CONFIG=fused=1 for the other variant)
     timeout 230 python3 benchmarks/bench_e2e.py --layers 36 --batches 32 --adapters 0 32 --lora-dtypes auto fp8 \
-      --peer-cases "" --root /tmp/e2e36l 2>&1 | grep -E '^\{|Error' | tee "$OUT/lora_e2e${XPULORA_LORA_CONFIG:+_tuned}.txt"
+      --peer-cases "" --root /tmp/e2e36l 2>&1 | grep --line-buffered -E '^\{|Error' | tee "$OUT/lora_e2e${XPULORA_LORA_CONFIG:+_tuned}.txt"
     ;;
   kernels18)  # issue 18 in one call: the int4 table vs bf16 (every launch shape, fold included, checked: exit 1 on
               # mismatch), the mma kernel's and the tuner's tests on CUDA, the LoRA per-layer table vs its bytes
@@ -157,11 +157,11 @@ case "${1:-}" in
             # (bf16 and fp8 storage); the 64-layer 27B-shaped hybrid at TP=1 (batch 1 and 32, graphs, tuned int4)
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     timeout 110 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 --adapters 0 --int4-kernel auto \
-      --peer-cases "" --root /tmp/e2e36l 2>&1 | grep -E '^\{|Error' | tee "$OUT/e2e36_auto.txt"
+      --peer-cases "" --root /tmp/e2e36l 2>&1 | grep --line-buffered -E '^\{|Error' | tee "$OUT/e2e36_auto.txt"
     timeout 220 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 --adapters 0 32 --lora-dtypes auto fp8 \
-      --int4-kernel tuned --peer-cases "" --root /tmp/e2e36l 2>&1 | grep -E '^\{|Error' | tee "$OUT/e2e36_tuned.txt"
+      --int4-kernel tuned --peer-cases "" --root /tmp/e2e36l 2>&1 | grep --line-buffered -E '^\{|Error' | tee "$OUT/e2e36_tuned.txt"
     timeout 220 python3 benchmarks/gpu_tp_check.py --layers 1 --skip collectives equal --tp-sizes 1 --int4-kernel tuned \
-      --speed-shapes 27b 2>&1 | grep -E '^\{|Error|error' | tee "$OUT/tp1_27b.txt"
+      --speed-shapes 27b 2>&1 | grep --line-buffered -E '^\{|Error|error' | tee "$OUT/tp1_27b.txt"
     ;;
   ncu18)  # issue 18: Nsight Compute on one launch each of the copy, bf16, native and mma int4 kernels (M = 1, 16)
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -176,7 +176,7 @@ case "${1:-}" in
   serve18)  # issue 14 after the tuned int4 default: the server vs the offline loop vs pure decode, 36 layers, 32 adapters
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     timeout 520 python3 benchmarks/bench_serve.py --layers 36 --adapters 32 --batches 32 64 --requests 256 \
-      --new-tokens 128 --clients 4 --root /tmp/serve36 2>&1 | grep -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
+      --new-tokens 128 --clients 4 --root /tmp/serve36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
     tail -n 40 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
     ;;
   *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|serve18|tp2server"; exit 2 ;;

@@ -30,6 +30,7 @@ from engine.device import core_threads, detect
 from engine.errors import AdapterError, EngineDeadError, RequestError
 from engine.gc_pauses import PROCESS, GcPauses, freeze_startup_heap
 from engine.llm_engine import LLMEngine
+from engine.loader import thread_locked_progress
 from engine.messages import (
     Abort,
     Accepted,
@@ -231,6 +232,7 @@ def core_main(config: EngineConfig, in_addr: str, out_addr: str, progress: bool)
         signal.signal(sig, signal.SIG_IGN)
     alive, parent_fd = parent_watch()
     _set_threads(config)
+    thread_locked_progress()
     ctx = zmq.Context()
     inbox, outbox = _sockets(ctx, in_addr, out_addr)
     enc = encoder()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,13 @@ class CheckpointInfo:
         """The language model's fields (vocab, lengths, eos), wherever the export puts them."""
         return text_config(self.hf_config)
 
+
+
+def thread_locked_progress() -> None:
+    """tqdm's bars share a multiprocessing lock (a named semaphore) by default, which a process that ends with
+    os._exit, as the engine core and the TP ranks do, leaves to the resource tracker ("1 leaked semaphore" at
+    shutdown). Those processes write their bars from one process: a thread lock is enough."""
+    tqdm.set_lock(threading.RLock())
 
 def read_hf_config(path: str) -> dict[str, Any]:
     cfg_path = os.path.join(path, "config.json")

@@ -25,7 +25,7 @@ from engine.device import DeviceKind, check_tp_fits, detect, device_count, dist_
 from engine.distributed import destroy_tp, init_tp
 from engine.errors import EngineDeadError
 from engine.gc_pauses import freeze_startup_heap
-from engine.loader import CheckpointInfo, inspect_checkpoint
+from engine.loader import CheckpointInfo, inspect_checkpoint, thread_locked_progress
 from engine.lora.adapter import LoRAAdapter
 from engine.model_runner import KVCacheSpec, ModelRunner
 from engine.sampler import SamplerOutput, StepFuture
@@ -107,6 +107,7 @@ def _threads_per_rank(kind: DeviceKind, size: int) -> int:
 def _worker_main(config: EngineConfig, max_model_len: int, rank: int, size: int, init_method: str,
                  conn: Connection) -> None:
     try:
+        thread_locked_progress()
         kind = detect(config.parallel.device)
         torch.set_num_threads(_threads_per_rank(kind, size))
         device = rank_device(kind, rank)

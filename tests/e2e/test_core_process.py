@@ -129,3 +129,20 @@ def test_64_streams_over_4_adapters_during_churn_equal_offline(tmp_path: Path) -
         assert not _maps_torch(srv.proc.pid), "the API process loaded torch"
     finally:
         srv.stop()
+
+
+def test_sigterm_exits_cleanly_and_leaks_no_semaphore(tmp_path: Path) -> None:
+    """A drained SIGTERM: exit 0, and the multiprocessing resource tracker finds nothing left behind (tqdm's
+    default lock in the engine core, which ends with os._exit, used to leave a named semaphore)."""
+    srv = _start(tmp_path)
+    try:
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        base = httpx.get(srv.url + "/v1/models", headers=auth, timeout=10).json()["data"][0]["id"]
+        r = httpx.post(srv.url + "/v1/completions", headers=auth, timeout=60,
+                       json={"model": base, "prompt": "abc", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    finally:
+        code = srv.stop()
+    log = (tmp_path / "server.log").read_text()
+    assert code == 0, log[-2000:]
+    assert "leaked" not in log, log[-2000:]
