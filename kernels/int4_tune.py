@@ -145,14 +145,15 @@ class Shape:
 
 def _mma_variants(m: int, k: int, n: int, g: int, fold: bool = False) -> list[MmaConfig]:
     """The rule's launch shape and a few neighbours (wider N tile, half / double the K split, more stages); a
-    token tile of 128 for large M; with `fold` (16-bit activations), up to 64 rows, the rule's shape and its double
-    split also with the zero points off the accumulator (kernels.int4_mma's FOLD)."""
+    token tile of 128 for large M; with `fold` (16-bit activations), up to 16 rows, the rule's shape and its double
+    split also with the zero points off the accumulator (kernels.int4_mma's FOLD: 1-20 % faster there on the H200,
+    slower at 32 and 64 rows on every shape measured, docs/PERFORMANCE.md)."""
     base = mma_config(m, k, n, g)
     out = [base, replace(base, block_n=128, split_k=max(1, base.split_k // 2)), replace(base, num_stages=4),
            replace(base, split_k=base.split_k * 2)]
     if m > 64:
         out.append(replace(base, block_t=128, block_n=128, num_warps=8))
-    elif fold:
+    elif fold and m <= 16:
         out += [replace(base, fold=True), replace(base, split_k=base.split_k * 2, fold=True)]
     return list(dict.fromkeys(c for c in out if c.fits(m, k, n, g)))
 
