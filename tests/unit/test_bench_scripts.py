@@ -175,3 +175,15 @@ def test_gpu_tp_server_check_quick(tmp_path: Path) -> None:
     rows = _run("gpu_tp_server_check.py", tmp_path, "--device", "cpu", "--shapes", "8b", "--prompts", "1")
     checks = [r for r in rows if "check" in r]
     assert len(checks) == 4 and all(r["ok"] for r in checks), checks
+
+
+def test_stalls_cpu() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "stalls_cpu.py")], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    gc_rows = {r["process"]: r for r in rows if r["stall"] == "gc"}
+    assert set(gc_rows) == {"engine", "api"}, rows
+    assert all(r["frozen"] > 10_000 and len(r["full_gc_ms"]) == 3 for r in gc_rows.values()), rows
+    client = [r for r in rows if r["stall"] == "client"]
+    assert len(client) == 2 and all(len(r["rounds_of_8_streams_ms"]) == 4 for r in client), rows
