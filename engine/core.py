@@ -73,10 +73,10 @@ class EngineCore:
         self.failed = False
         self._got = False  # a message arrived this iteration: send fresh stats
         self.idle_seconds = 0.0
-        # this process's collections when it is the engine-core process; on a thread of the API process its count
-        # covers the core's
-        self.gc = gc_pauses or GcPauses()
         """Time blocked on the inbox with nothing to run (the rest of the loop outside steps moves messages)."""
+        # this process's collections when it is the engine-core process; on a thread of the API process, the API
+        # process's count covers the core's
+        self.gc = gc_pauses or GcPauses()
 
     def send(self, msg: Outbound) -> None:
         self.outbox.send(self._enc.encode(msg))

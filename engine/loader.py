@@ -48,12 +48,12 @@ class CheckpointInfo:
         return text_config(self.hf_config)
 
 
-
 def thread_locked_progress() -> None:
     """tqdm's bars share a multiprocessing lock (a named semaphore) by default, which a process that ends with
     os._exit, as the engine core and the TP ranks do, leaves to the resource tracker ("1 leaked semaphore" at
     shutdown). Those processes write their bars from one process: a thread lock is enough."""
     tqdm.set_lock(threading.RLock())
+
 
 def read_hf_config(path: str) -> dict[str, Any]:
     cfg_path = os.path.join(path, "config.json")

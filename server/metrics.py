@@ -74,20 +74,22 @@ class _EngineCollector(Collector):
                       s.idle_seconds)
         yield counter(P + "api_output_seconds", "API-process time turning engine outputs into text.",
                       self.engine.output_seconds)
-        for name, doc, api, core in (
-                ("gc_seconds", "Time in Python garbage collection, per process (engine_core: 0 when the core runs "
-                 "on a thread of the API process).", GC_PAUSES.total_seconds, s.gc_seconds),
-                ("gc_full_collections", "Full (generation 2) garbage collections, per process.",
-                 GC_PAUSES.collections[2], s.gc_full_collections)):
-            fam = CounterMetricFamily(P + name, doc, labels=[MODEL, "process"])
+        def per_process(fam: CounterMetricFamily | GaugeMetricFamily, api: float, core: float
+                        ) -> CounterMetricFamily | GaugeMetricFamily:
             fam.add_metric([self.model, "api"], api)
             fam.add_metric([self.model, "engine_core"], core)
-            yield fam
-        frozen = GaugeMetricFamily(P + "gc_frozen_objects", "Start-up objects frozen out of garbage collection, "
-                                   "per process.", labels=[MODEL, "process"])
-        frozen.add_metric([self.model, "api"], gc.get_freeze_count())
-        frozen.add_metric([self.model, "engine_core"], s.gc_frozen_objects)
-        yield frozen
+            return fam
+
+        procs = [MODEL, "process"]
+        yield per_process(CounterMetricFamily(P + "gc_seconds", "Time in Python garbage collection, per process "
+                                              "(engine_core: 0 when the core runs on a thread of the API process).",
+                                              labels=procs), GC_PAUSES.total_seconds, s.gc_seconds)
+        yield per_process(CounterMetricFamily(P + "gc_full_collections", "Full (generation 2) garbage collections, "
+                                              "per process.", labels=procs),
+                          GC_PAUSES.collections[2], s.gc_full_collections)
+        yield per_process(GaugeMetricFamily(P + "gc_frozen_objects", "Start-up objects frozen out of garbage "
+                                            "collection, per process.", labels=procs),
+                          gc.get_freeze_count(), s.gc_frozen_objects)
         g = self.engine.served.grammar
         yield counter(P + "grammar_compiles", "Structured-output grammars compiled (cache misses).", g.num_compiles)
         yield counter(P + "grammar_compile_seconds", "Time spent compiling grammars.", g.compile_seconds)
