@@ -11,7 +11,6 @@ tensor-parallel rank dies. It runs in its own process (`core_main`) or, in-proce
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import queue
@@ -184,7 +183,7 @@ class EngineCore:
         return Stats(len(e.scheduler.running), len(e.scheduler.waiting), e.blocks.usage, e.num_preemptions,
                      e.blocks.num_queries, e.blocks.num_hits, tuple(sorted(running)), tuple(sorted(waiting)), *counts,
                      time.time(), msgspec.structs.replace(e.steps), self.idle_seconds, self.gc.total_seconds,
-                     self.gc.collections[2], gc.get_freeze_count())
+                     self.gc.collections[2], self.gc.frozen_objects)
 
 
 def ready(llm: LLMEngine) -> Ready:

@@ -9,7 +9,6 @@ Extension, Grafana boards) read them unchanged. `lora_requests_info` has vLLM's 
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Iterator
 
@@ -89,7 +88,7 @@ class _EngineCollector(Collector):
                           GC_PAUSES.collections[2], s.gc_full_collections)
         yield per_process(GaugeMetricFamily(P + "gc_frozen_objects", "Start-up objects frozen out of garbage "
                                             "collection, per process.", labels=procs),
-                          gc.get_freeze_count(), s.gc_frozen_objects)
+                          GC_PAUSES.frozen_objects, s.gc_frozen_objects)
         g = self.engine.served.grammar
         yield counter(P + "grammar_compiles", "Structured-output grammars compiled (cache misses).", g.num_compiles)
         yield counter(P + "grammar_compile_seconds", "Time spent compiling grammars.", g.compile_seconds)

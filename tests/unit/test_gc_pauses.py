@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import gc
 
-from engine.gc_pauses import GcPauses, freeze_startup_heap
+from engine.gc_pauses import PROCESS, GcPauses, freeze_startup_heap
 
 
 def test_counts_and_times_each_generation() -> None:
@@ -36,6 +36,7 @@ def test_freeze_moves_survivors_out_of_full_collections() -> None:
     try:
         frozen = freeze_startup_heap()
         assert frozen >= len(keep) and gc.get_freeze_count() == frozen
+        assert PROCESS.frozen_objects == frozen  # kept: the per-step stats must not walk the frozen list again
         tracked = len(gc.get_objects(generation=2))
         assert tracked < frozen  # the permanent generation is not what a full collection walks
     finally:
