@@ -144,6 +144,8 @@ class ReferenceLoRABatch(LoRABatch):
         self._plans: dict[tuple[tuple[int, ...], int, int, int], torch.Tensor | None] = {}
         """Per slice layout (ranks of slots lo..hi, r_max, in, out): the dense form's mask, or None where the
         grouped form is cheaper. Decided once per step for all the layers of that layout."""
+        self._masks: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
+        """The masks by (ranks, r_max) alone: the slices of different widths (q, k, v, o, ...) share one."""
         self._lo = min((s for s, _ in rows), default=0)
         self._hi = max((s for s, _ in rows), default=-1)
         if rows and all(isinstance(r, slice) for _, r in rows):  # the adapter rows are one span (runner order)
@@ -192,9 +194,16 @@ class ReferenceLoRABatch(LoRABatch):
         return dense < grouped
 
     def _plan(self, a: torch.Tensor, b: torch.Tensor, ranks: list[int], ranks_dev: torch.Tensor) -> torch.Tensor | None:
-        key = (tuple(ranks[self._lo:self._hi + 1]), a.size(1), a.size(-1), b.size(1))
+        own = tuple(ranks[self._lo:self._hi + 1])
+        key = (own, a.size(1), a.size(-1), b.size(1))
         if key not in self._plans:
-            self._plans[key] = self._mask(ranks_dev, a.size(1)) if self._dense_pays(a, b, ranks) else None
+            mask = None
+            if self._dense_pays(a, b, ranks):
+                mkey = (own, a.size(1))
+                mask = self._masks.get(mkey)
+                if mask is None:
+                    mask = self._masks[mkey] = self._mask(ranks_dev, a.size(1))
+            self._plans[key] = mask
         return self._plans[key]
 
     def _add_dense(self, y: torch.Tensor, xs: torch.Tensor, a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor,
