@@ -41,3 +41,30 @@ def test_freeze_moves_survivors_out_of_full_collections() -> None:
         assert tracked < frozen  # the permanent generation is not what a full collection walks
     finally:
         gc.unfreeze()  # the test process's heap goes back to normal collection
+
+
+def test_adapter_loaded_before_the_freeze_is_freed_on_unload() -> None:
+    """The engine core freezes its heap with the start-up adapters (--lora-modules) in it: unloading one must
+    still free it (by reference count: a frozen object in a cycle would never be collected)."""
+    import weakref
+    from pathlib import Path
+
+    from engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams
+    from engine.config import LoRAConfig
+
+    demo = Path(__file__).resolve().parents[2] / "demo"
+    cfg = EngineConfig(ModelConfig(str(demo / "model"), dtype="float32", max_model_len=256),
+                       lora=LoRAConfig(enable_lora=True, max_loras=2, max_lora_rank=16,
+                                       lora_modules=(("upper", str(demo / "adapters" / "upper")),)))
+    with LLMEngine(cfg) as e:
+        e.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0.0), ["upper"])  # in a slot too
+        assert e.lora is not None
+        aid = e.lora.resolve("upper")
+        assert aid is not None
+        ref = weakref.ref(e.lora._host[aid])
+        try:
+            freeze_startup_heap()
+            e.unload_lora_adapter("upper")
+            assert ref() is None, "the unloaded adapter is still alive"
+        finally:
+            gc.unfreeze()
