@@ -31,6 +31,8 @@ from engine.errors import (
     OverloadedError,
     RequestError,
 )
+from engine.gc_pauses import PROCESS as GC_PAUSES
+from engine.gc_pauses import freeze_startup_heap
 from engine.lora.adapter import validate_name
 from engine.lora.adapter_files import resolve_under_roots
 from engine.protocol import ErrorKind, RequestOutput, SamplingParams, StructuredSpec, TokenLogprob
@@ -59,6 +61,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DEVICE_CHOICES",
+    "GC_PAUSES",
     "JSON_OPTIONS",
     "AdapterError",
     "AdapterNotFoundError",
@@ -91,6 +94,7 @@ __all__ = [
     "StructuredSpec",
     "TokenLogprob",
     "check_device",
+    "freeze_startup_heap",
     "resolve_under_roots",
     "validate_name",
 ]

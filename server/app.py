@@ -30,9 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine import CheckpointError, EngineClient, EngineConfig, EngineCoreExitedError
-from engine.gc_pauses import PROCESS as GC_PAUSES
-from engine.gc_pauses import freeze_startup_heap
+from engine import GC_PAUSES, CheckpointError, EngineClient, EngineConfig, EngineCoreExitedError, freeze_startup_heap
 from server.adapters import router as adapters_router
 from server.chat_tools import ChatOptions, think_close_id
 from server.cli_args import VERSION

@@ -16,8 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine import EngineClient, RequestOutput
-from engine.gc_pauses import PROCESS as GC_PAUSES
+from engine import GC_PAUSES, EngineClient, RequestOutput
 
 P = "xpulora:"
 VLLM = "vllm:"
