@@ -79,7 +79,7 @@ def offline(e: LLMEngine, reqs: list[Req], concurrency: int, texts: list[str] | 
         add()
     e.device.synchronize()
     c0 = msgspec.structs.replace(e.steps)
-    gc = GcPauses().install()  # this process's collections (an offline engine's caller's heap is not frozen)
+    pauses = GcPauses().install()  # this process's collections (an offline engine's caller's heap is not frozen)
     t0 = time.perf_counter()
     while e.has_unfinished():
         for out in e.step():
@@ -90,12 +90,12 @@ def offline(e: LLMEngine, reqs: list[Req], concurrency: int, texts: list[str] | 
         steps += 1
     e.device.synchronize()
     dt = time.perf_counter() - t0
-    gc.uninstall()
+    pauses.uninstall()
     tokens = sum(r.max_tokens for r in reqs)
     c = e.steps
     core = step_summary(c.steps - c0.steps, c.sequences - c0.sequences, c.tokens - c0.tokens, c.mixed - c0.mixed,
                         c.seconds - c0.seconds, dt)
-    core |= {"gc_ms": round(1e3 * gc.total_seconds, 1), "gc_full": gc.collections[2]}
+    core |= {"gc_ms": round(1e3 * pauses.total_seconds, 1), "gc_full": pauses.collections[2]}
     return {"offline_tokens_per_s": tokens / dt, "offline_ms_per_step": 1e3 * dt / steps, "offline_steps": steps,
             "offline_core": core}
 
@@ -240,13 +240,16 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
     errors = [st.error for st in streams if st.error]
     wrong = sum(st.tokens != r.max_tokens for st, r in zip(streams, reqs) if not st.error)
     ttft = [st.ttft for st in streams if st.ttft is not None]
-    # after the opening burst: the requests each stream sends once its first has ended (request i of a client
-    # with c streams is among its opening burst for i < c)
+    # the opening burst: request i of a client with c streams is among its first requests for i < c; the rest
+    # are sent once an earlier one has ended
     per_client = max(1, concurrency // clients)
-    steady = [st.ttft for idx in parts for pos, j in enumerate(idx)
-              if pos >= per_client and (st := streams[j]).ttft is not None]
-    burst = sorted(st.ttft for idx in parts for pos, j in enumerate(idx)
-                   if pos < per_client and (st := streams[j]).ttft is not None)
+    burst: list[float] = []
+    steady: list[float] = []
+    for idx in parts:
+        for pos, j in enumerate(idx):
+            if (t := streams[j].ttft) is not None:
+                (burst if pos < per_client else steady).append(t)
+    burst.sort()
     gaps = [g for st in streams for g in st.gaps]
     return {"server_tokens_per_s": sum(st.tokens for st in streams) / dt, "clients": clients, "server_core": core,
             "client_cpu": round(max(cpu for _, cpu, _ in done) / dt, 3),

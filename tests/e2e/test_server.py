@@ -319,4 +319,4 @@ def test_startup_heap_frozen_and_gc_pauses_counted(env: Env) -> None:
     for proc in ("api", "engine_core"):
         key = f'{{process="{proc}"}}'
         assert after["xpulora:gc_frozen_objects" + key] > 10_000, (proc, after["xpulora:gc_frozen_objects" + key])
-        assert after["xpulora:gc_seconds_total" + key] >= 0 and after["xpulora:gc_full_collections_total" + key] >= 0
+        assert "xpulora:gc_seconds_total" + key in after and "xpulora:gc_full_collections_total" + key in after
