@@ -40,11 +40,13 @@ from benchmarks.timing import default_device, device_sync, graph_time_us, time_u
 from kernels import triton_env
 from kernels.int4 import (
     INT4_BACKENDS,
+    GemvConfig,
     Int4Layout,
     MmaConfig,
     PreparedInt4,
     TritonInt4Config,
     dequant_triton,
+    gemv_config,
     int4_mm,
     mma_config,
     native_supported,
@@ -52,6 +54,8 @@ from kernels.int4 import (
     triton_config,
     triton_mm,
 )
+from kernels.int4_gemv import GEMV_MAX_ROWS
+from kernels.int4_tune import _gemv_variants
 from kernels.reference import dequant_int4, pack_int4_cols, pack_int4_rows
 
 SHAPES_8B = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)]
@@ -106,7 +110,10 @@ def mma_sweep(m: int, k: int, n: int) -> list[MmaConfig]:
                               if c.fits(m, k, n, GROUP)))
 
 
-def cfg_name(c: MmaConfig | TritonInt4Config) -> str:
+def cfg_name(c: MmaConfig | TritonInt4Config | GemvConfig) -> str:
+    if isinstance(c, GemvConfig):
+        pf = "" if c.prefetch else " noprefetch"
+        return f"{c.block_n}x{c.block_kw} s{c.split_k} w{c.num_warps} st{c.num_stages}{pf}"
     a = (c.block_n, c.block_t, c.block_k) if isinstance(c, MmaConfig) else (c.block_m, c.block_n, c.block_k)
     fold = " fold" if isinstance(c, MmaConfig) and c.fold else ""
     return f"{a[0]}x{a[1]}x{a[2]} s{c.split_k} w{c.num_warps} st{c.num_stages}{fold}"
@@ -142,7 +149,8 @@ def run_shape(dev: torch.device, k: int, n: int, ms: list[int], methods: list[st
     ref_w = dequant_int4(*ckpts[0], GROUP, 1, dtype=torch.float32)  # [K, N]
     prepared: dict[str, list[PreparedInt4]] = {}
     for meth in methods:
-        backend = {"native": f"native_{dev.type}", "dequant": "triton", "mma": "triton_mma"}.get(meth, meth)
+        backend = {"native": f"native_{dev.type}", "dequant": "triton", "mma": "triton_mma",
+                   "gemv": "triton_gemv"}.get(meth, meth)
         if native_supported(backend, layout, dtype):  # type: ignore[arg-type]
             prepared[meth] = [prepare_int4(*c, layout, backend, dtype=dtype) for c in ckpts]  # type: ignore[arg-type]
     w_bytes = k * n // 2 + ckpts[0][2].numel() * 2 + ckpts[0][1].numel() * 4
@@ -169,20 +177,23 @@ def run_shape(dev: torch.device, k: int, n: int, ms: list[int], methods: list[st
             if meth == "native" and m > NATIVE_MAX_M:
                 rec["native_us"] = None
                 continue
-            if meth == "mma":
+            if meth in ("mma", "gemv"):
+                if meth == "gemv" and m > GEMV_MAX_ROWS:
+                    continue
                 sweep = {}
-                for c in mma_sweep(m, k, n):
-                    us = time_it(f"mma[{cfg_name(c)}]", lambda w, c=c: int4_mm(x, replace(w, config=c)), ws)
+                configs = mma_sweep(m, k, n) if meth == "mma" else _gemv_variants(k, n, GROUP)
+                for c in configs:
+                    us = time_it(f"{meth}[{cfg_name(c)}]", lambda w, c=c: int4_mm(x, replace(w, config=c)), ws)
                     if us is not None:
                         sweep[cfg_name(c)] = round(us, 2)
-                rec["mma_sweep"] = dict(sorted(sweep.items(), key=lambda t: t[1]))
-                rule = cfg_name(mma_config(m, k, n, GROUP))
-                rec["mma_rule"], rec["mma_rule_us"] = rule, sweep.get(rule)
+                rec[f"{meth}_sweep"] = dict(sorted(sweep.items(), key=lambda t: t[1]))
+                rule = cfg_name(mma_config(m, k, n, GROUP) if meth == "mma" else gemv_config(m, k, n, GROUP))
+                rec[f"{meth}_rule"], rec[f"{meth}_rule_us"] = rule, sweep.get(rule)
                 if sweep:
                     best = min(sweep.values())
-                    rec["mma_best"], rec["mma_us"] = min(sweep, key=sweep.__getitem__), best
-                    rec["mma_GBps"] = round((w_bytes + act) / best / 1e3, 1)
-                    timed["mma"] = best
+                    rec[f"{meth}_best"], rec[f"{meth}_us"] = min(sweep, key=sweep.__getitem__), best
+                    rec[f"{meth}_GBps"] = round((w_bytes + act) / best / 1e3, 1)
+                    timed[meth] = best
                 continue
             if meth == "dequant":
                 fn: Callable[[object], object] = lambda w: x @ dequant_triton(
@@ -221,7 +232,7 @@ def target(m: int) -> tuple[str, Callable[[float], bool]] | None:
 
 
 def print_table(recs: list[dict]) -> tuple[int, int]:
-    cols = ["native", "triton", "mma", "dequant"]
+    cols = ["native", "triton", "mma", "gemv", "dequant"]
     print(f"\n{'K x N':>13} {'M':>5} {'bf16':>8} " + " ".join(f"{c:>8}" for c in cols)
           + f" {'best':>8} {'best/bf16':>10}  target")
     passed = total = 0
@@ -244,7 +255,7 @@ def tuner_tables(dev: torch.device, shapes: list[tuple[int, int]]) -> None:
     """The tuned dispatch as the engine runs it (its timer: engine.device's graph replays) on a few shapes."""
     from kernels.int4_tune import Shape, measure
 
-    backends = [f"native_{dev.type}", "triton_mma", "triton", "dequant"]
+    backends = [f"native_{dev.type}", "triton_gemv", "triton_mma", "triton", "dequant"]
     try:
         from engine.device import Device  # the engine package needs its wheels (tools/device_wheels.sh)
 
@@ -311,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     if f"native_{dev.type}" in INT4_BACKENDS:
         methods.append("native")
     if triton_env.usable_on(dev.type):
-        methods += ["triton", "mma", "dequant"]
+        methods += ["triton", "mma", "gemv", "dequant"]
     else:
         print(f"# triton not usable on {dev} (CPU: set TRITON_INTERPRET=1): no triton columns", file=sys.stderr)
     checker = Checker()

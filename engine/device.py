@@ -202,7 +202,7 @@ class Device:
             return requested
         if self.kind == "cpu":
             return "tuned:native_cpu,reference"
-        return f"tuned:native_{self.kind},triton_mma,triton,dequant"
+        return f"tuned:native_{self.kind},triton_gemv,triton_mma,triton,dequant"
 
     def product_name(self) -> str:
         """The device's model name (keys tuned kernel tables: the same for every rank of one model of GPU)."""

@@ -91,7 +91,10 @@ def check_int4(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.de
     def mm(backend: str) -> torch.Tensor:
         if backend == DEQUANT:
             return x @ dequant_triton(qw, qz, scales, s.int4_group, s.int4_zero_offset, dtype)
-        return int4_mm(x, prepare_int4(qw, qz, scales, layout, backend, dtype=dtype))  # type: ignore[arg-type]
+        w = prepare_int4(qw, qz, scales, layout, backend, dtype=dtype)  # type: ignore[arg-type]
+        if backend == "triton_gemv":  # its own kernel takes one row (more go to the triton kernel): row by row
+            return torch.cat([int4_mm(x[i:i + 1], w) for i in range(x.shape[0])])
+        return int4_mm(x, w)
 
     def runs_here(backend: str) -> bool:
         return native_supported("triton" if backend == DEQUANT else backend, layout, dtype)  # type: ignore[arg-type]

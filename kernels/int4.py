@@ -11,6 +11,8 @@ Backends (each checked against kernels.reference.int4_matmul by tests/kernels/te
   triton       our Triton kernels (kernels.int4_triton), reading qweight / packed qzeros / scales as stored
   triton_mma   our Triton kernel for decode batches (kernels.int4_mma) on weights repacked at prepare time into
                MMA-fragment order, zero points unpacked to uint8
+  triton_gemv  our Triton kernel for one row on CUDA cores (kernels.int4_gemv) on the "triton" tensors as stored;
+               more rows go to the "triton" kernel on the same tensors
 This module never picks a device: the caller (engine/device.py) chooses the backend; a native backend
 only accepts tensors on the device its name says.
 """
@@ -23,6 +25,7 @@ from typing import Literal, get_args
 
 import torch
 
+from kernels.int4_gemv import GEMV_MAX_ROWS, GemvConfig, gemv_config, gemv_mm
 from kernels.int4_mma import MmaConfig, mma_config, mma_meta, mma_mm, repack_mma
 from kernels.int4_triton import TritonInt4Config, dequant_triton, triton_config, triton_mm
 from kernels.reference import dequant_int4, unpack_int4_cols, unpack_int4_rows
@@ -30,12 +33,14 @@ from kernels.triton_env import FLOATS, usable
 
 __all__ = [
     "INT4_BACKENDS",
+    "GemvConfig",
     "Int4Backend",
     "Int4Layout",
     "MmaConfig",
     "PreparedInt4",
     "TritonInt4Config",
     "dequant_triton",
+    "gemv_config",
     "int4_mm",
     "mma_config",
     "native_supported",
@@ -44,7 +49,7 @@ __all__ = [
     "triton_mm",
 ]
 
-Int4Backend = Literal["reference", "native_cpu", "native_cuda", "native_xpu", "triton", "triton_mma"]
+Int4Backend = Literal["reference", "native_cpu", "native_cuda", "native_xpu", "triton", "triton_mma", "triton_gemv"]
 INT4_BACKENDS: tuple[Int4Backend, ...] = get_args(Int4Backend)
 
 _TINYGEMM_GROUPS = (32, 64, 128, 256)  # what the CPU and CUDA int4pack ops accept (TORCH_CHECK in aten)
@@ -88,7 +93,8 @@ class PreparedInt4:
     [N/8, K/(16*t), 32, t/2]; native_xpu -> int32 [N, K/8]; triton -> the checkpoint's qweight [K/8, N];
     triton_mma -> int32 [N/16, K/32, 2, 32] (kernels.int4_mma.repack_mma).
     scales / zeros: triton -> scales [K/G, N] and packed qzeros [K/G, N/8]; native_xpu -> scales
-    [K/G, N] (dtype) and int8 zero points [K/G, N]. scales_and_zeros: native_cpu/cuda [K/G, N, 2];
+    [K/G, N] (dtype) and int8 zero points [K/G, N]; triton_gemv -> the triton tensors.
+    scales_and_zeros: native_cpu/cuda [K/G, N, 2];
     triton_mma int32 [K/G, N], the fp16 scale's bits | zero point << 16 (kernels.int4_mma.mma_meta).
     """
 
@@ -99,7 +105,7 @@ class PreparedInt4:
     scales: torch.Tensor | None = None
     zeros: torch.Tensor | None = None
     scales_and_zeros: torch.Tensor | None = None
-    config: MmaConfig | TritonInt4Config | None = None
+    config: MmaConfig | TritonInt4Config | GemvConfig | None = None
     """Launch shape of the Triton backends (None: the backend's rule); a tuned dispatch keeps copies of one
     PreparedInt4 that differ only here (dataclasses.replace shares the tensors)."""
 
@@ -144,6 +150,7 @@ def native_supported(backend: Int4Backend, layout: Int4Layout, dtype: torch.dtyp
     native_xpu:  group % 32 == 0, dtype f16/bf16 (oneDNN u4 weights, s8 zero points).
     triton:      group % 16 == 0 (a K tile never straddles two groups), dtype f32/bf16/f16.
     triton_mma:  group % 32 == 0, N % 16 == 0 (the repacked block is 16 outputs x 32 inputs), dtype f32/bf16/f16.
+    triton_gemv: as triton (whose kernel takes its rows above one).
     reference:   always, for floating dtypes.
     """
     g, k, n = layout.group_size, layout.in_features, layout.out_features
@@ -151,7 +158,7 @@ def native_supported(backend: Int4Backend, layout: Int4Layout, dtype: torch.dtyp
         return False
     if backend == "reference":
         return True
-    if backend == "triton":
+    if backend in ("triton", "triton_gemv"):
         return g % 16 == 0 and usable()
     if backend == "triton_mma":
         return g % 32 == 0 and n % 16 == 0 and usable()
@@ -256,7 +263,7 @@ def prepare_int4(
         dense = dequant_int4(qweight, qzeros, scales, g, layout.zero_offset, dtype=dtype)
         return PreparedInt4(backend, layout, dtype, weight=dense.contiguous())
 
-    if backend == "triton":
+    if backend in ("triton", "triton_gemv"):
         return PreparedInt4(
             backend,
             layout,
@@ -311,6 +318,10 @@ def int4_mm(x: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None = None) 
     if w.backend == "triton":
         assert w.config is None or isinstance(w.config, TritonInt4Config)
         y = triton_mm(x2, w, bias, w.config)
+        return y.reshape(*lead, n)
+    if w.backend == "triton_gemv":
+        assert w.config is None or isinstance(w.config, GemvConfig)
+        y = gemv_mm(x2, w, bias, w.config) if x2.shape[0] <= GEMV_MAX_ROWS else triton_mm(x2, w, bias)
         return y.reshape(*lead, n)
     if w.backend == "triton_mma":
         assert w.scales_and_zeros is not None

@@ -28,11 +28,13 @@ from pathlib import Path as FsPath
 import torch
 
 from kernels.int4 import (
+    GemvConfig,
     Int4Layout,
     MmaConfig,
     PreparedInt4,
     TritonInt4Config,
     dequant_triton,
+    gemv_config,
     int4_mm,
     mma_config,
     prepare_int4,
@@ -50,7 +52,7 @@ LARGE_M = 1024
 DEQUANT = "dequant"
 CACHE_ENV = "XPULORA_KERNEL_CACHE_DIR"
 CACHE_FILE = "int4_dispatch.json"
-TABLE_VERSION = 2
+TABLE_VERSION = 3
 """Part of the cache key: bump it when the kernels or their candidates change, so that old tables are timed again."""
 TIMED_BYTES = 256 * 2**20
 """Weight copies timed in turn add up to at least this (several times a large GPU's last-level cache)."""
@@ -70,7 +72,7 @@ class Path:
     """One way to compute y = x @ W: a kernels.int4 backend (with a launch shape for the Triton ones), or dequant."""
 
     backend: str
-    config: MmaConfig | TritonInt4Config | None = None
+    config: MmaConfig | TritonInt4Config | GemvConfig | None = None
 
     @property
     def name(self) -> str:
@@ -82,6 +84,10 @@ class Path:
         if isinstance(self.config, TritonInt4Config):
             c = self.config
             return f"{self.backend}[{c.block_m}x{c.block_n}x{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}]"
+        if isinstance(self.config, GemvConfig):
+            c = self.config
+            pf = "" if c.prefetch else " noprefetch"
+            return f"{self.backend}[{c.block_n}x{c.block_kw} s{c.split_k} w{c.num_warps} st{c.num_stages}{pf}]"
         return self.backend
 
     @staticmethod
@@ -90,6 +96,9 @@ class Path:
         if not rest:
             return Path(backend)
         tile, split, warps, stages, *flags = rest.rstrip("]").split(" ")
+        if backend == "triton_gemv" and flags in ([], ["noprefetch"]):
+            bn, bkw = (int(v) for v in tile.split("x"))
+            return Path(backend, GemvConfig(bn, bkw, int(split[1:]), int(warps[1:]), int(stages[2:]), not flags))
         a, b, c = (int(v) for v in tile.split("x"))
         args = (a, b, c, int(split[1:]), int(warps[1:]), int(stages[2:]))
         if backend == "triton_mma" and flags in ([], ["fold"]):
@@ -158,10 +167,20 @@ def _mma_variants(m: int, k: int, n: int, g: int, fold: bool = False) -> list[Mm
     return list(dict.fromkeys(c for c in out if c.fits(m, k, n, g)))
 
 
+def _gemv_variants(k: int, n: int, g: int) -> list[GemvConfig]:
+    """The one-row kernel's rule shape and neighbours: wider and narrower N tiles, half / double the K split, 8 warps,
+    and the rule without the register prefetch."""
+    base = gemv_config(1, k, n, g)
+    out = [base, replace(base, block_n=256), replace(base, block_n=64), replace(base, split_k=base.split_k * 2),
+           replace(base, split_k=max(1, base.split_k // 2)), replace(base, block_n=256, num_warps=8),
+           replace(base, prefetch=False)]
+    return list(dict.fromkeys(c for c in out if c.fits(1, k, n, g)))
+
+
 def candidates(backends: Sequence[str], m: int, layout: Int4Layout, dtype: torch.dtype) -> list[Path]:
     """The paths timed at m rows with activations of `dtype`. The memory-bound Triton kernels are not timed past
-    256 rows (their cost grows with M; dequant + GEMM wins there), dequant not below 8 rows (it writes the whole
-    dense weight)."""
+    256 rows (their cost grows with M; dequant + GEMM wins there), the one-row kernel (triton_gemv) only at one row,
+    dequant not below 8 rows (it writes the whole dense weight)."""
     k, n, g = layout.in_features, layout.out_features, layout.group_size
     out: list[Path] = []
     for b in backends:
@@ -169,7 +188,9 @@ def candidates(backends: Sequence[str], m: int, layout: Int4Layout, dtype: torch
             out.extend(Path(b, c) for c in _mma_variants(m, k, n, g, fold=dtype != torch.float32))
         elif b == "triton" and m <= 256:
             out.append(Path(b, triton_config(m, k, n, g)))
-        elif (b == DEQUANT and m >= 8) or b not in ("triton_mma", "triton", DEQUANT):
+        elif b == "triton_gemv" and m == 1:
+            out.extend(Path(b, c) for c in _gemv_variants(k, n, g))
+        elif (b == DEQUANT and m >= 8) or b not in ("triton_mma", "triton", "triton_gemv", DEQUANT):
             out.append(Path(b))
     return out
 
@@ -293,7 +314,7 @@ def _table_from_json(rows: list, shape: Shape) -> TunedTable:
     k, n, g = shape.layout.in_features, shape.layout.out_features, shape.layout.group_size
     for _, p in table.rows:
         c = p.config
-        if isinstance(c, MmaConfig) and not c.fits(1, k, n, g):
+        if isinstance(c, (MmaConfig, GemvConfig)) and not c.fits(1, k, n, g):
             raise ValueError(f"{p.name} does not fit this shape")
         if isinstance(c, TritonInt4Config) and (g % c.block_k or k % (c.block_k * c.split_k) or c.block_k % 8):
             raise ValueError(f"{p.name} does not fit this shape")

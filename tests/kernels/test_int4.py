@@ -332,7 +332,7 @@ def _accelerator() -> torch.device | None:
 
 
 _ACC = _accelerator()
-_ACC_BACKENDS = [f"native_{_ACC.type}", "triton", "triton_mma"] if _ACC is not None else ["triton"]
+_ACC_BACKENDS = [f"native_{_ACC.type}", "triton", "triton_mma", "triton_gemv"] if _ACC is not None else ["triton"]
 _ACC_CASES = _cases() + [dict(c, dtype=torch.float16) for c in _cases() if c["dtype"] == torch.bfloat16]
 
 
@@ -604,3 +604,84 @@ def test_mma_kernel_matches_reference_on_accelerator() -> None:
     proc = subprocess.run([sys.executable, "-c", _MMA_CHECK, str(_ACC)], cwd=REPO, capture_output=True, text=True,
                           timeout=600, env=_child_env())
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+# ----------------------------------------------------------------------------------------------------
+# triton_gemv: one row on CUDA cores (kernels.int4_gemv), more rows through the triton kernel
+
+_GEMV_CHECK = r"""
+import sys
+import torch
+from dataclasses import replace
+from kernels.int4 import GemvConfig, Int4Layout, gemv_config, int4_mm, prepare_int4
+from kernels.int4_triton import _counters
+from kernels.reference import int4_matmul, pack_int4_cols
+dev = torch.device(sys.argv[1])
+g = torch.Generator().manual_seed(0)
+tol = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
+# (M, K, N, group, dtype, zero points, bias, launch shape or None for the rule)
+cases = [
+    (1, 256, 96, 128, torch.float32, "asym", True, None),  # a partial N tile (128 per program)
+    (1, 512, 256, 64, torch.bfloat16, "sym", False, None),
+    (1, 256, 64, 32, torch.float16, "asym", True, GemvConfig(32, 4, 2)),
+    (1, 512, 200, 128, torch.float32, "asym", False, GemvConfig(64, 16, 4, prefetch=False)),
+    (1, 512, 48, 128, torch.bfloat16, "asym", True, GemvConfig(16, 8, 8, num_warps=2)),
+    (1, 1024, 32, 128, torch.float32, "sym", True, GemvConfig(32, 16, 1)),  # one program streams all of K
+    (1, 128, 16, 16, torch.float32, "asym", False, GemvConfig(16, 2, 4)),
+    (3, 256, 96, 32, torch.float32, "asym", True, None),  # above one row: the triton kernel on the same tensors
+    (17, 128, 48, 64, torch.bfloat16, "sym", False, None),
+]
+checked = 0
+for m, k, n, gs, dtype, zeros, has_bias, cfg in cases:
+    for zo in (1, 0):
+        qw = torch.randint(-2**31, 2**31, (k // 8, n), generator=g, dtype=torch.int64).to(torch.int32)
+        z = torch.full((k // gs, n), 7) if zeros == "sym" else torch.randint(0, 16 - zo, (k // gs, n), generator=g)
+        qz = pack_int4_cols(z)
+        sc = (torch.randn(k // gs, n, generator=g) * 0.05).half()
+        bias = torch.randn(n, generator=g).to(dtype) if has_bias else None
+        x = torch.randn(m, k, generator=g).to(dtype)
+        ref = int4_matmul(x, qw, qz, sc, gs, zo, bias)
+        qw_dev = qw.to(dev)
+        w = prepare_int4(qw_dev, qz.to(dev), sc.to(dev), Int4Layout(gs, zo, k, n), "triton_gemv", dtype=dtype)
+        assert w.weight.data_ptr() == qw_dev.data_ptr(), "the checkpoint's words, not a copy"
+        w = w if cfg is None else replace(w, config=cfg)
+        y = int4_mm(x.to(dev), w, None if bias is None else bias.to(dev))
+        assert y.shape == (m, n) and y.dtype == dtype
+        rtol, atol = tol[dtype]
+        scale = ref.float().abs().max().item()
+        err = (y.float().cpu() - ref.float()).abs()
+        assert bool((err <= atol * scale + rtol * ref.float().abs()).all()), (m, k, n, gs, dtype, zeros, zo, cfg,
+                                                                             err.max().item())
+        used = cfg or (gemv_config(m, k, n, gs) if m == 1 else None)
+        if used is not None and used.split_k > 1:
+            again = int4_mm(x.to(dev), w, None if bias is None else bias.to(dev))
+            assert torch.equal(y, again), ("split-K must be deterministic", used)
+        checked += 1
+assert not _counters(torch.empty(0, device=dev).device).any(), "every launch leaves its tile counters at zero"
+print("ok", checked)
+"""
+
+
+def test_gemv_kernel_matches_reference_under_interpreter() -> None:
+    """The one-row kernel (fp32 magic-number nibbles) against the reference: groups 16-128, v1 and v2 zeros,
+    symmetric and per-group zero points, bias, partial N tiles, split-K (the same bits twice), with and without
+    the register prefetch; more rows go through the triton kernel and still equal the reference."""
+    run_under_interpreter(_GEMV_CHECK.replace("sys.argv[1]", "\"cpu\""), timeout=600)
+
+
+@pytest.mark.skipif(_ACC is None, reason="no accelerator")
+def test_gemv_kernel_matches_reference_on_accelerator() -> None:
+    assert _ACC is not None
+    proc = subprocess.run([sys.executable, "-c", _GEMV_CHECK, str(_ACC)], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env=_child_env())
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_gemv_rejects_what_it_cannot_run() -> None:
+    from kernels.int4 import GemvConfig
+    from kernels.int4_gemv import GEMV_MAX_ROWS
+
+    assert not GemvConfig(128, 16, 1).fits(1, 256, 64, 64)  # 16 rows of 8 k straddle two groups of 64
+    assert not GemvConfig(128, 8, 8).fits(1, 256, 64, 128)  # 8 splits of 64-k steps need K % 512 == 0
+    assert GemvConfig(128, 8, 8).fits(1, 512, 64, 128)
+    assert not GemvConfig(128, 8, 1).fits(GEMV_MAX_ROWS + 1, 512, 64, 128)

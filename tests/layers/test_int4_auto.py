@@ -59,10 +59,10 @@ def test_device_resolves_auto_and_tuned() -> None:
 
     assert Device("cpu").int4_backend("auto") == "reference"  # no timing at start-up on the CPU unless asked
     assert Device("cpu").int4_backend("tuned") == "tuned:native_cpu,reference"
-    assert Device("cuda").int4_backend("auto") == "tuned:native_cuda,triton_mma,triton,dequant"
-    assert Device("xpu").int4_backend("auto") == "tuned:native_xpu,triton_mma,triton,dequant"
-    assert Device("cuda").int4_backend("tuned") == "tuned:native_cuda,triton_mma,triton,dequant"
-    assert Device("xpu").int4_backend("tuned") == "tuned:native_xpu,triton_mma,triton,dequant"
+    assert Device("cuda").int4_backend("auto") == "tuned:native_cuda,triton_gemv,triton_mma,triton,dequant"
+    assert Device("xpu").int4_backend("auto") == "tuned:native_xpu,triton_gemv,triton_mma,triton,dequant"
+    assert Device("cuda").int4_backend("tuned") == "tuned:native_cuda,triton_gemv,triton_mma,triton,dequant"
+    assert Device("xpu").int4_backend("tuned") == "tuned:native_xpu,triton_gemv,triton_mma,triton,dequant"
     assert Device("cuda").int4_backend("auto:native_cuda") == "auto:native_cuda"  # the fixed dispatch stays valid
 
 
@@ -276,7 +276,7 @@ import os
 import torch
 from kernels.checks import CheckShapes, check_int4
 s = CheckShapes(64, 96, 4, 2, 32, 16, True, True, 16, 32, 1)
-full = "tuned:native_cpu,triton_mma,triton,dequant"
+full = "tuned:native_cpu,triton_gemv,triton_mma,triton,dequant"
 for dtype in (torch.float32, torch.bfloat16):
     c = check_int4(full, s, dtype, torch.device("cpu"))
     assert (c.chosen, c.checked, c.rejected) == (full, True, ()), c
@@ -318,9 +318,13 @@ def test_a_cached_table_must_fit_its_shape() -> None:
     import torch
 
     import kernels.int4_tune as tu
-    from kernels.int4 import Int4Layout, MmaConfig, TritonInt4Config
+    from kernels.int4 import GemvConfig, Int4Layout, MmaConfig, TritonInt4Config
 
     shape = tu.Shape(Int4Layout(128, 1, 512, 64), torch.bfloat16, sym=True)
+    rows = [[1, "triton_gemv[128x16 s2 w4 st1]"], [2, "triton_gemv[64x8 s4 w8 st1 noprefetch]"]]
+    table = tu._table_from_json([*rows, [None, "dequant"]], shape)
+    assert [(b, p.name) for b, p in table.rows[:2]] == [tuple(r) for r in rows]
+    assert table.rows[1][1].config == GemvConfig(64, 8, 4, 8, 1, prefetch=False)
     rows = [[2, "triton_mma[64x16x128 s2 w4 st3 fold]"], [4, "triton_mma[64x16x128 s4 w4 st3]"],
             [64, "triton[16x64x64 s2 w4 st3]"], [None, "dequant"]]
     table = tu._table_from_json(rows, shape)
@@ -333,6 +337,8 @@ def test_a_cached_table_must_fit_its_shape() -> None:
     for bad in ([[None, "triton_mma[64x16x128 s8 w4 st3]"]],  # K=512 does not split 8 ways into 128-deep tiles
                 [[None, "triton_mma[64x16x48 s1 w4 st3]"]],  # 48 is not a multiple of the 32-deep block
                 [[4, "dequant"]],  # no open bucket
-                [[None, "triton_mma[64x16x128 s4 w4 st3 fast]"]]):  # an unknown flag
+                [[None, "triton_mma[64x16x128 s4 w4 st3 fast]"]],  # an unknown flag
+                [[1, "triton_gemv[128x32 s1 w4 st1]"], [None, "dequant"]],  # 32 rows of 8 k straddle two groups
+                [[1, "triton_gemv[128x16 s1 w4 st1 fold]"], [None, "dequant"]]):  # not a flag of this kernel
         with pytest.raises(ValueError):
             tu._table_from_json(bad, shape)
