@@ -173,11 +173,24 @@ case "${1:-}" in
       python3 benchmarks/ncu_int4.py > "$OUT/ncu.csv" 2> "$OUT/ncu_cases.txt"; echo "ncu rc=$?" | tee -a "$OUT/ncu_cases.txt"
     grep -E '^\{' "$OUT/ncu_cases.txt" | tail -3; grep -c '"Duration"' "$OUT/ncu.csv"
     ;;
+  gemv18)  # issue 18: the one-row int4 kernel (triton_gemv) on CUDA: its tests, the int4 table at M = 1 4 16 with its
+           # sweep and the tuner's tables, then 36-layer batch-1 decode with the old fixed dispatch vs tuned (gemv)
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_int4.py tests/layers/test_int4_auto.py \
+      -k "accelerator" > "$OUT/int4_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/int4_tests.txt"; tail -3 "$OUT/int4_tests.txt"
+    timeout 200 python3 benchmarks/bench_int4.py --ms 1 4 16 > "$OUT/int4.txt" 2>&1; echo "bench rc=$?" >> "$OUT/int4.txt"
+    grep -E "targets|correctness|tuner|rc=" "$OUT/int4.txt" | cut -c1-600
+    grep -E '"M": 1,' "$OUT/int4.txt" | python3 -c "import sys,json; [print(r['K'],r['N'],'bf16',r['bf16_us'],'native',r.get('native_us'),'mma',r.get('mma_us'),'gemv',r.get('gemv_us'),r.get('gemv_best')) for r in map(json.loads,sys.stdin)]"
+    for kern in auto:native_cuda tuned; do
+      timeout 120 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 --adapters 0 --int4-kernel $kern \
+        --peer-cases "" --root /tmp/e2e36l 2>&1 | grep --line-buffered -E '^\{|Error' | tee "$OUT/e2e36_b1_${kern/:/_}.txt" | cut -c1-400
+    done
+    ;;
   serve18)  # issue 14 after the tuned int4 default: the server vs the offline loop vs pure decode, 36 layers, 32 adapters
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     timeout 520 python3 benchmarks/bench_serve.py --layers 36 --adapters 32 --batches 32 64 --requests 256 \
       --new-tokens 128 --clients 4 --root /tmp/serve36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
     tail -n 40 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
     ;;
-  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|serve18|tp2server"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|serve18|tp2server"; exit 2 ;;
 esac
