@@ -5,7 +5,8 @@ with the same requests and the same number in flight. One JSON line per concurre
     server_tokens_per_s, offline_tokens_per_s, ratio (server / offline), ttft_s p50/p99, itl_s p50/p99
     (inter-token latency: the gaps between a stream's chunks), offline_ms_per_step; and bench_e2e's pure
     decode at the same batch on the same engine (decode_tokens_per_s, decode_ms_per_step): server_vs_decode
-    and offline_step_vs_decode are the issue's two ratios (server tokens/s vs bench_e2e, loop step vs its).
+    and offline_step_vs_decode are the issue's two ratios (server tokens/s vs bench_e2e, loop step vs its);
+    steady_vs_decode the first over the window in which all streams are open (no opening burst, no drain).
     server_core / offline_core: what the steps held on each side (rows and tokens per step, the share of mixed
     steps), the core's host ms per step inside core_step and that time over the wall (busy; the rest of a
     server's wall is the core loop waiting for or moving messages), and api_output_busy: the API process's
@@ -119,10 +120,20 @@ class Stream:
     """From the request's send to its stream's end (summed over streams / wall: the streams open on average)."""
     gaps: list[float] = field(default_factory=list)
     error: str | None = None
+    start: float = 0.0
+    """time.time() at the send (comparable across the client processes)."""
+
+    def chunk_times(self) -> list[float]:
+        if self.ttft is None:
+            return []
+        out = [self.start + self.ttft]
+        for g in self.gaps:
+            out.append(out[-1] + g)
+        return out
 
 
 async def one(client: httpx.AsyncClient, base: str, r: Req) -> Stream:
-    s, t0 = Stream(), time.perf_counter()
+    s, t0 = Stream(start=time.time()), time.perf_counter()
     # logprobs=0: every token is a chunk. Without it a token with no text of its own sends nothing, and the
     # random checkpoints' tokenizer (420 ids) has no text for nearly every id of their 151936-id vocabulary:
     # TTFT and the chunk gaps would time the rare printable tokens, not the server.
@@ -205,7 +216,8 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
     event of 64 fast streams can saturate its core, and then it, not the server, sets the latencies.
     client_cpu is the busiest client's CPU time over the wall time (near 1: the client was the limit);
     ttft_after_burst_s leaves out each stream's first request (the opening burst, which arrives at once), and
-    ttft_burst_s has only those;
+    ttft_burst_s has only those; steady_tokens_per_s the tokens/s while all `concurrency` streams stay open
+    (after the burst's first tokens, until the plan's last send; steady_window_s long);
     client_start_s the latest client's start after the clock's; open_streams the streams open on average (each
     from its send to its end, over the wall: the most the server's steps can hold).
     text_mismatch counts the requests whose text differs from texts (the offline run's; informational: on a
@@ -251,6 +263,13 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
                 (burst if pos < per_client else steady).append(t)
     burst.sort()
     gaps = [g for st in streams for g in st.gaps]
+    # Steady state: from the moment every stream of the opening burst has its first token (the batch is full)
+    # to the first client's last send (from then on fewer streams stay open): tokens delivered in that window
+    # over its length, the figure comparable to a decode loop that runs at the same batch throughout.
+    firsts = [streams[j] for idx in parts for j in idx[:per_client]]
+    w0 = max((st.start + st.ttft for st in firsts if st.ttft is not None), default=0.0)
+    w1 = min(max(streams[j].start for j in idx) for idx in parts)
+    in_window = sum(w0 <= t <= w1 for st in streams for t in st.chunk_times())
     return {"server_tokens_per_s": sum(st.tokens for st in streams) / dt, "clients": clients, "server_core": core,
             "client_cpu": round(max(cpu for _, cpu, _ in done) / dt, 3),
             "client_start_s": round(max(start for _, _, start in done) - t0_wall, 3),
@@ -260,6 +279,8 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
             "ttft_burst_s": {"min": burst[0] if burst else None, "p50": percentile(burst, 50),
                              "max": burst[-1] if burst else None},
             "itl_s": {"p50": percentile(gaps, 50), "p99": percentile(gaps, 99)},
+            "steady_window_s": round(max(w1 - w0, 0.0), 3),
+            "steady_tokens_per_s": in_window / (w1 - w0) if w1 > w0 else None,
             "errors": len(errors), "wrong_length": wrong,
             "text_mismatch": None if texts is None else sum(st.text != t for st, t in zip(streams, texts)),
             "first_error": errors[0] if errors else None}
@@ -326,6 +347,8 @@ def main() -> int:
             row = {"case": "serve", "concurrency": c, "requests": len(reqs), "adapters": n, **rows[c], **r}
             row["ratio"] = row["server_tokens_per_s"] / row["offline_tokens_per_s"]
             row["server_vs_decode"] = row["server_tokens_per_s"] / row["decode_tokens_per_s"]
+            if row["steady_tokens_per_s"] is not None:
+                row["steady_vs_decode"] = row["steady_tokens_per_s"] / row["decode_tokens_per_s"]
             failed |= bool(r["errors"] or r["wrong_length"])
             emit(**row)
     finally:

@@ -32,9 +32,10 @@ from engine.staging import Staging
 
 log = logging.getLogger(__name__)
 
-MIXED_SIZES = (16, 32, 64, 128, 256, 512)
+MIXED_SIZES = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256, 384, 512)
 """Token counts captured for mixed steps (those up to max_num_batched_tokens); larger steps run eagerly, where
-the device's work dwarfs the launches."""
+the device's work dwarfs the launches. Spaced so that a step pads by at most a third (with powers of two a
+step of 64 decodes and one short prompt, ~80 tokens, ran the 128-token graph)."""
 
 
 class _Graphs:

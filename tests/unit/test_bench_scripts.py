@@ -51,6 +51,8 @@ def test_bench_serve_quick(tmp_path: Path) -> None:
         assert r["ttft_s"]["p50"] is not None and r["itl_s"]["p50"] is not None
         assert 0 < r["open_streams"] <= r["concurrency"] + 0.05 and r["client_start_s"] >= 0, r
         assert r["ttft_after_burst_s"]["p50"] is not None, r  # 16 requests: each stream sends more than one
+        # every stream sends its later requests after all first tokens: the steady window exists and holds tokens
+        assert r["steady_window_s"] > 0 and r["steady_tokens_per_s"] > 0 and r["steady_vs_decode"] > 0, r
         # float32 on the CPU: the server's greedy texts are the offline engine's
         assert r["text_mismatch"] == 0, r
         for side in (r["server_core"], r["offline_core"]):  # the step counters of both sides
