@@ -186,11 +186,19 @@ case "${1:-}" in
         --peer-cases "" --root /tmp/e2e36l 2>&1 | grep --line-buffered -E '^\{|Error' | tee "$OUT/e2e36_b1_${kern/:/_}.txt" | cut -c1-400
     done
     ;;
+  mixed14)  # issue 14: what a prompt costs the decode step it joins (36 layers, 32 adapters, B-1 decoding + one
+            # P-token arrival per step; kernels by name), then the int4 kernel tests on CUDA (gemv included)
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    timeout 330 python3 benchmarks/bench_mixed.py --layers 36 --adapters 32 --batches 32 64 --prompts 0 16 32 64 128 \
+      --root /tmp/mixed36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/mixed.txt" | cut -c1-300
+    timeout 220 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_int4.py tests/layers/test_int4_auto.py \
+      -k "accelerator" > "$OUT/int4_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/int4_tests.txt"; tail -3 "$OUT/int4_tests.txt"
+    ;;
   serve18)  # issue 14 after the tuned int4 default: the server vs the offline loop vs pure decode, 36 layers, 32 adapters
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     timeout 520 python3 benchmarks/bench_serve.py --layers 36 --adapters 32 --batches 32 64 --requests 256 \
       --new-tokens 128 --clients 4 --root /tmp/serve36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
     tail -n 40 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
     ;;
-  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|serve18|tp2server"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|serve18|tp2server"; exit 2 ;;
 esac

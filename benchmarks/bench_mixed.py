@@ -1,0 +1,92 @@
+"""What a prompt costs the decode step it joins: B - 1 sequences decoding with adapters, and each step one new
+request of P prompt tokens (max_tokens 1, so its row lives one step), as a server under steady arrivals runs.
+For each P: the engine loop's ms per step (LLMEngine.step, graphs and async scheduling as configured), and the
+device kernels of a few of those steps grouped by name (torch.profiler; kernels inside replayed graphs
+included), per step. P = 0 is the pure decode step of B - 1 rows.
+
+    python benchmarks/bench_mixed.py --layers 36 --adapters 32 --batches 64 --prompts 0 16 32 64 128
+    python benchmarks/bench_mixed.py --quick          # tiny shapes on the CPU (smoke test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_e2e import emit, engine_config, model_args, requests, write_model
+from engine import LLMEngine, SamplingParams
+
+STEPS, PROFILED = 40, 8
+
+
+def steps_with_arrivals(e: LLMEngine, n: int, prompt_len: int, names: list[str | None], rng: random.Random,
+                        vocab: int, serial: list[int]) -> float:
+    """Run n steps, adding one P-token request before each (P = 0: none); seconds over the n steps."""
+    e.device.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        if prompt_len:
+            serial[0] += 1
+            e.add_request(f"x{serial[0]}", [rng.randrange(vocab) for _ in range(prompt_len)],
+                          SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), names[serial[0] % len(names)])
+        e.step()
+    e.device.synchronize()
+    return time.perf_counter() - t0
+
+
+def kernels_per_step(e: LLMEngine, prompt_len: int, names: list[str | None], rng: random.Random, vocab: int,
+                     serial: list[int], top: int) -> tuple[float, list[tuple[str, float]]]:
+    """Device microseconds per step in total and of the top kernels by name, over PROFILED steps."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if e.device.torch_device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        steps_with_arrivals(e, PROFILED, prompt_len, names, rng, vocab, serial)
+    by_name: dict[str, float] = defaultdict(float)
+    for ev in prof.key_averages():
+        us = ev.self_device_time_total if len(acts) > 1 else 0.0
+        if us > 0:
+            by_name[ev.key[:70]] += us / PROFILED
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])
+    return sum(by_name.values()), [(k, round(v, 1)) for k, v in ranked[:top]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    model_args(ap, [64], [32], "/tmp/xpulora-mixed")
+    ap.add_argument("--prompts", type=int, nargs="+", default=[0, 16, 32, 64, 128])
+    ap.add_argument("--top", type=int, default=12)
+    a = ap.parse_args()
+    device, s, _, path, adapters = write_model(a)
+    if a.quick:
+        a.batches, a.prompts = [4], [0, 8]
+    n = max(a.adapters)
+    steps = 4 if a.quick else STEPS
+    for b in a.batches:
+        with LLMEngine(engine_config(path, adapters[:n], b, device.type)) as e:
+            prompts, names = requests(b - 1, n)
+            rng, serial = random.Random(b), [0]
+            budget = 512 - 32 - 2
+            for i, (p, name) in enumerate(zip(prompts, names)):
+                e.add_request(f"d{i}", p, SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True), name)
+            arrivals = names or [None]
+            for plen in a.prompts:  # warm each size (its graphs' first replays, Triton variants), then time it
+                steps_with_arrivals(e, 3, plen, arrivals, rng, s.vocab, serial)
+                dt = steps_with_arrivals(e, steps, plen, arrivals, rng, s.vocab, serial)
+                total, kernels = kernels_per_step(e, plen, arrivals, rng, s.vocab, serial, a.top)
+                emit(case="mixed", batch=b, decoding=b - 1, prompt=plen, adapters=n, ms_per_step=1e3 * dt / steps,
+                     device_us_per_step=round(total, 1), top_kernels=kernels)
+                if not e.has_unfinished():
+                    raise SystemExit("the decoding requests ran out of tokens: fewer --prompts or STEPS")
+
+
+if __name__ == "__main__":
+    main()
