@@ -1,6 +1,7 @@
 """What a prompt costs the decode step it joins: B - 1 sequences decoding with adapters, and each step one new
 request of P prompt tokens (max_tokens 1, so its row lives one step), as a server under steady arrivals runs.
-For each P: the engine loop's ms per step (LLMEngine.step, graphs and async scheduling as configured), and the
+For each P: the engine loop's ms per step (LLMEngine.step, graphs and async scheduling as configured), the
+share of those steps that held a prompt chunk, and the
 device kernels of a few of those steps grouped by name (torch.profiler; kernels inside replayed graphs
 included), per step. P = 0 is the pure decode step of B - 1 rows.
 
@@ -80,9 +81,12 @@ def main() -> None:
             arrivals = names or [None]
             for plen in a.prompts:  # warm each size (its graphs' first replays, Triton variants), then time it
                 steps_with_arrivals(e, 3, plen, arrivals, rng, s.vocab, serial)
+                m0, n0 = e.steps.mixed, e.steps.steps
                 dt = steps_with_arrivals(e, steps, plen, arrivals, rng, s.vocab, serial)
+                mixed = (e.steps.mixed - m0) / max(1, e.steps.steps - n0)
                 total, kernels = kernels_per_step(e, plen, arrivals, rng, s.vocab, serial, a.top)
                 emit(case="mixed", batch=b, decoding=b - 1, prompt=plen, adapters=n, ms_per_step=1e3 * dt / steps,
+                     mixed_share=round(mixed, 3),
                      device_us_per_step=round(total, 1), top_kernels=kernels)
                 if not e.has_unfinished():
                     raise SystemExit("the decoding requests ran out of tokens: fewer --prompts or STEPS")

@@ -194,11 +194,21 @@ case "${1:-}" in
     timeout 220 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_int4.py tests/layers/test_int4_auto.py \
       -k "accelerator" > "$OUT/int4_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/int4_tests.txt"; tail -3 "$OUT/int4_tests.txt"
     ;;
+  attn14)  # issue 14: mixed steps' attention split between the decode and prefill kernels: CUDA attention tests,
+           # the engine check (tiny shapes: mixed-step graphs vs the torch reference), bench_mixed at batch 64
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_attention_triton.py > "$OUT/attn_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/attn_tests.txt"; tail -3 "$OUT/attn_tests.txt"
+    timeout 150 python3 benchmarks/gpu_engine_check.py --quick --root /tmp/gpu-check-q 2>&1 | grep --line-buffered -E '^\{|PASS|FAIL|Error' \
+      | tee "$OUT/engine_check.txt" | cut -c1-160
+    timeout 200 python3 benchmarks/bench_mixed.py --layers 36 --adapters 32 --batches 64 --prompts 0 16 64 \
+      --root /tmp/mixed36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/mixed.txt" | cut -c1-400
+    ;;
   serve18)  # issue 14 after the tuned int4 default: the server vs the offline loop vs pure decode, 36 layers, 32 adapters
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     timeout 520 python3 benchmarks/bench_serve.py --layers 36 --adapters 32 --batches 32 64 --requests 256 \
       --new-tokens 128 --clients 4 --root /tmp/serve36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
     tail -n 40 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
     ;;
-  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|serve18|tp2server"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server"; exit 2 ;;
 esac

@@ -152,7 +152,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     (paged_attention_batched) where `index` is given (the step's batch_index; the caller asks batch_pays).
     triton: reads
     only the device tensors and max_q_len (no host sync; graph-capturable): the decode kernel (GQA, split
-    keys) when every sequence has at most one query, else the varlen prefill kernel.
+    keys) when every sequence has at most one query, else the decode kernel for the one-query sequences and the
+    varlen prefill kernel for the others.
     """
     if backend == "reference":
         if index is not None:
@@ -166,6 +167,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         if max_q_len <= 1:
             return at.paged_attention_decode(q, k_cache, v_cache, block_tables, cu_q_tensor, context_lens_tensor,
                                              scale)
-        return at.paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_q_tensor, context_lens_tensor,
-                                          max_q_len, scale)
+        return at.paged_attention_mixed(q, k_cache, v_cache, block_tables, cu_q_tensor, context_lens_tensor,
+                                        max_q_len, scale)
     raise ValueError(f"unknown attention backend {backend!r}; available: {', '.join(ATTENTION_BACKENDS)}")

@@ -11,6 +11,8 @@ int32 (sequence s owns query rows cu_q[s]:cu_q[s+1], its LAST tokens).
   second kernel: deterministic, no atomics. Grid from B, kv heads and num_splits only: no host sync.
 - prefill (any query lengths, varlen through cu_q): one program per (query block, sequence, q head),
   causal over the paged cache: query i of n sees keys 0..c-n+i.
+- mixed (prompt chunks and decodes in one step): the decode kernel for the one-query sequences, the prefill
+  kernel for the others, each skipping the other's sequences on the device (still graph-capturable).
 Softmax in fp32 (online, base 2); P is rounded to V's dtype for the P @ V product on 16-bit caches.
 """
 
@@ -20,7 +22,7 @@ import torch
 
 from kernels.triton_env import FLOATS, interpreting, tl, triton
 
-__all__ = ["decode_num_splits", "paged_attention_decode", "paged_attention_prefill"]
+__all__ = ["decode_num_splits", "paged_attention_decode", "paged_attention_mixed", "paged_attention_prefill"]
 
 _LOG2E = 1.4426950408889634
 
@@ -35,14 +37,20 @@ if triton is not None:
         stride_bt, stride_ot, stride_oh, stride_pos, stride_poh, stride_pol, stride_pmls, stride_pmlh,
         GROUP: tl.constexpr, G_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, FP32_DOT: tl.constexpr,
+        SINGLE_ONLY: tl.constexpr,
     ):  # fmt: skip
         """o[cu_q[b], h] = softmax_j(scale * q[cu_q[b], h] . K[b, j, h // GROUP]) V[b, j, h // GROUP], j < ctx[b],
-        over this split's key range (NUM_SPLITS > 1: unnormalised o, running max m and sum l to the partials)."""
+        over this split's key range (NUM_SPLITS > 1: unnormalised o, running max m and sum l to the partials);
+        SINGLE_ONLY: only sequences with exactly one query (a mixed step's decodes; the prefill kernel the rest)."""
         seq = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         q_row = tl.load(cu_q_ptr + seq)
-        if tl.load(cu_q_ptr + seq + 1) == q_row:  # no query for this sequence
+        n = tl.load(cu_q_ptr + seq + 1) - q_row
+        skip = n == 0  # no query for this sequence
+        if SINGLE_ONLY:
+            skip = n != 1
+        if skip:
             return
         ctx = tl.load(ctx_ptr + seq)
         tiles = tl.cdiv(ctx, BLOCK_N)
@@ -102,12 +110,17 @@ if triton is not None:
         cu_q_ptr, out_ptr, po_ptr, pml_ptr,
         stride_ot, stride_oh, stride_pos, stride_poh, stride_pol, stride_pmls, stride_pmlh,
         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+        SINGLE_ONLY: tl.constexpr,
     ):  # fmt: skip
         """o[cu_q[b], h] = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s,  M = max_s m_s (fixed order)."""
         seq = tl.program_id(0)
         h = tl.program_id(1)
         q_row = tl.load(cu_q_ptr + seq)
-        if tl.load(cu_q_ptr + seq + 1) == q_row:
+        n = tl.load(cu_q_ptr + seq + 1) - q_row
+        skip = n == 0
+        if SINGLE_ONLY:
+            skip = n != 1
+        if skip:
             return
         offs_s = tl.arange(0, SPLITS_PAD)
         mask_s = offs_s < NUM_SPLITS
@@ -133,17 +146,20 @@ if triton is not None:
         stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         stride_bt, stride_ot, stride_oh,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, SKIP_SINGLE: tl.constexpr,
     ):  # fmt: skip
         """o[cu_q[b] + i, h] = softmax_{j <= c-n+i}(scale * q[cu_q[b] + i, h] . K[b, j, h // GROUP]) V[b, j, h // GROUP]
-        (n = cu_q[b+1] - cu_q[b], c = ctx[b])."""
+        (n = cu_q[b+1] - cu_q[b], c = ctx[b]); SKIP_SINGLE: not for sequences with n == 1 (the decode kernel's)."""
         pid_m = tl.program_id(0)
         seq = tl.program_id(1)
         h = tl.program_id(2)
         q_start = tl.load(cu_q_ptr + seq)
         n = tl.load(cu_q_ptr + seq + 1) - q_start
         m0 = pid_m * BLOCK_M
-        if m0 >= n:  # the grid is sized by the longest query run
+        skip = m0 >= n  # the grid is sized by the longest query run
+        if SKIP_SINGLE:
+            skip = skip | (n == 1)
+        if skip:
             return
         ctx = tl.load(ctx_ptr + seq)
         kvh = h // GROUP
@@ -246,11 +262,12 @@ def decode_num_splits(batch: int, kv_heads: int, max_keys: int, block_n: int = 6
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                            cu_q: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            num_splits: int | None = None, out: torch.Tensor | None = None,
-                           block_n: int | None = None) -> torch.Tensor:
+                           block_n: int | None = None, single_only: bool = False) -> torch.Tensor:
     """Decode attention (each sequence has 0 or 1 query rows) over the paged cache; returns out [T, Hq, D].
 
     num_splits: key ranges per (sequence, kv head), merged by a second launch when > 1 (default from
-    decode_num_splits). block_n: keys per tile (power of two >= 16).
+    decode_num_splits). block_n: keys per tile (power of two >= 16). single_only: sequences with more than
+    one query are left to the prefill kernel (their rows of out are not written).
     """
     b, group, d = _check(q, k_cache, v_cache, block_tables, cu_q, context_lens)
     hq, hkv, block_size = q.size(1), k_cache.size(2), k_cache.size(1)
@@ -275,13 +292,14 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), out.stride(0), out.stride(1),
         po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1),
         GROUP=group, G_PAD=g_pad, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        NUM_SPLITS=num_splits, FP32_DOT=_fp32_dot(q, k_cache),
+        NUM_SPLITS=num_splits, FP32_DOT=_fp32_dot(q, k_cache), SINGLE_ONLY=single_only,
     )  # fmt: skip
     if num_splits > 1:
         _paged_decode_merge_kernel[(b, hq)](
             cu_q, out, po, pml,
             out.stride(0), out.stride(1), po.stride(0), po.stride(1), po.stride(2), pml.stride(0), pml.stride(1),
             HEAD_DIM=d, D_PAD=d_pad, NUM_SPLITS=num_splits, SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
+            SINGLE_ONLY=single_only,
         )  # fmt: skip
     return out
 
@@ -289,11 +307,12 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                             cu_q: torch.Tensor, context_lens: torch.Tensor, max_q_len: int, scale: float,
                             out: torch.Tensor | None = None, block_m: int | None = None,
-                            block_n: int | None = None) -> torch.Tensor:
+                            block_n: int | None = None, skip_single: bool = False) -> torch.Tensor:
     """Causal attention of each sequence's last n queries over its paged cache (varlen, any n including 1).
 
     block_m / block_n (powers of two >= 16) override the tile sizes; the interpreter defaults to 16 (its
-    cost grows with the tile, not with the number of programs).
+    cost grows with the tile, not with the number of programs). skip_single: sequences with one query are
+    left to the decode kernel (their rows of out are not written).
     """
     b, group, d = _check(q, k_cache, v_cache, block_tables, cu_q, context_lens)
     hq, block_size = q.size(1), k_cache.size(1)
@@ -311,6 +330,17 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=d, D_PAD=d_pad, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        FP32_DOT=_fp32_dot(q, k_cache),
+        FP32_DOT=_fp32_dot(q, k_cache), SKIP_SINGLE=skip_single,
     )  # fmt: skip
     return out
+
+
+def paged_attention_mixed(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                          cu_q: torch.Tensor, context_lens: torch.Tensor, max_q_len: int, scale: float) -> torch.Tensor:
+    """A step of prompt chunks and decodes: the decode kernel for the sequences with one query, the prefill
+    kernel for the longer runs, into one out. The prefill kernel spends a whole query tile per q head on a
+    decode row and reads its kv head's keys once per q head; the decode kernel reads them once per kv head
+    for all its q heads (benchmarks/bench_mixed.py measures what a prompt costs the decode step it joins)."""
+    out = paged_attention_decode(q, k_cache, v_cache, block_tables, cu_q, context_lens, scale, single_only=True)
+    return paged_attention_prefill(q, k_cache, v_cache, block_tables, cu_q, context_lens, max_q_len, scale, out=out,
+                                   skip_single=True)

@@ -132,6 +132,29 @@ def test_prefill_matches_reference(heads: tuple[int, int], d: int, dtype: torch.
         _assert_close(o, ref, dtype, "prefill, 16-row tiles")
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_mixed_step_splits_rows_between_the_kernels(dtype: torch.dtype) -> None:
+    """A mixed step (the dispatcher's path when max_q_len > 1): the decode kernel writes exactly the rows of
+    the one-query sequences and the prefill kernel exactly the others; together they equal the reference."""
+    from kernels.attention_triton import paged_attention_decode, paged_attention_mixed, paged_attention_prefill
+
+    assert DEV is not None
+    q_lens = [1, 5, 1, 0, 1, 18, 1]
+    b = _batch(77, q_lens, [37, 12, 5, 9, 70, 18, 16], 8, 2, 64, dtype)
+    ref = _ref(b)
+    args = (b["q"].to(DEV), b["k"].to(DEV), b["v"].to(DEV), b["bt"].to(DEV),
+            torch.tensor(b["cu"], dtype=torch.int32, device=DEV), torch.tensor(b["ctx"], dtype=torch.int32, device=DEV))
+    _assert_close(paged_attention_mixed(*args, b["max_q"], b["scale"]), ref, dtype, "mixed")
+    single = torch.tensor([n == 1 for n in q_lens for _ in range(n)])
+    nan = torch.full(b["q"].shape, float("nan"), dtype=dtype, device=DEV)
+    dec = paged_attention_decode(*args, b["scale"], out=nan.clone(), single_only=True).cpu()
+    pre = paged_attention_prefill(*args, b["max_q"], b["scale"], out=nan.clone(), skip_single=True).cpu()
+    assert dec[~single].isnan().all() and pre[single].isnan().all(), "a kernel wrote the other's rows"
+    _assert_close(dec[single], ref[single], dtype, "decode kernel, one-query rows")
+    _assert_close(pre[~single], ref[~single], dtype, "prefill kernel, longer runs")
+
+
 def test_dispatch_reference_and_unknown_backend() -> None:
     b = _batch(0, [2, 1], [18, 4], 4, 2, 64, torch.float32)
     assert torch.equal(_run(b, torch.device("cpu"), "reference"), _ref(b))

@@ -60,6 +60,13 @@ def test_bench_serve_quick(tmp_path: Path) -> None:
             assert side["tokens_per_step"] >= side["rows_per_step"] and 0 < side["busy"] <= 1.05, r
 
 
+def test_bench_mixed_quick(tmp_path: Path) -> None:
+    rows = [r for r in _run("bench_mixed.py", tmp_path) if r["case"] == "mixed"]
+    assert [(r["batch"], r["prompt"]) for r in rows] == [(4, 0), (4, 8)]
+    # on the CPU (no async scheduling) every step with an arrival holds its prompt; without arrivals none does
+    assert [r["mixed_share"] for r in rows] == [0.0, 1.0] and all(r["ms_per_step"] > 0 for r in rows)
+
+
 def test_bench_grammar_quick(tmp_path: Path) -> None:
     out = _run("bench_grammar.py", tmp_path)
     decode = [r for r in out if r["case"] == "decode"]
