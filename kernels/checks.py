@@ -143,7 +143,8 @@ def _check_tuned(chosen: str, mm: Callable[[str], torch.Tensor], runs_here: Call
 
 def check_attention(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.device) -> Choice:
     """The KV write of two sequences' keys into a paged cache (one spans two blocks), then a prefill step
-    (3 queries) and a decode step (one query each), grouped-query as the model."""
+    (3 queries), a decode step (one query each) and a mixed step (3 queries and one: the Triton backend's two
+    kernels in one call), grouped-query as the model."""
     bs, hq, hkv, d = s.block_size, s.num_heads, s.num_kv_heads, s.head_dim
     ctx = [bs + 2, 3]
     g = _gen()
@@ -163,7 +164,8 @@ def check_attention(chosen: str, s: CheckShapes, dtype: torch.dtype, device: tor
         fused.write_kv(kc, vc, k, v, slot_mapping, name)
         return {"kv_write": torch.stack([kc, vc]),
                 "prefill": attend(name, kc, vc, q[:TOKENS], [0, TOKENS], ctx[:1], TOKENS),
-                "decode": attend(name, kc, vc, q[TOKENS:], [0, 1, 2], ctx, 1)}
+                "decode": attend(name, kc, vc, q[TOKENS:], [0, 1, 2], ctx, 1),
+                "mixed": attend(name, kc, vc, q[:TOKENS + 1], [0, TOKENS, TOKENS + 1], ctx, TOKENS)}
 
     return _choose("attention", chosen, run, dtype)
 
