@@ -217,7 +217,7 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
     client_cpu is the busiest client's CPU time over the wall time (near 1: the client was the limit);
     ttft_after_burst_s leaves out each stream's first request (the opening burst, which arrives at once), and
     ttft_burst_s has only those; steady_tokens_per_s the tokens/s while all `concurrency` streams stay open
-    (after the burst's first tokens, until the plan's last send; steady_window_s long);
+    (after the burst's first tokens, until the first client's last send; steady_window_s long);
     client_start_s the latest client's start after the clock's; open_streams the streams open on average (each
     from its send to its end, over the wall: the most the server's steps can hold).
     text_mismatch counts the requests whose text differs from texts (the offline run's; informational: on a

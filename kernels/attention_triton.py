@@ -30,6 +30,13 @@ _LOG2E = 1.4426950408889634
 if triton is not None:
 
     @triton.jit
+    def _not_mine(n, SINGLE_ONLY: tl.constexpr):
+        """Whether the decode kernels skip a sequence of n queries: none, or (SINGLE_ONLY) not exactly one."""
+        if SINGLE_ONLY:
+            return n != 1
+        return n == 0
+
+    @triton.jit
     def _paged_decode_kernel(
         q_ptr, k_ptr, v_ptr, bt_ptr, cu_q_ptr, ctx_ptr, out_ptr, po_ptr, pml_ptr,
         scale_log2,
@@ -46,11 +53,7 @@ if triton is not None:
         kvh = tl.program_id(1)
         split = tl.program_id(2)
         q_row = tl.load(cu_q_ptr + seq)
-        n = tl.load(cu_q_ptr + seq + 1) - q_row
-        skip = n == 0  # no query for this sequence
-        if SINGLE_ONLY:
-            skip = n != 1
-        if skip:
+        if _not_mine(tl.load(cu_q_ptr + seq + 1) - q_row, SINGLE_ONLY):
             return
         ctx = tl.load(ctx_ptr + seq)
         tiles = tl.cdiv(ctx, BLOCK_N)
@@ -116,11 +119,7 @@ if triton is not None:
         seq = tl.program_id(0)
         h = tl.program_id(1)
         q_row = tl.load(cu_q_ptr + seq)
-        n = tl.load(cu_q_ptr + seq + 1) - q_row
-        skip = n == 0
-        if SINGLE_ONLY:
-            skip = n != 1
-        if skip:
+        if _not_mine(tl.load(cu_q_ptr + seq + 1) - q_row, SINGLE_ONLY):
             return
         offs_s = tl.arange(0, SPLITS_PAD)
         mask_s = offs_s < NUM_SPLITS
