@@ -20,6 +20,7 @@ the device.
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -61,6 +62,7 @@ class _Graphs:
         """Steps run through these graphs (checks and benchmarks read it)."""
 
     def _capture_all(self) -> None:
+        gc.collect()  # garbage with device memory goes before the captures take the pool (once, not per graph)
         pool = self.device.graph_pool()
         for size in reversed(self.sizes):
             for with_lora in ((False, True) if self.lora_slots else (False,)):
