@@ -1,9 +1,9 @@
 """What a prompt costs the decode step it joins: B - 1 sequences decoding with adapters, and each step one new
 request of P prompt tokens (max_tokens 1, so its row lives one step), as a server under steady arrivals runs.
 For each P: the engine loop's ms per step (LLMEngine.step, graphs and async scheduling as configured), the
-share of those steps that held a prompt chunk, and the
-device kernels of a few of those steps grouped by name (torch.profiler; kernels inside replayed graphs
-included), per step. P = 0 is the pure decode step of B - 1 rows.
+share of those steps that held a prompt chunk, and the device kernels of a few of those steps grouped by name
+(torch.profiler; kernels inside replayed graphs included), per step. P = 0 is the pure decode step of B - 1
+rows.
 
     python benchmarks/bench_mixed.py --layers 36 --adapters 32 --batches 64 --prompts 0 16 32 64 128
     python benchmarks/bench_mixed.py --quick          # tiny shapes on the CPU (smoke test)
@@ -12,6 +12,7 @@ included), per step. P = 0 is the pure decode step of B - 1 rows.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import random
 import sys
@@ -29,33 +30,34 @@ STEPS, PROFILED = 40, 8
 
 
 def steps_with_arrivals(e: LLMEngine, n: int, prompt_len: int, names: list[str | None], rng: random.Random,
-                        vocab: int, serial: list[int]) -> float:
+                        vocab: int, serial: itertools.count) -> float:
     """Run n steps, adding one P-token request before each (P = 0: none); seconds over the n steps."""
     e.device.synchronize()
     t0 = time.perf_counter()
     for _ in range(n):
         if prompt_len:
-            serial[0] += 1
-            e.add_request(f"x{serial[0]}", [rng.randrange(vocab) for _ in range(prompt_len)],
-                          SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), names[serial[0] % len(names)])
+            i = next(serial)
+            e.add_request(f"x{i}", [rng.randrange(vocab) for _ in range(prompt_len)],
+                          SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), names[i % len(names)])
         e.step()
     e.device.synchronize()
     return time.perf_counter() - t0
 
 
 def kernels_per_step(e: LLMEngine, prompt_len: int, names: list[str | None], rng: random.Random, vocab: int,
-                     serial: list[int], top: int) -> tuple[float, list[tuple[str, float]]]:
-    """Device microseconds per step in total and of the top kernels by name, over PROFILED steps."""
+                     serial: itertools.count, top: int) -> tuple[float, list[tuple[str, float]]]:
+    """Device microseconds per step in total and of the top kernels by name, over PROFILED steps. Only the
+    device's own events count: a CPU op (aten::mm) also carries its kernels' time, which would count twice."""
     acts = [torch.profiler.ProfilerActivity.CPU]
-    if e.device.torch_device.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    device_act = getattr(torch.profiler.ProfilerActivity, e.device.torch_device.type.upper(), None)
+    if device_act is not None and device_act not in acts:  # CUDA, XPU; none on the CPU
+        acts.append(device_act)
     with torch.profiler.profile(activities=acts) as prof:
         steps_with_arrivals(e, PROFILED, prompt_len, names, rng, vocab, serial)
     by_name: dict[str, float] = defaultdict(float)
     for ev in prof.key_averages():
-        us = ev.self_device_time_total if len(acts) > 1 else 0.0
-        if us > 0:
-            by_name[ev.key[:70]] += us / PROFILED
+        if ev.device_type != torch.autograd.DeviceType.CPU and ev.self_device_time_total > 0:
+            by_name[ev.key[:70]] += ev.self_device_time_total / PROFILED
     ranked = sorted(by_name.items(), key=lambda kv: -kv[1])
     return sum(by_name.values()), [(k, round(v, 1)) for k, v in ranked[:top]]
 
@@ -74,8 +76,8 @@ def main() -> None:
     for b in a.batches:
         with LLMEngine(engine_config(path, adapters[:n], b, device.type)) as e:
             prompts, names = requests(b - 1, n)
-            rng, serial = random.Random(b), [0]
-            budget = 512 - 32 - 2
+            rng, serial = random.Random(b), itertools.count(1)
+            budget = 512 - max(map(len, prompts)) - 2  # max_model_len 512 (bench_e2e.engine_config)
             for i, (p, name) in enumerate(zip(prompts, names)):
                 e.add_request(f"d{i}", p, SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True), name)
             arrivals = names or [None]
