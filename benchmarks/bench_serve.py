@@ -30,6 +30,7 @@ import multiprocessing as mp
 import os
 import random
 import sys
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -209,6 +210,49 @@ def _start_workers(pool: ProcessPoolExecutor, n: int, url: str, headers: dict[st
         pids |= set(pool.map(_pid_after, [0.2] * n, [url] * n, [headers] * n))
 
 
+_CORE = tuple(f"xpulora:engine_{n}_total" for n in ("steps", "step_sequences", "step_tokens", "mixed_steps",
+                                                     "step_seconds", "admitted", "queue_seconds", "idle_seconds"))
+
+
+class MetricsPoller(threading.Thread):
+    """The core's counters from /metrics every `period` s while a run goes on, stamped with time.time(), so that
+    a window found afterwards (the steady state) gets its own step figures. Each /metrics holds the core's
+    counters as of its last Outputs message (one per step): the samples lag the core by at most a step."""
+
+    def __init__(self, srv: ServerProcess, period: float = 0.1) -> None:
+        super().__init__(daemon=True)
+        self.srv, self.period = srv, period
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(self.period):
+            m = self.srv.metrics()
+            self.samples.append((time.time(), {k: m[k] for k in _CORE}))
+
+    def at(self, t: float) -> dict[str, float]:
+        """The counters at time t, interpolated linearly between the samples around it."""
+        s = self.samples
+        i = next((i for i, (ts, _) in enumerate(s) if ts >= t), len(s) - 1)
+        if i == 0 or s[i][0] < t:
+            return s[i][1]
+        (ta, a), (tb, b) = s[i - 1], s[i]
+        f = (t - ta) / (tb - ta)
+        return {k: a[k] + f * (b[k] - a[k]) for k in _CORE}
+
+    def window(self, t0: float, t1: float) -> dict[str, float]:
+        """step_summary of [t0, t1] plus the mean queue wait (ms) of the requests admitted in it."""
+        if len(self.samples) < 2 or t1 <= t0:
+            return {}
+        a, b = self.at(t0), self.at(t1)
+        d = {k: b[k] - a[k] for k in _CORE}
+        out = step_summary(round(d[_CORE[0]]), round(d[_CORE[1]]), round(d[_CORE[2]]), round(d[_CORE[3]]),
+                           d[_CORE[4]], t1 - t0)
+        out["idle"] = round(d[_CORE[7]] / (t1 - t0), 3)
+        out["queue_ms"] = round(1e3 * d[_CORE[6]] / d[_CORE[5]], 2) if d[_CORE[5]] >= 1 else None
+        return out
+
+
 def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, texts: list[str] | None = None,
            clients: int = 1) -> dict[str, object]:
     """The plan over HTTP with at most `concurrency` streams open, spread over `clients` processes (request i
@@ -228,16 +272,26 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
     with ProcessPoolExecutor(clients, mp_context=mp.get_context("spawn")) as pool:
         _start_workers(pool, clients, srv.url, srv.headers)  # the workers start before the clock does
         m0 = srv.metrics()
+        poller = MetricsPoller(srv)
+        poller.start()
         t0, t0_wall = time.perf_counter(), time.time()
         futures = [pool.submit(_client, srv.url, srv.headers, base, [reqs[j] for j in idx],
                                max(1, concurrency // clients)) for idx in parts]
         done = [f.result() for f in futures]
         dt = time.perf_counter() - t0
+        poller.done.set()
+        poller.join()
         m1 = srv.metrics()  # every stream has ended: the core's last message, with its counters, has arrived
     core = step_summary(*(int(m1[k] - m0[k]) for k in (f"xpulora:engine_{n}_total" for n in (
         "steps", "step_sequences", "step_tokens", "mixed_steps"))),
         m1["xpulora:engine_step_seconds_total"] - m0["xpulora:engine_step_seconds_total"], dt)
     core["idle"] = round((m1["xpulora:engine_idle_seconds_total"] - m0["xpulora:engine_idle_seconds_total"]) / dt, 3)
+    admitted = m1["xpulora:engine_admitted_total"] - m0["xpulora:engine_admitted_total"]
+    core["queue_ms"] = round(1e3 * (m1["xpulora:engine_queue_seconds_total"] - m0["xpulora:engine_queue_seconds_total"])
+                             / admitted, 2) if admitted else None
+    ttft_n = m1["xpulora:time_to_first_token_seconds_count"] - m0["xpulora:time_to_first_token_seconds_count"]
+    core["api_ttft_ms"] = round(1e3 * (m1["xpulora:time_to_first_token_seconds_sum"]
+                                       - m0["xpulora:time_to_first_token_seconds_sum"]) / ttft_n, 2) if ttft_n else None
     core["api_output_busy"] = round((m1["xpulora:api_output_seconds_total"] - m0["xpulora:api_output_seconds_total"])
                                     / dt, 3)
     for proc in ("api", "engine_core"):  # garbage-collection pauses in the run, each a stall of that process's loop
@@ -270,11 +324,22 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
     w0 = max((st.start + st.ttft for st in firsts if st.ttft is not None), default=0.0)
     w1 = min(max(streams[j].start for j in idx) for idx in parts)
     in_window = sum(w0 <= t <= w1 for st in streams for t in st.chunk_times())
+    # the client's side of a request's wait for a row: from a stream's end to the next send on the same client
+    # (a client's semaphore hands a freed stream to its next request: its n-th later send follows its n-th end)
+    client_gaps: list[float] = []
+    for idx in parts:
+        starts = sorted(streams[j].start for j in idx[per_client:])
+        mine = sorted(streams[j].start + streams[j].seconds for j in idx)
+        client_gaps += [s - e for s, e in zip(starts, mine)]
     return {"server_tokens_per_s": sum(st.tokens for st in streams) / dt, "clients": clients, "server_core": core,
             "client_cpu": round(max(cpu for _, cpu, _ in done) / dt, 3),
             "client_start_s": round(max(start for _, _, start in done) - t0_wall, 3),
             "open_streams": round(sum(st.seconds for st in streams) / dt, 2),
-            "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99)},
+            "ttft_s": {"p50": percentile(ttft, 50), "p99": percentile(ttft, 99),
+                       "mean": sum(ttft) / len(ttft) if ttft else None},
+            "client_gap_ms": {"mean": round(1e3 * sum(client_gaps) / len(client_gaps), 2) if client_gaps else None,
+                              "p99": round(1e3 * percentile(client_gaps, 99), 2) if client_gaps else None},
+            "steady_core": poller.window(w0, w1),
             "ttft_after_burst_s": {"p50": percentile(steady, 50), "p99": percentile(steady, 99)},
             "ttft_burst_s": {"min": burst[0] if burst else None, "p50": percentile(burst, 50),
                              "max": burst[-1] if burst else None},

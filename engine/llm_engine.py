@@ -180,7 +180,7 @@ class LLMEngine:
             raise RequestError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
                                f"max_model_len {self.max_model_len}")
         seq = Sequence(next(self._seq_ids), request_id, ids, params, lora_id,
-                       max_total=min(len(ids) + params.max_tokens, self.max_model_len))
+                       max_total=min(len(ids) + params.max_tokens, self.max_model_len), arrival=time.perf_counter())
         if params.structured is not None:
             self.grammar.add(seq.seq_id, params.structured)  # RequestError if invalid (the server compiled it)
         if lora_id is not None and self.lora is not None:
@@ -282,10 +282,15 @@ class LLMEngine:
             if not step.seqs:
                 self.scheduler.keep_ended(step.finished_seq_ids)
                 return None
+        launch_t = time.perf_counter()  # before the launch: on the CPU it runs the whole step
         future = self.executor.launch(step, loads)  # EngineDeadError once a rank is gone, at every later step too
         self.scheduler.step_ran()
         self.steps.count(step.num_tokens, len(step.seqs))
         for entry, seq in zip(step.seqs, seqs):
+            if seq.arrival:
+                self.steps.admitted += 1
+                self.steps.queue_seconds += launch_t - seq.arrival
+                seq.arrival = 0.0
             seq.num_computed_tokens += len(entry.token_ids)
             seq.num_pending += entry.sample
         return _Launched(step, seqs, future)

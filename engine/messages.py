@@ -91,6 +91,10 @@ class StepCounts(msgspec.Struct, array_like=True):
     """Steps that hold a prompt chunk of more than one token (they cost more than a decode step)."""
     seconds: float = 0.0
     """Host time in core_step: scheduling, launch and the wait for the read-back."""
+    admitted: int = 0
+    """Requests whose first step was launched."""
+    queue_seconds: float = 0.0
+    """Their waits, summed: from add_core (the core's receipt) to their first step's launch."""
 
     def count(self, tokens: int, sequences: int) -> None:
         self.steps += 1

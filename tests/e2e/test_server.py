@@ -301,11 +301,14 @@ def test_step_counters_in_metrics(env: Env) -> None:
                                       extra_body={"ignore_eos": True})
     after = env.srv.wait_idle()
     d = {k: after[f"xpulora:engine_{k}_total"] - before[f"xpulora:engine_{k}_total"]
-         for k in ("steps", "step_tokens", "step_sequences", "mixed_steps", "step_seconds")}
+         for k in ("steps", "step_tokens", "step_sequences", "mixed_steps", "step_seconds", "admitted",
+                   "queue_seconds")}
     computed = len(ids) - r.usage.prompt_tokens_details.cached_tokens + MAX - 1  # the last token is never fed
     assert r.usage.completion_tokens == MAX
     assert d["steps"] == MAX and d["step_sequences"] == MAX and d["mixed_steps"] == 1, d
     assert d["step_tokens"] == computed and d["step_seconds"] > 0, d
+    # admitted once, not once per step; its wait (receipt to first launch) is no longer than the whole request took
+    assert d["admitted"] == 1 and 0 < d["queue_seconds"] < d["step_seconds"], d
     assert after["xpulora:api_output_seconds_total"] > before["xpulora:api_output_seconds_total"]
 
 
