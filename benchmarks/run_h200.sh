@@ -206,7 +206,8 @@ case "${1:-}" in
     ;;
   serve18)  # issue 14 after the tuned int4 default: the server vs the offline loop vs pure decode, 36 layers, 32 adapters
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    timeout 520 python3 benchmarks/bench_serve.py --layers 36 --adapters 32 --batches 32 64 --requests 256 \
+    # shellcheck disable=SC2086  # BATCHES="64": one concurrency only
+    timeout 520 python3 benchmarks/bench_serve.py --layers 36 --adapters 32 --batches ${BATCHES:-32 64} --requests 256 \
       --new-tokens 128 --clients 4 --root /tmp/serve36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
     tail -n 40 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
     ;;
