@@ -263,11 +263,16 @@ def mma_config(m: int, k: int, n: int, group_size: int) -> MmaConfig:
     and 128 k (or the group) per tile, K split until about SPLIT_K_TARGET programs run."""
     bk = min(128, group_size)
     bt = block_t_for(m)
-    tiles = triton.cdiv(n, 64) * triton.cdiv(m, bt) if triton is not None else 1
+    return MmaConfig(64, bt, bk, split_for(m, k, n, 64, bt, bk))
+
+
+def split_for(m: int, k: int, n: int, block_n: int, block_t: int, block_k: int) -> int:
+    """K splits (a power of two) until about SPLIT_K_TARGET programs run, each keeping at least two K tiles."""
+    tiles = -(-n // block_n) * -(-m // block_t)
     split = 1
-    while tiles * split * 2 <= SPLIT_K_TARGET and k % (bk * split * 2) == 0 and k // (split * 2) >= 2 * bk:
+    while tiles * split * 2 <= SPLIT_K_TARGET and k % (block_k * split * 2) == 0 and k // (split * 2) >= 2 * block_k:
         split *= 2
-    return MmaConfig(64, bt, bk, split)
+    return split
 
 
 @functools.cache

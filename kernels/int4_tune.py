@@ -40,6 +40,7 @@ from kernels.int4 import (
     prepare_int4,
     triton_config,
 )
+from kernels.int4_mma import split_for
 from kernels.reference import dequant_int4
 from kernels.registry import mismatch
 from kernels.triton_env import triton
@@ -52,7 +53,7 @@ LARGE_M = 1024
 DEQUANT = "dequant"
 CACHE_ENV = "XPULORA_KERNEL_CACHE_DIR"
 CACHE_FILE = "int4_dispatch.json"
-TABLE_VERSION = 3
+TABLE_VERSION = 4
 """Part of the cache key: bump it when the kernels or their candidates change, so that old tables are timed again."""
 TIMED_BYTES = 256 * 2**20
 """Weight copies timed in turn add up to at least this (several times a large GPU's last-level cache)."""
@@ -160,7 +161,11 @@ def _mma_variants(m: int, k: int, n: int, g: int, fold: bool = False) -> list[Mm
     base = mma_config(m, k, n, g)
     out = [base, replace(base, block_n=128, split_k=max(1, base.split_k // 2)), replace(base, num_stages=4),
            replace(base, split_k=base.split_k * 2)]
-    if m > 64:
+    if m > 64:  # token tiles of 128 (each weight tile unpacked once for up to 128 rows), K split for their grid
+        for bn, bk, stages in ((128, 128, 3), (128, 64, 4), (64, 128, 3)):
+            split = split_for(m, k, n, bn, 128, bk)
+            wide = MmaConfig(bn, 128, bk, split, num_warps=8 if bn == 128 else 4, num_stages=stages)
+            out += [wide, replace(wide, split_k=max(1, split // 2))]
         out.append(replace(base, block_t=128, block_n=128, num_warps=8))
     elif fold and m <= 16:
         out += [replace(base, fold=True), replace(base, split_k=base.split_k * 2, fold=True)]
