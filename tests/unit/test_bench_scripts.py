@@ -55,6 +55,13 @@ def test_bench_serve_quick(tmp_path: Path) -> None:
         assert r["steady_window_s"] > 0 and r["steady_tokens_per_s"] > 0 and r["steady_vs_decode"] > 0, r
         # float32 on the CPU: the server's greedy texts are the offline engine's
         assert r["text_mismatch"] == 0, r
+        core = r["server_core"]
+        # every request was admitted once and waited a while, less than its TTFT; the clients' next sends follow
+        # the ends they pair with (a negative gap would be a wrong pairing)
+        assert core["queue_ms"] is not None and 0 <= core["queue_ms"] < 1e3 * r["ttft_s"]["mean"], r
+        assert 0 < core["api_ttft_ms"] and r["client_gap_ms"]["mean"] >= 0, r
+        if r["steady_core"]:  # a window long enough for two /metrics samples
+            assert 1 <= r["steady_core"]["rows_per_step"] <= r["concurrency"], r
         for side in (r["server_core"], r["offline_core"]):  # the step counters of both sides
             assert side["steps"] > 0 and 1 <= side["rows_per_step"] <= r["concurrency"], r
             assert side["tokens_per_step"] >= side["rows_per_step"] and 0 < side["busy"] <= 1.05, r
