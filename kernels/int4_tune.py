@@ -161,11 +161,14 @@ def _mma_variants(m: int, k: int, n: int, g: int, fold: bool = False) -> list[Mm
     base = mma_config(m, k, n, g)
     out = [base, replace(base, block_n=128, split_k=max(1, base.split_k // 2)), replace(base, num_stages=4),
            replace(base, split_k=base.split_k * 2)]
-    if m > 64:  # token tiles of 128 (each weight tile unpacked once for up to 128 rows), K split for their grid
-        for bn, bk, stages in ((128, 128, 3), (128, 64, 4), (64, 128, 3)):
-            split = split_for(m, k, n, bn, 128, bk)
-            wide = MmaConfig(bn, 128, bk, split, num_warps=8 if bn == 128 else 4, num_stages=stages)
-            out += [wide, replace(wide, split_k=max(1, split // 2))]
+    if m > 64:
+        # Token tiles of 128 (each weight tile unpacked once for up to 128 rows) with 64 output features, K split
+        # for their own grid and 2x / 4x less: on the H200 these won the 128- and 256-row buckets on 7 of the 8
+        # (Qwen3-8B shape, bucket) points measured, with half of split_for's split where it had one to halve;
+        # 128 x 128 tiles (4 or 8 warps, K tiles of 64 or 128, any split) won none (docs/PERFORMANCE.md, ninth
+        # session).
+        split = split_for(m, k, n, base.block_n, 128, base.block_k)
+        out += [replace(base, block_t=128, split_k=max(1, split >> i)) for i in range(3)]
         out.append(replace(base, block_t=128, block_n=128, num_warps=8))
     elif fold and m <= 16:
         out += [replace(base, fold=True), replace(base, split_k=base.split_k * 2, fold=True)]
