@@ -33,7 +33,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -368,6 +368,9 @@ def main() -> int:
     model_args(ap, [32, 64], [32], "/tmp/xpulora-serve")
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--clients", type=int, default=1, help="client processes sharing the streams")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens per step, both sides (default: the engine's); e.g. 128 keeps a step of 64 decodes "
+                         "and its prompt chunks inside the int4 GEMMs' 128-row bucket")
     a = ap.parse_args()
     device, s, _, path, adapters = write_model(a)  # --quick: tiny shapes, batches [1, 4], 2 adapters
     if a.quick:
@@ -377,7 +380,12 @@ def main() -> int:
     reqs = plan(a.requests, n, a.new_tokens, min(s.vocab, 1000))
     rows: dict[int, dict] = {}
     texts = [""] * len(reqs)
-    with LLMEngine(engine_config(path, adapters[:n], max_batch, device.type)) as e:
+    cfg = engine_config(path, adapters[:n], max_batch, device.type)
+    flags = server_flags(device.type, adapters[:n], max_batch)
+    if a.max_num_batched_tokens is not None:
+        cfg = replace(cfg, scheduler=replace(cfg.scheduler, max_num_batched_tokens=a.max_num_batched_tokens))
+        flags += ["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
+    with LLMEngine(cfg) as e:
         # Warm-up: one request per adapter and the base, so that every adapter sits in its slot as in a server
         # that has run a while (first slot fills are measured apart: docs/PERFORMANCE.md).
         warm = reqs[: n + 1]
@@ -400,7 +408,7 @@ def main() -> int:
                             "sync_decode_tokens_per_s": dec_off["tokens_per_s"],
                             "sync_decode_ms_per_step": dec_off["ms_per_step"]}
             emit(case="offline", concurrency=c, **rows[c])  # kept should the server fail
-    srv = ServerProcess(path, server_flags(device.type, adapters[:n], max_batch), Path(a.root) / "server.log")
+    srv = ServerProcess(path, flags, Path(a.root) / "server.log")
     try:
         srv.wait_ready(timeout=600)
         base = httpx.get(srv.url + "/v1/models", headers=srv.headers, timeout=30).json()["data"][0]["id"]
