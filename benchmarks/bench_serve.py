@@ -329,8 +329,8 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
     client_gaps: list[float] = []
     for idx in parts:
         starts = sorted(streams[j].start for j in idx[per_client:])
-        mine = sorted(streams[j].start + streams[j].seconds for j in idx)
-        client_gaps += [s - e for s, e in zip(starts, mine)]
+        ends = sorted(streams[j].start + streams[j].seconds for j in idx)
+        client_gaps += [s - e for s, e in zip(starts, ends)]
     return {"server_tokens_per_s": sum(st.tokens for st in streams) / dt, "clients": clients, "server_core": core,
             "client_cpu": round(max(cpu for _, cpu, _ in done) / dt, 3),
             "client_start_s": round(max(start for _, _, start in done) - t0_wall, 3),

@@ -94,7 +94,7 @@ class StepCounts(msgspec.Struct, array_like=True):
     admitted: int = 0
     """Requests whose first step was launched."""
     queue_seconds: float = 0.0
-    """Their waits, summed: from add_core (the core's receipt) to their first step's launch."""
+    """Their waits, summed: from add_core (the core's loop reading them) to their first step's launch."""
 
     def count(self, tokens: int, sequences: int) -> None:
         self.steps += 1

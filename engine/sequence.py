@@ -41,9 +41,9 @@ class Sequence:
     num_pending: int = 0
     """Tokens sampled by a launched step whose ids have not reached the host yet (async scheduling: 0 or 1)."""
     max_total: int = 1 << 62
-    arrival: float = 0.0
-    """time.perf_counter() at add_core; 0.0 once its first step was launched (the queue wait is counted)."""
     """num_tokens at which the sequence ends for certain (prompt + max_tokens, capped at max_model_len)."""
+    arrival: float = 0.0
+    """time.perf_counter() at add_core; 0.0 once its first step was launched (its queue wait is counted)."""
 
     @property
     def num_tokens(self) -> int:

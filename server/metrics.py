@@ -69,8 +69,8 @@ class _EngineCollector(Collector):
         yield counter(P + "engine_step_seconds", "Engine-core time in steps: scheduling, launch, read-back wait.",
                       s.steps.seconds)
         yield counter(P + "engine_admitted", "Requests whose first step the engine core launched.", s.steps.admitted)
-        yield counter(P + "engine_queue_seconds", "Those requests' waits, summed: from the engine core's receipt to "
-                      "their first step's launch.", s.steps.queue_seconds)
+        yield counter(P + "engine_queue_seconds", "Those requests' waits, summed: from the engine core's loop reading "
+                      "them to their first step's launch.", s.steps.queue_seconds)
         yield counter(P + "engine_idle_seconds", "Engine-core time waiting for requests with nothing to run.",
                       s.idle_seconds)
         yield counter(P + "api_output_seconds", "API-process time turning engine outputs into text.",
