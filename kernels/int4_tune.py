@@ -47,8 +47,9 @@ from kernels.triton_env import triton
 
 log = logging.getLogger(__name__)
 
-BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
-"""Upper row counts of the tuned buckets; rows above the last form one more bucket, timed at LARGE_M."""
+BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 512)
+"""Upper row counts of the tuned buckets; rows above the last form one more bucket, timed at LARGE_M. 192: the
+mixed-step graphs of 160 and 192 tokens (64 decodes and a prompt or two) are 3 token tiles of 64 but 4 at 256."""
 LARGE_M = 1024
 DEQUANT = "dequant"
 CACHE_ENV = "XPULORA_KERNEL_CACHE_DIR"
