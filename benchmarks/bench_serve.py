@@ -214,6 +214,17 @@ _CORE = tuple(f"xpulora:engine_{n}_total" for n in ("steps", "step_sequences", "
                                                      "step_seconds", "admitted", "queue_seconds", "idle_seconds"))
 
 
+def core_between(a: dict[str, float], b: dict[str, float], wall: float) -> dict[str, float | None]:
+    """step_summary of the core's counters between two /metrics samples `wall` seconds apart, its idle share and
+    the mean queue wait (ms) of the requests admitted between them."""
+    steps, seqs, tokens, mixed, seconds, admitted, queue, idle = (b[k] - a[k] for k in _CORE)
+    out: dict[str, float | None] = {**step_summary(round(steps), round(seqs), round(tokens), round(mixed), seconds,
+                                                   wall)}
+    out["idle"] = round(idle / wall, 3)
+    out["queue_ms"] = round(1e3 * queue / admitted, 2) if admitted >= 1 else None
+    return out
+
+
 class MetricsPoller(threading.Thread):
     """The core's counters from /metrics every `period` s while a run goes on, stamped with time.time(), so that
     a window found afterwards (the steady state) gets its own step figures. Each /metrics holds the core's
@@ -240,17 +251,11 @@ class MetricsPoller(threading.Thread):
         f = (t - ta) / (tb - ta)
         return {k: a[k] + f * (b[k] - a[k]) for k in _CORE}
 
-    def window(self, t0: float, t1: float) -> dict[str, float]:
-        """step_summary of [t0, t1] plus the mean queue wait (ms) of the requests admitted in it."""
+    def window(self, t0: float, t1: float) -> dict[str, float | None]:
+        """core_between the counters at t0 and t1 ({} without two samples)."""
         if len(self.samples) < 2 or t1 <= t0:
             return {}
-        a, b = self.at(t0), self.at(t1)
-        d = {k: b[k] - a[k] for k in _CORE}
-        out = step_summary(round(d[_CORE[0]]), round(d[_CORE[1]]), round(d[_CORE[2]]), round(d[_CORE[3]]),
-                           d[_CORE[4]], t1 - t0)
-        out["idle"] = round(d[_CORE[7]] / (t1 - t0), 3)
-        out["queue_ms"] = round(1e3 * d[_CORE[6]] / d[_CORE[5]], 2) if d[_CORE[5]] >= 1 else None
-        return out
+        return core_between(self.at(t0), self.at(t1), t1 - t0)
 
 
 def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, texts: list[str] | None = None,
@@ -282,13 +287,7 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
         poller.done.set()
         poller.join()
         m1 = srv.metrics()  # every stream has ended: the core's last message, with its counters, has arrived
-    core = step_summary(*(int(m1[k] - m0[k]) for k in (f"xpulora:engine_{n}_total" for n in (
-        "steps", "step_sequences", "step_tokens", "mixed_steps"))),
-        m1["xpulora:engine_step_seconds_total"] - m0["xpulora:engine_step_seconds_total"], dt)
-    core["idle"] = round((m1["xpulora:engine_idle_seconds_total"] - m0["xpulora:engine_idle_seconds_total"]) / dt, 3)
-    admitted = m1["xpulora:engine_admitted_total"] - m0["xpulora:engine_admitted_total"]
-    core["queue_ms"] = round(1e3 * (m1["xpulora:engine_queue_seconds_total"] - m0["xpulora:engine_queue_seconds_total"])
-                             / admitted, 2) if admitted else None
+    core = core_between(m0, m1, dt)
     ttft_n = m1["xpulora:time_to_first_token_seconds_count"] - m0["xpulora:time_to_first_token_seconds_count"]
     core["api_ttft_ms"] = round(1e3 * (m1["xpulora:time_to_first_token_seconds_sum"]
                                        - m0["xpulora:time_to_first_token_seconds_sum"]) / ttft_n, 2) if ttft_n else None

@@ -556,7 +556,8 @@ cases = [
     (9, 256, 80, 64, torch.bfloat16, "asym", True, MmaConfig(64, 16, 64, 2)),  # a partial N tile
     (2, 512, 32, 128, torch.bfloat16, "sym", True, MmaConfig(16, 16, 128, 4)),
     (64, 256, 48, 32, torch.bfloat16, "sym", True, None),
-    # the tuner's token tiles of 128 (mixed steps), a partial one
+    # the tuner's token tiles of 128 (mixed steps), each with a partial one: 64 x 128 (the H200's winners), 128 x 128
+    (130, 256, 80, 128, torch.bfloat16, "asym", True, MmaConfig(64, 128, 128, 2)),
     (130, 256, 128, 64, torch.bfloat16, "asym", True, MmaConfig(128, 128, 64, 2, num_warps=8, num_stages=4)),
     # zero points off the accumulator (16-bit activations): sum_k (m + u) x - (m + zq) sum_k x
     (1, 256, 96, 128, torch.bfloat16, "asym", True, MmaConfig(32, 16, 128, 2, fold=True)),
