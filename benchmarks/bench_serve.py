@@ -7,6 +7,8 @@ with the same requests and the same number in flight. One JSON line per concurre
     decode at the same batch on the same engine (decode_tokens_per_s, decode_ms_per_step): server_vs_decode
     and offline_step_vs_decode are the issue's two ratios (server tokens/s vs bench_e2e, loop step vs its);
     steady_vs_decode the first over the window in which all streams are open (no opening burst, no drain).
+    ceiling_tokens_per_s (plan_ceiling, from pure decode at 1, c/4, c/2, 3c/4 and c rows): what the plan's
+    opening and drain leave of pure decode to a server whose prompts cost nothing; server_vs_ceiling.
     server_core / offline_core: what the steps held on each side (rows and tokens per step, the share of mixed
     steps), the core's host ms per step inside core_step and that time over the wall (busy; the rest of a
     server's wall is the core loop waiting for or moving messages), and api_output_busy: the API process's
@@ -100,6 +102,29 @@ def offline(e: LLMEngine, reqs: list[Req], concurrency: int, texts: list[str] | 
     core |= {"gc_ms": round(1e3 * pauses.total_seconds, 1), "gc_full": pauses.collections[2]}
     return {"offline_tokens_per_s": tokens / dt, "offline_ms_per_step": 1e3 * dt / steps, "offline_steps": steps,
             "offline_core": core}
+
+
+def plan_ceiling(reqs: list[Req], concurrency: int, ms_at: dict[int, float]) -> float:
+    """Tokens/s of an ideal server on this plan: prompts cost nothing, an ended request's row is refilled in the
+    next step, and a step of b rows costs pure decode at b rows (ms_at, measured; linear in between). What the
+    plan's opening and drain allow against pure decode at full batch, whatever the serving path does."""
+    batches = sorted(ms_at)
+
+    def ms(b: int) -> float:
+        hi = next(x for x in batches if x >= b)
+        lo = max((x for x in batches if x <= b), default=hi)
+        return ms_at[lo] if hi == lo else ms_at[lo] + (ms_at[hi] - ms_at[lo]) * (b - lo) / (hi - lo)
+
+    pending = [r.max_tokens for r in reversed(reqs)]
+    running = [pending.pop() for _ in range(min(concurrency, len(pending)))]
+    tokens, wall_ms = 0, 0.0
+    while running:
+        tokens += len(running)
+        wall_ms += ms(len(running))
+        running = [t - 1 for t in running if t > 1]
+        while len(running) < concurrency and pending:
+            running.append(pending.pop())
+    return 1e3 * tokens / wall_ms
 
 
 def step_summary(steps: int, sequences: int, tokens: int, mixed: int, seconds: float, wall: float
@@ -396,7 +421,13 @@ def main() -> int:
             rows[c] = offline(e, reqs, c, texts if i == 0 else None)
             # bench_e2e's pure decode at this batch, same engine: what the loop could reach without arrivals
             dec = ours(e, c, n, min(64, a.new_tokens))
+            # and at fewer rows, for the plan's ceiling (its opening and drain run below full batch)
+            ms_at = {b: ours(e, b, n, min(64, a.new_tokens))["ms_per_step"] for b in {1, c // 4, c // 2, 3 * c // 4}
+                     if 0 < b < c} | {c: dec["ms_per_step"]}
+            ceiling = plan_ceiling(reqs, c, ms_at)
             rows[c] |= {"decode_tokens_per_s": dec["tokens_per_s"], "decode_ms_per_step": dec["ms_per_step"],
+                        "decode_ms_at": {str(b): round(v, 3) for b, v in sorted(ms_at.items())},
+                        "ceiling_tokens_per_s": ceiling, "ceiling_vs_decode": ceiling / dec["tokens_per_s"],
                         "offline_step_vs_decode": rows[c]["offline_ms_per_step"] / dec["ms_per_step"],
                         "async_scheduling": e.async_scheduling}
             if a.sync_too:  # the same two runs with async scheduling off, on the same engine
@@ -419,6 +450,7 @@ def main() -> int:
             row = {"case": "serve", "concurrency": c, "requests": len(reqs), "adapters": n, **rows[c], **r}
             row["ratio"] = row["server_tokens_per_s"] / row["offline_tokens_per_s"]
             row["server_vs_decode"] = row["server_tokens_per_s"] / row["decode_tokens_per_s"]
+            row["server_vs_ceiling"] = row["server_tokens_per_s"] / row["ceiling_tokens_per_s"]
             if row["steady_tokens_per_s"] is not None:
                 row["steady_vs_decode"] = row["steady_tokens_per_s"] / row["decode_tokens_per_s"]
             failed |= bool(r["errors"] or r["wrong_length"])

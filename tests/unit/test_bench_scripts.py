@@ -55,6 +55,8 @@ def test_bench_serve_quick(tmp_path: Path) -> None:
         assert r["steady_window_s"] > 0 and r["steady_tokens_per_s"] > 0 and r["steady_vs_decode"] > 0, r
         # float32 on the CPU: the server's greedy texts are the offline engine's
         assert r["text_mismatch"] == 0, r
+        assert set(r["decode_ms_at"]) == ({"1", "2", "3", "4"} if r["concurrency"] == 4 else {"1"}), r
+        assert r["ceiling_tokens_per_s"] > 0 and r["server_vs_ceiling"] > 0, r
         core = r["server_core"]
         # every request was admitted once and waited a while, less than its TTFT; the clients' next sends follow
         # the ends they pair with (a negative gap would be a wrong pairing)
@@ -65,6 +67,20 @@ def test_bench_serve_quick(tmp_path: Path) -> None:
         for side in (r["server_core"], r["offline_core"]):  # the step counters of both sides
             assert side["steps"] > 0 and 1 <= side["rows_per_step"] <= r["concurrency"], r
             assert side["tokens_per_step"] >= side["rows_per_step"] and 0 < side["busy"] <= 1.05, r
+
+
+def test_plan_ceiling_by_hand() -> None:
+    from benchmarks.bench_serve import Req, plan_ceiling
+
+    def reqs(*lengths: int) -> list[Req]:
+        return [Req([1], None, n) for n in lengths]
+
+    # 2 rows (2 ms), then the 3-token request alone for two steps (1.5 ms each): 4 tokens in 5 ms
+    assert plan_ceiling(reqs(3, 1), 2, {1: 1.5, 2: 2.0}) == 800.0
+    # an ended row is refilled in the next step: [3, 1] -> [2, 2] -> [1, 1]: three full steps
+    assert plan_ceiling(reqs(3, 1, 2), 2, {1: 1.5, 2: 2.0}) == 1000.0
+    # rows between two measured batches cost the line between them: 3 rows, then 2 rows at 2 ms
+    assert plan_ceiling(reqs(1, 2, 2), 3, {1: 1.0, 3: 3.0}) == 1e3 * 5 / 5.0
 
 
 def test_bench_mixed_quick(tmp_path: Path) -> None:
