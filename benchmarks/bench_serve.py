@@ -83,6 +83,7 @@ def offline(e: LLMEngine, reqs: list[Req], concurrency: int, texts: list[str] | 
         add()
     e.device.synchronize()
     c0 = msgspec.structs.replace(e.steps)
+    hits0 = e.blocks.num_hits
     pauses = GcPauses().install()  # this process's collections (an offline engine's caller's heap is not frozen)
     t0 = time.perf_counter()
     while e.has_unfinished():
@@ -99,7 +100,8 @@ def offline(e: LLMEngine, reqs: list[Req], concurrency: int, texts: list[str] | 
     c = e.steps
     core = step_summary(c.steps - c0.steps, c.sequences - c0.sequences, c.tokens - c0.tokens, c.mixed - c0.mixed,
                         c.seconds - c0.seconds, dt)
-    core |= {"gc_ms": round(1e3 * pauses.total_seconds, 1), "gc_full": pauses.collections[2]}
+    core |= {"gc_ms": round(1e3 * pauses.total_seconds, 1), "gc_full": pauses.collections[2],
+             "prefix_hit_tokens": e.blocks.num_hits - hits0}
     return {"offline_tokens_per_s": tokens / dt, "offline_ms_per_step": 1e3 * dt / steps, "offline_steps": steps,
             "offline_core": core}
 
@@ -316,6 +318,8 @@ def served(srv: ServerProcess, base: str, reqs: list[Req], concurrency: int, tex
     ttft_n = m1["xpulora:time_to_first_token_seconds_count"] - m0["xpulora:time_to_first_token_seconds_count"]
     core["api_ttft_ms"] = round(1e3 * (m1["xpulora:time_to_first_token_seconds_sum"]
                                        - m0["xpulora:time_to_first_token_seconds_sum"]) / ttft_n, 2) if ttft_n else None
+    # prompt tokens served from the prefix cache (a run's prompts are its own: 0 unless a plan repeats)
+    core["prefix_hit_tokens"] = int(m1["xpulora:prefix_cache_hits_total"] - m0["xpulora:prefix_cache_hits_total"])
     core["api_output_busy"] = round((m1["xpulora:api_output_seconds_total"] - m0["xpulora:api_output_seconds_total"])
                                     / dt, 3)
     for proc in ("api", "engine_core"):  # garbage-collection pauses in the run, each a stall of that process's loop
@@ -401,9 +405,13 @@ def main() -> int:
         a.requests, a.new_tokens = 16, 8
     n = max(a.adapters)
     max_batch = max(a.batches)
-    reqs = plan(a.requests, n, a.new_tokens, min(s.vocab, 1000))
+    vocab = min(s.vocab, 1000)
+    # Every run gets prompts of its own (seeded, the same on both sides): a plan served twice would find its
+    # prompts in the prefix cache (on by default) the second time and skip their prefills.
+    plans = {c: plan(a.requests, n, a.new_tokens, vocab, seed=c) for c in a.batches}
+    warm_plans = {c: plan(2 * c, n, a.new_tokens, vocab, seed=10_000 + c) for c in a.batches}
     rows: dict[int, dict] = {}
-    texts = [""] * len(reqs)
+    texts = {c: [""] * len(plans[c]) for c in a.batches}
     cfg = engine_config(path, adapters[:n], max_batch, device.type)
     flags = server_flags(device.type, adapters[:n], max_batch)
     if a.max_num_batched_tokens is not None:
@@ -412,13 +420,14 @@ def main() -> int:
     with LLMEngine(cfg) as e:
         # Warm-up: one request per adapter and the base, so that every adapter sits in its slot as in a server
         # that has run a while (first slot fills are measured apart: docs/PERFORMANCE.md).
-        warm = reqs[: n + 1]
+        warm = plan(n + 1, n, a.new_tokens, vocab, seed=30_000)
         offline(e, warm, max_batch)
-        for i, c in enumerate(a.batches):
+        for c in a.batches:
+            reqs = plans[c]
             # Warm at this concurrency first: its first bursts compile kernel variants of new sizes (seconds of
             # Triton JIT inside a timed run otherwise), on both sides and in both modes.
-            offline(e, reqs[: 2 * c], c)
-            rows[c] = offline(e, reqs, c, texts if i == 0 else None)
+            offline(e, warm_plans[c], c)
+            rows[c] = offline(e, reqs, c, texts[c])
             # bench_e2e's pure decode at this batch, same engine: what the loop could reach without arrivals
             dec = ours(e, c, n, min(64, a.new_tokens))
             # and at fewer rows, for the plan's ceiling (its opening and drain run below full batch)
@@ -430,8 +439,9 @@ def main() -> int:
                         "ceiling_tokens_per_s": ceiling, "ceiling_vs_decode": ceiling / dec["tokens_per_s"],
                         "offline_step_vs_decode": rows[c]["offline_ms_per_step"] / dec["ms_per_step"],
                         "async_scheduling": e.async_scheduling}
-            if a.sync_too:  # the same two runs with async scheduling off, on the same engine
-                off = synchronous(e, lambda c=c: offline(e, reqs, c))
+            if a.sync_too:  # the same two runs with async scheduling off, on the same engine (prompts of its own)
+                sync_reqs = plan(a.requests, n, a.new_tokens, vocab, seed=20_000 + c)
+                off = synchronous(e, lambda c=c, r=sync_reqs: offline(e, r, c))
                 dec_off = synchronous(e, lambda c=c: ours(e, c, n, min(64, a.new_tokens)))
                 rows[c] |= {"sync_offline_tokens_per_s": off["offline_tokens_per_s"],
                             "sync_offline_ms_per_step": off["offline_ms_per_step"],
@@ -445,9 +455,9 @@ def main() -> int:
         served(srv, base, warm, max_batch, clients=a.clients)  # warm-up, as offline
         failed = False
         for c in a.batches:
-            served(srv, base, reqs[: 2 * c], c, clients=a.clients)  # warm at this concurrency, as offline
-            r = served(srv, base, reqs, c, texts, a.clients)
-            row = {"case": "serve", "concurrency": c, "requests": len(reqs), "adapters": n, **rows[c], **r}
+            served(srv, base, warm_plans[c], c, clients=a.clients)  # warm at this concurrency, as offline
+            r = served(srv, base, plans[c], c, texts[c], a.clients)
+            row = {"case": "serve", "concurrency": c, "requests": len(plans[c]), "adapters": n, **rows[c], **r}
             row["ratio"] = row["server_tokens_per_s"] / row["offline_tokens_per_s"]
             row["server_vs_decode"] = row["server_tokens_per_s"] / row["decode_tokens_per_s"]
             row["server_vs_ceiling"] = row["server_tokens_per_s"] / row["ceiling_tokens_per_s"]

@@ -66,6 +66,8 @@ def test_bench_serve_quick(tmp_path: Path) -> None:
             assert 1 <= r["steady_core"]["rows_per_step"] <= r["concurrency"], r
         for side in (r["server_core"], r["offline_core"]):  # the step counters of both sides
             assert side["steps"] > 0 and 1 <= side["rows_per_step"] <= r["concurrency"], r
+            # every prompt computed: no run finds another run's (or its warm-up's) prompts in the prefix cache
+            assert side["prefix_hit_tokens"] == 0, r
             assert side["tokens_per_step"] >= side["rows_per_step"] and 0 < side["busy"] <= 1.05, r
 
 
