@@ -3,7 +3,8 @@ request of P prompt tokens (max_tokens 1, so its row lives one step), as a serve
 For each P: the engine loop's ms per step (LLMEngine.step, graphs and async scheduling as configured), the
 share of those steps that held a prompt chunk, and the device kernels of a few of those steps grouped by name
 (torch.profiler; kernels inside replayed graphs included), per step. P = 0 is the pure decode step of B - 1
-rows.
+rows. Each P gets B - 1 fresh decoding requests, prefilled before its clock, so every P is timed at the same
+context lengths.
 
     python benchmarks/bench_mixed.py --layers 36 --adapters 32 --batches 64 --prompts 0 16 32 64 128
     python benchmarks/bench_mixed.py --quick          # tiny shapes on the CPU (smoke test)
@@ -78,10 +79,16 @@ def main() -> None:
             prompts, names = requests(b - 1, n)
             rng, serial = random.Random(b), itertools.count(1)
             budget = 512 - max(map(len, prompts)) - 2  # max_model_len 512 (bench_e2e.engine_config)
-            for i, (p, name) in enumerate(zip(prompts, names)):
-                e.add_request(f"d{i}", p, SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True), name)
             arrivals = names or [None]
-            for plen in a.prompts:  # warm each size (its graphs' first replays, Triton variants), then time it
+            for plen in a.prompts:
+                # Fresh decoding requests for each P, so that every P is timed at the same context lengths (the
+                # decode attention grows with them); their prefill runs before the clock.
+                ids = [f"d{plen}.{i}" for i in range(b - 1)]
+                for rid, p, name in zip(ids, prompts, names):
+                    e.add_request(rid, p, SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True), name)
+                while any(not e.requests[rid].seq.output_token_ids for rid in ids):
+                    e.step()
+                # warm this size (its graphs' first replays, Triton variants), then time it
                 steps_with_arrivals(e, 3, plen, arrivals, rng, s.vocab, serial)
                 m0, n0 = e.steps.mixed, e.steps.steps
                 dt = steps_with_arrivals(e, steps, plen, arrivals, rng, s.vocab, serial)
@@ -90,8 +97,12 @@ def main() -> None:
                 emit(case="mixed", batch=b, decoding=b - 1, prompt=plen, adapters=n, ms_per_step=1e3 * dt / steps,
                      mixed_share=round(mixed, 3),
                      device_us_per_step=round(total, 1), top_kernels=kernels)
-                if not e.has_unfinished():
-                    raise SystemExit("the decoding requests ran out of tokens: fewer --prompts or STEPS")
+                if not all(rid in e.requests for rid in ids):
+                    raise SystemExit("the decoding requests ran out of tokens: fewer STEPS")
+                for rid in ids:
+                    e.abort(rid)
+                while e.has_unfinished():
+                    e.step()
 
 
 if __name__ == "__main__":
