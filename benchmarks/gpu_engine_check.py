@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import kernels.int4 as int4_ops
 from benchmarks.bench_e2e import write_adapter
 from engine import (
     CacheConfig,
@@ -34,6 +35,7 @@ from engine import (
     SamplingParams,
     SchedulerConfig,
 )
+from kernels import lora_triton
 from tools.checks import Checks, exit_with
 from tools.random_int4 import Shape, write_random_int4
 
@@ -75,6 +77,27 @@ def run(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]
             CHECKS.expect(f"mixed steps replayed mixed-step graphs, batch {len(batch)}, chunks of {max_batched}",
                           mixed is not None and mixed.replays > 0, replays=mixed.replays if mixed else None)
         return [r.token_ids for r in out], took
+
+
+def check_lora_epilogue(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]]
+                        ) -> tuple[list[list[int]], int]:
+    """The batch with XPULORA_LORA_CONFIG's epilogue=1 (kernels.lora_triton.use_epilogue), graphs on: its greedy
+    ids and how many int4 mma launches took a LoRA epilogue (0 would mean the check tested nothing)."""
+    taken = [0]
+    mma, saved = int4_ops.mma_mm, dict(lora_triton.CONFIG_OVERRIDES)
+
+    def counting(*a: object) -> torch.Tensor:
+        taken[0] += a[-1] is not None
+        return mma(*a)  # type: ignore[arg-type]
+
+    int4_ops.mma_mm, lora_triton.CONFIG_OVERRIDES["epilogue"] = counting, 1  # type: ignore[assignment]
+    try:
+        out, _ = run(path, adapters, batch, eager=False, reference=False, dtype="float32")
+    finally:
+        int4_ops.mma_mm = mma
+        lora_triton.CONFIG_OVERRIDES.clear()
+        lora_triton.CONFIG_OVERRIDES.update(saved)
+    return out, taken[0]
 
 
 def check_no_host_sync(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]]) -> None:
@@ -144,6 +167,11 @@ def main() -> None:
             CHECKS.expect(f"fp8 adapters: fast kernels + graphs == torch reference, float32, batch {n}", fast8 == ref8,
                           matching_requests=sum(a == b for a, b in zip(fast8, ref8)), of=n,
                           fp8_vs_model_dtype_matching=sum(a == b for a, b in zip(ref8, ref)))
+        if n == 17 and ARGS.device != "cpu":  # the opt-in LoRA expand inside the int4 mma kernel's store
+            epi, taken = check_lora_epilogue(path, adapters, batch)
+            CHECKS.expect(f"LoRA expand in the int4 mma store (epilogue=1) + graphs == torch reference, float32, "
+                          f"batch {n}", epi == ref and taken > 0,
+                          matching_requests=sum(a == b for a, b in zip(epi, ref)), of=n, fused_launches=taken)
         if n >= 17:  # prefill chunks of 64 tokens share steps with decodes: the mixed-step graphs' case
             chunked, _ = run(path, adapters, batch, eager=False, reference=False, dtype="float32", max_batched=64)
             CHECKS.expect(f"mixed-step graphs (64-token chunks) == torch reference, float32, batch {n}",

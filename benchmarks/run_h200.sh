@@ -153,6 +153,18 @@ case "${1:-}" in
     grep -E "targets|correctness|PASS|FAIL|rc=" "$OUT/int4.txt" | tail -40; tail -3 "$OUT/int4_tests.txt"
     grep -E '^\{' "$OUT/lora_kernels.txt" | tail -30; tail -1 "$OUT/lora_kernels.txt"
     ;;
+  epi18)  # issue 18: the LoRA expand inside the int4 mma store (XPULORA_LORA_CONFIG=epilogue=1) against the split
+          # kernels, 36 layers, 32 adapters, batch 32 and 64, one checkpoint; then its CUDA kernel test (`check` runs the
+          # engine check's epilogue case)
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    for epi in 0 1; do
+      XPULORA_LORA_CONFIG=epilogue=$epi timeout 200 python3 benchmarks/bench_e2e.py --layers 36 --batches 32 64 \
+        --adapters 32 --peer-cases "" --root /tmp/e2e36l 2>&1 | grep --line-buffered -E '^\{"case": "decode|Error' \
+        | sed "s/^/epilogue=$epi /" | tee -a "$OUT/epi.txt"
+    done
+    timeout 140 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_int4.py -k "lora_epilogue" \
+      > "$OUT/epi_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/epi_tests.txt"; tail -3 "$OUT/epi_tests.txt"
+    ;;
   steps18)  # issue 18: 36 layers, batch 1 and 32: no adapters with the int4 kernel auto, then with tuned also 32 adapters
             # (bf16 and fp8 storage); the 64-layer 27B-shaped hybrid at TP=1 (batch 1 and 32, graphs, tuned int4)
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
@@ -212,5 +224,5 @@ case "${1:-}" in
       | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
     tail -n 40 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
     ;;
-  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18"; exit 2 ;;
 esac

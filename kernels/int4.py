@@ -26,7 +26,7 @@ from typing import Literal, get_args
 import torch
 
 from kernels.int4_gemv import GEMV_MAX_ROWS, GemvConfig, gemv_config, gemv_mm
-from kernels.int4_mma import MmaConfig, mma_config, mma_meta, mma_mm, repack_mma
+from kernels.int4_mma import LoRAEpilogue, MmaConfig, mma_config, mma_meta, mma_mm, repack_mma
 from kernels.int4_triton import TritonInt4Config, dequant_triton, triton_config, triton_mm
 from kernels.reference import dequant_int4, unpack_int4_cols, unpack_int4_rows
 from kernels.triton_env import FLOATS, usable
@@ -305,11 +305,24 @@ def prepare_int4(
 # matmul
 
 
-def int4_mm(x: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y[..., n] = sum_k x[..., k] * W[k, n] + bias[n]  (fp32 accumulate), returned in x.dtype."""
+def takes_lora(w: PreparedInt4, m: int, lora: LoRAEpilogue) -> bool:
+    """Whether int4_mm(x, w, lora=lora) can fuse this LoRA expand for m rows (the mma kernel, slices on its tiles)."""
+    if w.backend != "triton_mma":
+        return False
+    k, n, g = w.layout.in_features, w.layout.out_features, w.layout.group_size
+    c = w.config if isinstance(w.config, MmaConfig) else mma_config(m, k, n, g)
+    return lora.fits(c.block_n)
+
+
+def int4_mm(x: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None = None,
+            lora: LoRAEpilogue | None = None) -> torch.Tensor:
+    """y[..., n] = sum_k x[..., k] * W[k, n] + bias[n] (+ lora's expand: triton_mma only, see takes_lora)
+    (fp32 accumulate), returned in x.dtype."""
     k, n = w.layout.in_features, w.layout.out_features
     if x.shape[-1] != k:
         raise ValueError(f"int4_mm: x has {x.shape[-1]} input features, the weight expects {k}")
+    if lora is not None and w.backend != "triton_mma":
+        raise ValueError(f"int4_mm: backend {w.backend!r} takes no LoRA epilogue (triton_mma does)")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.shape[0] == 0:
@@ -326,7 +339,7 @@ def int4_mm(x: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None = None) 
     if w.backend == "triton_mma":
         assert w.scales_and_zeros is not None
         assert w.config is None or isinstance(w.config, MmaConfig)
-        y = mma_mm(x2, w.weight, w.scales_and_zeros, w.layout.group_size, bias, w.config)
+        y = mma_mm(x2, w.weight, w.scales_and_zeros, w.layout.group_size, bias, w.config, lora)
         return y.reshape(*lead, n)
 
     xc = x2.to(w.dtype).contiguous()  # the native ops require a contiguous 2-D A in their dtype

@@ -32,8 +32,8 @@ import torch
 
 from kernels.triton_env import FLOATS, interpreting, tl, triton
 
-__all__ = ["MMA_K", "MMA_N", "MmaConfig", "mma_config", "mma_meta", "mma_mm", "repack_mma", "unpack_meta",
-           "unpack_mma"]
+__all__ = ["MMA_K", "MMA_N", "LoRAEpilogue", "MmaConfig", "mma_config", "mma_meta", "mma_mm", "repack_mma",
+           "unpack_meta", "unpack_mma"]
 
 MMA_N, MMA_K = 16, 32
 """Output features and input features of one repacked block of 64 words."""
@@ -124,10 +124,39 @@ if triton is not None:
         return tl.reshape(u, (BN, BK))
 
     @triton.jit
+    def _add_lora(acc, n0, offs_n, offs_t, M, N, lo_ptr, lb_ptr, lr_ptr, ls_ptr, s1, s2, r_max,
+                  stride_hk, stride_hs, stride_ht, stride_lbs, stride_lbr, stride_lrs, stride_lrt,
+                  SPLIT_H: tl.constexpr, BLOCK_R: tl.constexpr):
+        """acc[n, t] += sum_{r < rank} (sum_ks h[ks, s, t, r]) * B[slot[t], r, n] (LoRAEpilogue); the tile's
+        columns lie in one slice s (n0: its first column); rank and B rows past it are never read."""
+        sl = (n0 >= s1).to(tl.int32) + (n0 >= s2).to(tl.int32)
+        mask_t = offs_t < M
+        slot = tl.load(ls_ptr + offs_t, mask=mask_t, other=-1)
+        valid = slot >= 0
+        slot_c = tl.where(valid, slot, 0).to(tl.int64)
+        rank = tl.load(lr_ptr + sl * stride_lrs + slot_c * stride_lrt, mask=valid, other=0)  # [BT]
+        offs_r = tl.arange(0, BLOCK_R)
+        mask_h = valid[:, None] & (offs_r[None, :] < rank[:, None])
+        hp = lo_ptr + sl * stride_hs + offs_t[:, None].to(tl.int64) * stride_ht + offs_r[None, :]
+        h = tl.load(hp, mask=mask_h, other=0.0)  # [BT, BR]: the shrink's K splits, summed in a fixed order
+        for ks in tl.static_range(1, SPLIT_H):
+            h += tl.load(hp + ks * stride_hk, mask=mask_h, other=0.0)
+        mask_n = offs_n < N
+        bp = lb_ptr + slot_c[None, :] * stride_lbs + offs_n[:, None]  # [BN, BT]: each token its slot's B
+        for r in range(0, r_max):
+            col = tl.sum(tl.where(offs_r[None, :] == r, h, 0.0), axis=1)  # h[:, r]
+            bv = tl.load(bp + r * stride_lbr, mask=mask_n[:, None] & (r < rank)[None, :], other=0.0)
+            acc += bv.to(tl.float32) * col[None, :]
+        return acc
+
+    @triton.jit
     def _finish(acc, out_ptr, ws_ptr, cnt_ptr, b_ptr, offs_n, offs_t, M, N, tile, pid_k,
-                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
-        """out[t, n] = sum over splits of acc[n, t] (+ bias[n]); split partials parked in ws[pid_k] and
-        added in split order by the last program of the tile (counted in cnt[tile])."""
+                n0, lo_ptr, lb_ptr, lr_ptr, ls_ptr, s1, s2, r_max,
+                stride_hk, stride_hs, stride_ht, stride_lbs, stride_lbr, stride_lrs, stride_lrt,
+                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, HAS_LORA: tl.constexpr, SPLIT_H: tl.constexpr,
+                BLOCK_R: tl.constexpr):
+        """out[t, n] = sum over splits of acc[n, t] (+ bias[n]) (+ the LoRA epilogue); split partials parked in
+        ws[pid_k] and added in split order by the last program of the tile (counted in cnt[tile])."""
         mask_n = offs_n < N
         mask = mask_n[:, None] & (offs_t[None, :] < M)
         idx = offs_t[None, :] * N + offs_n[:, None]
@@ -141,22 +170,33 @@ if triton is not None:
                     acc += tl.load(ws_ptr + s * M * N + idx, mask=mask, other=0.0, cache_modifier=".cg")
                 if HAS_BIAS:
                     acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+                if HAS_LORA:
+                    acc = _add_lora(acc, n0, offs_n, offs_t, M, N, lo_ptr, lb_ptr, lr_ptr, ls_ptr, s1, s2, r_max,
+                                    stride_hk, stride_hs, stride_ht, stride_lbs, stride_lbr, stride_lrs, stride_lrt,
+                                    SPLIT_H, BLOCK_R)
                 tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
                 tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
         else:
             if HAS_BIAS:
                 acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+            if HAS_LORA:
+                acc = _add_lora(acc, n0, offs_n, offs_t, M, N, lo_ptr, lb_ptr, lr_ptr, ls_ptr, s1, s2, r_max,
+                                stride_hk, stride_hs, stride_ht, stride_lbs, stride_lbr, stride_lrs, stride_lrt,
+                                SPLIT_H, BLOCK_R)
             tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _w4a16_mma_kernel(
         x_ptr, w_ptr, m_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
         M, N, stride_xm, stride_wb, stride_mg, WORDS_PER_SPLIT, K_PER_SPLIT,
+        lo_ptr, lb_ptr, lr_ptr, ls_ptr, s1, s2, r_max,
+        stride_hk, stride_hs, stride_ht, stride_lbs, stride_lbr, stride_lrs, stride_lrt,
         GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
         WTYPE: tl.constexpr, F32_DOT: tl.constexpr, FOLD: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
-        BK: tl.constexpr,
+        BK: tl.constexpr, HAS_LORA: tl.constexpr, SPLIT_H: tl.constexpr, BLOCK_R: tl.constexpr,
     ):  # fmt: skip
-        """y[t, n] = sum_k x[t, k] * s[k//G, n] * (u(k, n) - zq(k//G, n)), as acc[n, t] += W^T tile @ x^T tile.
+        """y[t, n] = sum_k x[t, k] * s[k//G, n] * (u(k, n) - zq(k//G, n)), as acc[n, t] += W^T tile @ x^T tile
+        (HAS_LORA: plus a LoRA expand before the store, see LoRAEpilogue).
 
         Grid (N tiles, token tiles, K splits). meta[g, n]: the fp16 bits of s(g, n) | zq(g, n) << 16.
         WTYPE 0: the weight tile in bf16 (magic 0x4300), 1: fp16 (0x6400), 2: fp32 (from integers).
@@ -222,11 +262,45 @@ if triton is not None:
             wp += (BK // 32) * 64
             xp += BK
         _finish(acc, out_ptr, ws_ptr, cnt_ptr, b_ptr, offs_n, offs_t, M, N,
-                pid_t * tl.num_programs(0) + pid_n, pid_k, HAS_BIAS, SPLIT_K)
+                pid_t * tl.num_programs(0) + pid_n, pid_k,
+                pid_n * BN, lo_ptr, lb_ptr, lr_ptr, ls_ptr, s1, s2, r_max,
+                stride_hk, stride_hs, stride_ht, stride_lbs, stride_lbr, stride_lrs, stride_lrt,
+                HAS_BIAS, SPLIT_K, HAS_LORA, SPLIT_H, BLOCK_R)
 
 
 # ----------------------------------------------------------------------------------------------------
 # launch
+
+
+@dataclass(frozen=True)
+class LoRAEpilogue:
+    """A LoRA expand fused into the mma kernel's store (no expand launch of its own):
+
+        y[t, n] += sum_{r < rank[s(n), slot[t]]} (sum_ks h[ks, s(n), t, r]) * B[slot[t], r, n]   for slot[t] >= 0
+
+    h: the shrink's per-split partials [split, n_slices, T, r_max] float32 (kernels.lora_triton.shrink_partials);
+    b: the layer's B store [S, r_max, N] rank-major, all slices' columns side by side (the scale folded in), in a
+    16-bit or float32 dtype; ranks [n_slices, S] int32 (any strides); slots [T] int32 (-1: no adapter); starts:
+    each slice's first column, ascending from 0 (at most 3 slices), each a multiple of the launch's block_n so
+    that a tile's columns lie in one slice."""
+
+    h: torch.Tensor
+    b: torch.Tensor
+    ranks: torch.Tensor
+    slots: torch.Tensor
+    starts: tuple[int, ...]
+
+    def fits(self, block_n: int) -> bool:
+        return 1 <= len(self.starts) <= 3 and self.starts[0] == 0 and all(s % block_n == 0 for s in self.starts)
+
+    def check(self, m: int, n: int) -> None:
+        _, n_slices, t, r_max = self.h.shape
+        if (t != m or self.h.dtype != torch.float32 or self.h.stride(-1) != 1 or n_slices != len(self.starts)
+                or self.b.dim() != 3 or self.b.shape[1:] != (r_max, n) or self.b.stride(-1) != 1
+                or self.ranks.shape != (n_slices, self.b.size(0)) or self.ranks.dtype != torch.int32
+                or self.slots.shape != (m,) or self.slots.dtype != torch.int32 or self.slots.stride(0) != 1):
+            raise ValueError(f"LoRA epilogue: h {tuple(self.h.shape)}, B {tuple(self.b.shape)}, ranks "
+                             f"{tuple(self.ranks.shape)}, slots {tuple(self.slots.shape)} do not fit M={m}, N={n}")
 
 
 @dataclass(frozen=True)
@@ -285,8 +359,8 @@ _WTYPE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 def mma_mm(x2: torch.Tensor, packed: torch.Tensor, meta: torch.Tensor, group_size: int, bias: torch.Tensor | None,
-           config: MmaConfig | None = None) -> torch.Tensor:
-    """y = x2 @ W + bias, x2 [M, K]; packed from repack_mma, meta from mma_meta ([K/G, N] int32)."""
+           config: MmaConfig | None = None, lora: LoRAEpilogue | None = None) -> torch.Tensor:
+    """y = x2 @ W + bias (+ lora's expand), x2 [M, K]; packed from repack_mma, meta from mma_meta ([K/G, N] int32)."""
     if triton is None:
         raise RuntimeError("int4 backend 'triton_mma' needs the triton package")
     m, k = x2.shape
@@ -309,10 +383,22 @@ def mma_mm(x2: torch.Tensor, packed: torch.Tensor, meta: torch.Tensor, group_siz
     ws = torch.empty((c.split_k, m, n), dtype=torch.float32, device=x2.device) if c.split_k > 1 else out
     b = bias.contiguous() if bias is not None else out  # dummy pointer when HAS_BIAS is False
     kps = k // c.split_k
+    if lora is not None:
+        if not lora.fits(c.block_n):
+            raise ValueError(f"mma int4: LoRA slices starting at {lora.starts} do not fit {c.block_n}-column tiles")
+        lora.check(m, n)
+        h, lb, lr, ls = lora.h, lora.b, lora.ranks, lora.slots
+        bounds = (*lora.starts[1:], n, n)
+        lora_args = (h, lb, lr, ls, bounds[0], bounds[1], h.size(3), h.stride(0), h.stride(1), h.stride(2),
+                     lb.stride(0), lb.stride(1), lr.stride(0), lr.stride(1))
+        lora_meta = dict(HAS_LORA=True, SPLIT_H=h.size(0), BLOCK_R=max(16, triton.next_power_of_2(h.size(3))))
+    else:
+        lora_args = (out, out, out, out, n, n, 0, 0, 0, 0, 0, 0, 0, 0)
+        lora_meta = dict(HAS_LORA=False, SPLIT_H=1, BLOCK_R=16)
     _w4a16_mma_kernel[grid](
         x2, packed, meta, b, out, ws, _counters(x2.device), m, n, x2.stride(0), packed.stride(0), meta.stride(0),
-        kps * 2, kps, GROUP=group_size, HAS_BIAS=bias is not None, SPLIT_K=c.split_k,
+        kps * 2, kps, *lora_args, GROUP=group_size, HAS_BIAS=bias is not None, SPLIT_K=c.split_k,
         WTYPE=_WTYPE[x2.dtype], F32_DOT=x2.dtype == torch.float32 or interpreting(),
         FOLD=c.fold, BN=c.block_n, BT=c.block_t,
-        BK=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
+        BK=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages, **lora_meta)
     return out

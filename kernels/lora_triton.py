@@ -34,7 +34,8 @@ from kernels.lora_checks import b_rank_major, check_expand, check_ranks, check_s
 from kernels.lora_kernels import _lora_expand_kernel, _lora_fused_kernel, _lora_shrink_kernel
 from kernels.triton_env import interpreting, triton
 
-__all__ = ["TokenGroups", "add_lora", "lora_expand", "lora_shrink", "max_blocks"]
+__all__ = ["TokenGroups", "add_lora", "expand_partials", "lora_expand", "lora_shrink", "max_blocks",
+           "shrink_partials", "use_epilogue"]
 
 _BLOCK_R = 16  # rank chunk: tl.dot needs every dim >= 16; ranks below 16 run one masked chunk
 
@@ -90,9 +91,9 @@ Their number is bounded by wrapped layers x launch shapes."""
 # ----------------------------------------------------------------------------------------------------
 # launch configuration (sizes chosen by measurement on an H200; `CONFIG_OVERRIDES` is for tuning runs)
 
-CONFIG_KEYS = ("fused", "run_m", "block_m", "shrink_block_k", "shrink_split_k", "shrink_block_r", "shrink_warps",
-               "shrink_stages", "expand_block_n", "expand_n_iters", "expand_warps", "expand_stages", "fused_block_k",
-               "fused_block_n", "fused_n_iters", "fused_warps", "fused_stages")
+CONFIG_KEYS = ("fused", "epilogue", "run_m", "block_m", "shrink_block_k", "shrink_split_k", "shrink_block_r",
+               "shrink_warps", "shrink_stages", "expand_block_n", "expand_n_iters", "expand_warps", "expand_stages",
+               "fused_block_k", "fused_block_n", "fused_n_iters", "fused_warps", "fused_stages")
 
 
 def _env_overrides(text: str) -> dict[str, int]:
@@ -107,7 +108,8 @@ def _env_overrides(text: str) -> dict[str, int]:
 
 
 CONFIG_OVERRIDES: dict[str, int] = _env_overrides(os.environ.get("XPULORA_LORA_CONFIG", ""))
-"""Force a launch parameter (CONFIG_KEYS): fused (add_lora in one launch), run_m (tokens of one slot per
+"""Force a launch parameter (CONFIG_KEYS): fused (add_lora in one launch), epilogue (the expand inside an int4
+triton_mma base GEMM's store, see use_epilogue), run_m (tokens of one slot per
 program: TokenGroups.block_m, set by engine.lora.token_groups.group_tokens), block_m (the token tile a program steps
 through its run in), the split kernels' shrink_* / expand_* and the fused kernel's fused_* sizes. For tuning
 runs (benchmarks, or XPULORA_LORA_CONFIG in the environment); empty normally."""
@@ -134,6 +136,13 @@ def _shrink_config(k: int, r_max: int = _BLOCK_R) -> dict[str, int]:
     return dict(block_k=block_k, split_k=split, k_per_split=triton.cdiv(iters, split) * block_k,
                 block_r=_block_r(r_max),
                 num_warps=CONFIG_OVERRIDES.get("shrink_warps", 4), num_stages=CONFIG_OVERRIDES.get("shrink_stages", 3))
+
+
+def use_epilogue() -> bool:
+    """Whether wrapped layers whose base GEMM can take it (kernels.int4_mma.LoRAEpilogue) fuse the expand into that
+    GEMM's store instead of launching it (the shrink still runs first): opt-in (XPULORA_LORA_CONFIG=epilogue=1)
+    until measured against the split kernels on a device."""
+    return bool(CONFIG_OVERRIDES.get("epilogue", 0))
 
 
 def use_fused(r_max: int) -> bool:
@@ -173,7 +182,8 @@ def _ptr_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     return hit
 
 
-def _nothing_to_do(info: TokenGroups) -> bool:
+def nothing_to_do(info: TokenGroups) -> bool:
+    """No token of the step has an adapter (known on the host), or no block to run."""
     return info.has_lora is False or info.num_blocks == 0
 
 
@@ -233,7 +243,7 @@ def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGrou
         raise ValueError(f"lora_shrink: out must be float32 {(n_slices, x.size(0), r_max)}, got {tuple(out.shape)}")
     else:
         out.zero_()
-    if _nothing_to_do(info) or r_max == 0:
+    if nothing_to_do(info) or r_max == 0:
         return out
     cfg = _shrink_config(k, r_max)
     if cfg["split_k"] == 1:
@@ -325,7 +335,7 @@ def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tenso
     _require_triton()
     check_expand(y, buf, lora_b, info, offsets, b_scales)
     r = check_ranks(ranks, len(lora_b), info.num_slots, y.device)
-    if not _nothing_to_do(info):
+    if not nothing_to_do(info):
         _launch_expand(y, buf.unsqueeze(0), lora_b, info, offsets, r, add_inputs, b_scales)
     return y
 
@@ -340,10 +350,10 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], l
     _require_triton()
     if len(lora_a) != len(lora_b):
         raise ValueError("add_lora: one A and one B per slice")
-    if _nothing_to_do(info):
+    if nothing_to_do(info):
         return y
     check_shrink(x, lora_a, info, a_scales)
-    n_slices, (_, r_max, k) = len(lora_a), lora_a[0].shape
+    n_slices, r_max = len(lora_a), lora_a[0].size(1)
     if lora_b[0].size(-1) != r_max:
         raise ValueError(f"add_lora: A rank dim {r_max} != B rank dim {lora_b[0].size(-1)}")
     if use_fused(r_max):
@@ -351,13 +361,35 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], l
         r = check_ranks(ranks, n_slices, info.num_slots, x.device)
         _launch_fused(y, x, lora_a, lora_b, info, offsets, r, add_inputs, a_scales, b_scales)
         return y
-    buf_shape = (n_slices, x.size(0), r_max)
-    cfg = _shrink_config(k, r_max)
-    # Per-split partials, summed in order by the expand; it reads only computed entries (active rows,
-    # columns below the rank), so no zero fill.
-    buf = torch.empty(cfg["split_k"], *buf_shape, dtype=torch.float32, device=x.device)
-    check_expand(y, buf[0], lora_b, info, offsets, b_scales)
+    check_expand(y, None, lora_b, info, offsets, b_scales)  # buf below is made to fit
+    buf = shrink_partials(x, lora_a, info, ranks, a_scales)
+    _launch_expand(y, buf, lora_b, info, offsets, check_ranks(ranks, n_slices, info.num_slots, x.device), add_inputs,
+                   b_scales)
+    return y
+
+
+def shrink_partials(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGroups, ranks: torch.Tensor,
+                    a_scales: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """buf[ks, s, t, :r] = the K split ks of x[t] @ A_s[slot[t], :r].T: float32 [split_k, n_slices, T, r_max],
+    written only where computed (rows with an adapter, columns below their slot's rank; the rest is garbage,
+    never read by expand_partials or the int4 LoRA epilogue). The caller checks that there is work to do."""
+    _require_triton()
+    check_shrink(x, lora_a, info, a_scales)
+    n_slices, (_, r_max, k) = len(lora_a), lora_a[0].shape
     r = check_ranks(ranks, n_slices, info.num_slots, x.device)
+    cfg = _shrink_config(k, r_max)
+    buf = torch.empty(cfg["split_k"], n_slices, x.size(0), r_max, dtype=torch.float32, device=x.device)
     _launch_shrink(x, lora_a, info, r, buf, cfg, a_scales)
+    return buf
+
+
+def expand_partials(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: TokenGroups,
+                    offsets: Sequence[int], ranks: torch.Tensor, add_inputs: bool = True,
+                    b_scales: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
+    """add_lora's second half: y[t, off_s:+n_s] (+)= (sum_ks buf[ks, s, t, :r]) @ B_s[slot[t], :, :r].T (buf from
+    shrink_partials). Returns y."""
+    _require_triton()
+    check_expand(y, buf[0], lora_b, info, offsets, b_scales)
+    r = check_ranks(ranks, len(lora_b), info.num_slots, y.device)
     _launch_expand(y, buf, lora_b, info, offsets, r, add_inputs, b_scales)
     return y

@@ -237,6 +237,11 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
         sizes = self.b_sizes()
         return [sum(sizes[:i]) for i in range(len(sizes))]
 
+    @functools.cached_property
+    def starts(self) -> tuple[int, ...]:
+        """offsets as a tuple: where each slice's columns start in b_store and in the output (a LoRA epilogue's)."""
+        return tuple(self.offsets)
+
     def _source(self, i: int) -> tuple[int, int]:
         """(block index, block count) of this rank's rows in slice i's full output."""
         if isinstance(self.base, MergedColumnParallelLinear):
@@ -266,12 +271,17 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
         return b[idx * n:(idx + 1) * n]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         mapping = get_context().lora
         if mapping is None:
-            return y
+            return self.base(x)
         if not shrink_needs_gather(self.fully_sharded, self.tp_size):
-            return mapping.add_lora(y, x, self.lora_a, self.lora_b, self.slot_ranks(), self.offsets, scales=self.scales)
+            ranks = self.slot_ranks()
+            epi = mapping.lora_epilogue(x, self.lora_a, self.b_store, ranks, self.starts, self.scales)
+            if epi is not None:  # the expand inside the base GEMM's store where its kernel takes it
+                y = self.base.forward_with_lora(x, epi)
+                return y if y is not None else mapping.finish_epilogue(self.base(x), epi, self.lora_b, self.offsets)
+            return mapping.add_lora(self.base(x), x, self.lora_a, self.lora_b, ranks, self.offsets, scales=self.scales)
+        y = self.base(x)
         ranks, a_ranks = self.slot_ranks(), self.slot_ranks(a_side=True)
         for i, off in enumerate(self.offsets):
             sa, sb = (self.scales.a[i], self.scales.b[i]) if self.scales is not None else (None, None)
@@ -309,8 +319,17 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
         return b[self.tp_rank * n:(self.tp_rank + 1) * n] if self.fully_sharded else b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base.partial(x)
         mapping = get_context().lora
+        epi = None
+        if mapping is not None and not self.fully_sharded:  # each rank's partial shrink times B sums right
+            epi = mapping.lora_epilogue(x, self.lora_a, self.b_store, self.slot_ranks(), (0,), self.scales)
+        if epi is not None:
+            assert mapping is not None
+            y = self.base.partial_with_lora(x, epi)
+            if y is None:
+                y = mapping.finish_epilogue(self.base.partial(x), epi, self.lora_b, [0])
+            return self.base.reduce(y)
+        y = self.base.partial(x)
         if mapping is not None:
             ranks = self.slot_ranks()
             if self.fully_sharded:

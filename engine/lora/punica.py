@@ -19,6 +19,7 @@ import torch
 
 from engine.lora.token_groups import check_slots, copy_into, group_tokens, to_device
 from kernels import lora_triton, reference
+from kernels.int4_mma import LoRAEpilogue
 from kernels.lora_triton import TokenGroups
 from kernels.registry import Choice, choose
 
@@ -95,6 +96,18 @@ class LoRABatch(ABC):
             raise ValueError(f"add_lora: scales go with fp8 A and B (A is {lora_a[0].dtype})")
         self._add(y, x, lora_a, lora_b, ranks, offsets, add_inputs, scales)
         return y
+
+    def lora_epilogue(self, x: torch.Tensor, lora_a: list[torch.Tensor], b_store: torch.Tensor, ranks: SlotRanks,
+                      starts: tuple[int, ...], scales: Scales | None) -> LoRAEpilogue | None:
+        """add_lora's shrink of x, for a base GEMM that fuses the expand into its store (kernels.int4_mma:
+        b_store [S, r_max, N] holds every slice's B side by side, starts their first columns), or None where this
+        implementation fuses nothing (the caller runs add_lora after the base GEMM)."""
+        return None
+
+    def finish_epilogue(self, y: torch.Tensor, epi: LoRAEpilogue, lora_b: list[torch.Tensor],
+                        offsets: list[int]) -> torch.Tensor:
+        """The expand of an epilogue that the base GEMM could not take (its kernel for these rows fuses nothing)."""
+        raise NotImplementedError(f"{type(self).__name__} makes no LoRA epilogues")
 
     def shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks,
                a_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -287,6 +300,20 @@ class TritonLoRABatch(LoRABatch):
              ranks: SlotRanks, offsets: list[int], add_inputs: bool, scales: Scales | None) -> None:
         lora_triton.add_lora(y, x, lora_a, lora_b, self.groups, offsets, ranks.device, add_inputs,
                              scales.a if scales is not None else None, scales.b if scales is not None else None)
+
+    def lora_epilogue(self, x: torch.Tensor, lora_a: list[torch.Tensor], b_store: torch.Tensor, ranks: SlotRanks,
+                      starts: tuple[int, ...], scales: Scales | None) -> LoRAEpilogue | None:
+        # fp8 storage keeps its own kernels (the epilogue reads 16-bit or float32 B without scales)
+        if not lora_triton.use_epilogue() or scales is not None or lora_triton.nothing_to_do(self.groups):
+            return None
+        if x.size(0) != self.num_tokens:
+            raise ValueError(f"lora_epilogue: x has {x.size(0)} rows, the batch {self.num_tokens} tokens")
+        buf = lora_triton.shrink_partials(x, lora_a, self.groups, ranks.device)
+        return LoRAEpilogue(buf, b_store, ranks.device, self.groups.part(0), starts)
+
+    def finish_epilogue(self, y: torch.Tensor, epi: LoRAEpilogue, lora_b: list[torch.Tensor],
+                        offsets: list[int]) -> torch.Tensor:
+        return lora_triton.expand_partials(y, epi.h, lora_b, self.groups, offsets, epi.ranks)
 
     def _shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks, a_scale: torch.Tensor | None
                 ) -> torch.Tensor:

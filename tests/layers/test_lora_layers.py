@@ -140,3 +140,64 @@ def test_clear_slot_removes_the_adapter() -> None:
     with forward_context(ForwardContext(attn=None, lora=None)):
         assert torch.equal(y, base(x))
     assert wrapped.ranks[0][1] == 0
+
+
+_EPILOGUE_CHECK = r"""
+import os
+os.environ["XPULORA_LORA_CONFIG"] = "epilogue=1"
+import zlib
+import torch
+import kernels.int4 as I4
+from engine.forward_context import ForwardContext, forward_context
+from engine.layers.quant import Int4LinearMethod
+from engine.lora.adapter import LoRAModule
+from engine.lora.punica import TritonLoRABatch, build_mapping
+from kernels import lora_triton
+from tests.layers.test_lora_layers import RANKS, _make
+
+fused = []
+mma = I4.mma_mm
+I4.mma_mm = lambda *a: fused.append(a[-1] is not None) or mma(*a)  # which launches took the epilogue
+checked = 0
+for kind in ("qkv", "gate_up", "row"):
+    for dtype in (torch.float32, torch.bfloat16):
+        gen = torch.Generator().manual_seed(zlib.crc32(kind.encode()))
+        base, wrapped, names, sizes = _make(kind, True, gen, dtype)  # int4 base
+        base.method = Int4LinearMethod(128, 1, backend="triton_mma")
+        base.process_after_loading()
+        k = base.in_features
+        for slot, r in enumerate(RANKS):
+            mods = {n: LoRAModule(torch.randn(r, k, generator=gen) * 0.1, torch.randn(o, r, generator=gen) * 0.1, r)
+                    for n, o in zip(names, sizes)}
+            if kind != "row" and slot == 2:
+                mods.pop(names[-1])  # an adapter that skips one slice
+            wrapped.set_slot(slot, mods)
+        slots = torch.tensor([-1, 0, 1, 2, 3] * 4)[torch.randperm(20, generator=gen)].tolist()
+        x = torch.randn(20, k, generator=gen).to(dtype)
+        outs = {}
+        for on in (1, 0):
+            lora_triton.CONFIG_OVERRIDES["epilogue"] = on
+            fused.clear()
+            mapping = build_mapping(slots, x.device, TritonLoRABatch, num_slots=len(RANKS))
+            with forward_context(ForwardContext(attn=None, lora=mapping)):
+                outs[on] = wrapped(x).float()
+            assert fused == [bool(on)], (kind, on, fused)  # one base launch, with the epilogue only when on
+        tol = dict(atol=2e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
+        torch.testing.assert_close(outs[1], outs[0], **tol)
+        base_rows = [i for i, s in enumerate(slots) if s < 0]
+        with forward_context(ForwardContext(attn=None, lora=None)):
+            y_base = base(x).float()
+        assert torch.equal(outs[1][base_rows], y_base[base_rows]), kind  # base tokens: the base output exactly
+        checked += 1
+print("ok", checked)
+"""
+
+
+def test_lora_expand_fused_into_the_int4_mma_store_under_interpreter() -> None:
+    """The opt-in LoRA epilogue (XPULORA_LORA_CONFIG=epilogue=1: the expand inside the triton_mma base GEMM's
+    store, kernels.int4_mma.LoRAEpilogue) equals the split shrink + expand on the same int4 layer, for fused
+    qkv / gate_up slices (one adapter skipping a slice), the row-parallel layer, ranks 1-64, fp32 and bf16, and
+    leaves base-model rows exactly the base output; the base launch took the epilogue only when it was on."""
+    from tests.interp import run_under_interpreter
+
+    run_under_interpreter(_EPILOGUE_CHECK, timeout=600)
