@@ -26,7 +26,8 @@ from typing import Literal, get_args
 import torch
 
 from kernels.int4_gemv import GEMV_MAX_ROWS, GemvConfig, gemv_config, gemv_mm
-from kernels.int4_mma import LoRAEpilogue, MmaConfig, mma_config, mma_meta, mma_mm, repack_mma
+from kernels.int4_lora import LoRAEpilogue
+from kernels.int4_mma import MmaConfig, mma_config, mma_meta, mma_mm, repack_mma
 from kernels.int4_triton import TritonInt4Config, dequant_triton, triton_config, triton_mm
 from kernels.reference import dequant_int4, unpack_int4_cols, unpack_int4_rows
 from kernels.triton_env import FLOATS, usable

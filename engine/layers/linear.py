@@ -13,7 +13,7 @@ from torch import nn
 from engine.distributed import all_reduce, tp_rank, tp_size
 from engine.errors import WeightShapeError
 from engine.layers.quant import LinearMethod, ShardSpec, UnquantizedLinearMethod
-from kernels.int4_mma import LoRAEpilogue
+from kernels.int4_lora import LoRAEpilogue
 
 
 def divide(a: int, b: int, what: str) -> int:

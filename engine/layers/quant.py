@@ -17,7 +17,7 @@ from torch import nn
 from engine.device import Device
 from engine.errors import QuantConfigError
 from kernels.int4 import Int4Layout, PreparedInt4, dequant_triton, int4_mm, native_supported, prepare_int4, takes_lora
-from kernels.int4_mma import LoRAEpilogue
+from kernels.int4_lora import LoRAEpilogue
 from kernels.int4_tune import DEQUANT, Shape, tune
 from kernels.reference import unpack_int4_cols
 

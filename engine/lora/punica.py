@@ -19,7 +19,7 @@ import torch
 
 from engine.lora.token_groups import check_slots, copy_into, group_tokens, to_device
 from kernels import lora_triton, reference
-from kernels.int4_mma import LoRAEpilogue
+from kernels.int4_lora import LoRAEpilogue
 from kernels.lora_triton import TokenGroups
 from kernels.registry import Choice, choose
 

@@ -613,7 +613,8 @@ _MMA_LORA_CHECK = r"""
 import sys
 import torch
 from kernels.int4 import Int4Layout, prepare_int4
-from kernels.int4_mma import LoRAEpilogue, MmaConfig, _counters, mma_mm
+from kernels.int4_lora import LoRAEpilogue
+from kernels.int4_mma import MmaConfig, _counters, mma_mm
 from kernels.reference import int4_matmul, pack_int4_cols
 dev = torch.device(sys.argv[1])
 g = torch.Generator().manual_seed(0)
