@@ -66,7 +66,8 @@ if triton is not None:
             h += tl.load(hp + ks * stride_hk, mask=mask_h, other=0.0)
         mask_n = offs_n < N
         bp = lb_ptr + slot_c[None, :] * stride_lbs + offs_n[:, None]  # [BN, BT]: each token its slot's B
-        for r in range(0, r_max):
+        r_hi = tl.minimum(tl.max(rank, axis=0), r_max)  # the tile's largest rank: no work past it (0: base rows only)
+        for r in range(0, r_hi):
             col = tl.sum(tl.where(offs_r[None, :] == r, h, 0.0), axis=1)  # h[:, r]
             bv = tl.load(bp + r * stride_lbr, mask=mask_n[:, None] & (r < rank)[None, :], other=0.0)
             acc += bv.to(tl.float32) * col[None, :]
