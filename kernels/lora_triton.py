@@ -361,11 +361,20 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], l
         r = check_ranks(ranks, n_slices, info.num_slots, x.device)
         _launch_fused(y, x, lora_a, lora_b, info, offsets, r, add_inputs, a_scales, b_scales)
         return y
-    check_expand(y, None, lora_b, info, offsets, b_scales)  # buf below is made to fit
-    buf = shrink_partials(x, lora_a, info, ranks, a_scales)
-    _launch_expand(y, buf, lora_b, info, offsets, check_ranks(ranks, n_slices, info.num_slots, x.device), add_inputs,
-                   b_scales)
+    check_expand(y, None, lora_b, info, offsets, b_scales)  # the buffer below is made to fit
+    r = check_ranks(ranks, n_slices, info.num_slots, x.device)
+    _launch_expand(y, _shrink_partials(x, lora_a, info, r, a_scales), lora_b, info, offsets, r, add_inputs, b_scales)
     return y
+
+
+def _shrink_partials(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGroups, r: torch.Tensor,
+                     a_scales: Sequence[torch.Tensor] | None) -> torch.Tensor:
+    """shrink_partials on checked inputs (r: check_ranks' view)."""
+    _, r_max, k = lora_a[0].shape
+    cfg = _shrink_config(k, r_max)
+    buf = torch.empty(cfg["split_k"], len(lora_a), x.size(0), r_max, dtype=torch.float32, device=x.device)
+    _launch_shrink(x, lora_a, info, r, buf, cfg, a_scales)
+    return buf
 
 
 def shrink_partials(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGroups, ranks: torch.Tensor,
@@ -375,12 +384,7 @@ def shrink_partials(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: Token
     never read by expand_partials or the int4 LoRA epilogue). The caller checks that there is work to do."""
     _require_triton()
     check_shrink(x, lora_a, info, a_scales)
-    n_slices, (_, r_max, k) = len(lora_a), lora_a[0].shape
-    r = check_ranks(ranks, n_slices, info.num_slots, x.device)
-    cfg = _shrink_config(k, r_max)
-    buf = torch.empty(cfg["split_k"], n_slices, x.size(0), r_max, dtype=torch.float32, device=x.device)
-    _launch_shrink(x, lora_a, info, r, buf, cfg, a_scales)
-    return buf
+    return _shrink_partials(x, lora_a, info, check_ranks(ranks, len(lora_a), info.num_slots, x.device), a_scales)
 
 
 def expand_partials(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: TokenGroups,

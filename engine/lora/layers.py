@@ -320,15 +320,13 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mapping = get_context().lora
-        epi = None
         if mapping is not None and not self.fully_sharded:  # each rank's partial shrink times B sums right
             epi = mapping.lora_epilogue(x, self.lora_a, self.b_store, self.slot_ranks(), (0,), self.scales)
-        if epi is not None:
-            assert mapping is not None
-            y = self.base.partial_with_lora(x, epi)
-            if y is None:
-                y = mapping.finish_epilogue(self.base.partial(x), epi, self.lora_b, [0])
-            return self.base.reduce(y)
+            if epi is not None:
+                y = self.base.partial_with_lora(x, epi)
+                if y is None:
+                    y = mapping.finish_epilogue(self.base.partial(x), epi, self.lora_b, [0])
+                return self.base.reduce(y)
         y = self.base.partial(x)
         if mapping is not None:
             ranks = self.slot_ranks()

@@ -63,6 +63,27 @@ def _dequant_fp8(t: torch.Tensor) -> torch.Tensor:
     return q.float() * scale[:, None]
 
 
+def dense_oracle(base, x: torch.Tensor, slots: list[int], adapters: list[dict[str, LoRAModule]], names: list[str],
+                 sizes: list[int], dtype: torch.dtype, fp8: bool = False) -> torch.Tensor:
+    """y = x W^T + b + (x A^T) B^T per row's slot, in float32 from the layer's dense weight and the adapters."""
+    y = x.float() @ base.dense_weight().float().t() + (base.bias.float() if base.bias is not None else 0)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    for i, s in enumerate(slots):
+        if s < 0:
+            continue
+        for n, off, o in zip(names, offsets, sizes):
+            m = adapters[s].get(n)
+            if m is not None:
+                # The buffers hold A and B in the layer's dtype (or fp8 + a scale per row of A and of B): the
+                # oracle uses the same rounded values.
+                if fp8:
+                    a, b = _dequant_fp8(m.a), _dequant_fp8(m.b)
+                else:
+                    a, b = m.a.to(dtype).float(), m.b.to(dtype).float()
+                y[i, off:off + o] += (x[i].float() @ a.t()) @ b.t()
+    return y
+
+
 @pytest.mark.parametrize(("quant", "dtype", "fp8"), [(False, torch.float32, False), (False, torch.bfloat16, False),
                                                      (True, torch.float32, False), (False, torch.float32, True),
                                                      (False, torch.bfloat16, True)],
@@ -83,22 +104,7 @@ def test_wrapper_equals_dense_formula(kind: str, quant: bool, dtype: torch.dtype
     t = 40
     slots = torch.tensor([-1, 0, 1, 2, 3] * 8)[torch.randperm(t, generator=gen)].tolist()
     x = torch.randn(t, k, generator=gen).to(dtype)
-    w = base.dense_weight().float()
-    y_ref = x.float() @ w.t() + (base.bias.float() if base.bias is not None else 0)
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    for i, s in enumerate(slots):
-        if s < 0:
-            continue
-        for n, off, o in zip(names, offsets, sizes):
-            m = adapters[s].get(n)
-            if m is not None:
-                # The buffers hold A and B in the layer's dtype (or fp8 + a scale per row of A and of B): the
-                # oracle uses the same rounded values.
-                if fp8:
-                    a, b = _dequant_fp8(m.a), _dequant_fp8(m.b)
-                else:
-                    a, b = m.a.to(dtype).float(), m.b.to(dtype).float()
-                y_ref[i, off:off + o] += (x[i].float() @ a.t()) @ b.t()
+    y_ref = dense_oracle(base, x, slots, adapters, names, sizes, dtype, fp8)
     with forward_context(ForwardContext(attn=None, lora=build_mapping(slots, x.device))):
         y = wrapped(x)
     # fp32: accumulation order only. bf16: the output and the shrink result are rounded to bf16 (8 bits).
@@ -153,7 +159,7 @@ from engine.layers.quant import Int4LinearMethod
 from engine.lora.adapter import LoRAModule
 from engine.lora.punica import TritonLoRABatch, build_mapping
 from kernels import lora_triton
-from tests.layers.test_lora_layers import RANKS, _make
+from tests.layers.test_lora_layers import RANKS, _make, dense_oracle
 
 fused = []
 mma = I4.mma_mm
@@ -166,11 +172,13 @@ for kind in ("qkv", "gate_up", "row"):
         base.method = Int4LinearMethod(128, 1, backend="triton_mma")
         base.process_after_loading()
         k = base.in_features
+        adapters = []
         for slot, r in enumerate(RANKS):
             mods = {n: LoRAModule(torch.randn(r, k, generator=gen) * 0.1, torch.randn(o, r, generator=gen) * 0.1, r)
                     for n, o in zip(names, sizes)}
             if kind != "row" and slot == 2:
                 mods.pop(names[-1])  # an adapter that skips one slice
+            adapters.append(mods)
             wrapped.set_slot(slot, mods)
         slots = torch.tensor([-1, 0, 1, 2, 3] * 4)[torch.randperm(20, generator=gen)].tolist()
         x = torch.randn(20, k, generator=gen).to(dtype)
@@ -183,7 +191,9 @@ for kind in ("qkv", "gate_up", "row"):
                 outs[on] = wrapped(x).float()
             assert fused == [bool(on)], (kind, on, fused)  # one base launch, with the epilogue only when on
         tol = dict(atol=2e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
-        torch.testing.assert_close(outs[1], outs[0], **tol)
+        ref = dense_oracle(base, x, slots, adapters, names, sizes, dtype)  # the dense formula, not our kernels
+        torch.testing.assert_close(outs[1], ref, **tol)
+        torch.testing.assert_close(outs[0], ref, **tol)
         base_rows = [i for i, s in enumerate(slots) if s < 0]
         with forward_context(ForwardContext(attn=None, lora=None)):
             y_base = base(x).float()
@@ -195,7 +205,7 @@ print("ok", checked)
 
 def test_lora_expand_fused_into_the_int4_mma_store_under_interpreter() -> None:
     """The opt-in LoRA epilogue (XPULORA_LORA_CONFIG=epilogue=1: the expand inside the triton_mma base GEMM's
-    store, kernels.int4_mma.LoRAEpilogue) equals the split shrink + expand on the same int4 layer, for fused
+    store, kernels.int4_lora.LoRAEpilogue) and the split shrink + expand both equal the dense formula, for fused
     qkv / gate_up slices (one adapter skipping a slice), the row-parallel layer, ranks 1-64, fp32 and bf16, and
     leaves base-model rows exactly the base output; the base launch took the epilogue only when it was on."""
     from tests.interp import run_under_interpreter
