@@ -44,7 +44,8 @@ ARGS = argparse.Namespace(device="cuda", lora_kernel="auto")
 
 
 def config(path: str, adapters: list[str], eager: bool, reference: bool, dtype: str, gdn: str | None = None,
-           max_batched: int = 2048, async_scheduling: bool | None = None, lora_dtype: str = "auto") -> EngineConfig:
+           max_batched: int | None = 2048, async_scheduling: bool | None = None, lora_dtype: str = "auto"
+           ) -> EngineConfig:
     ref = "reference" if reference else "auto"
     kernels = KernelConfig(lora="reference" if reference else ARGS.lora_kernel, attention=ref, fused=ref, int4=ref,
                            gdn=gdn or "auto")  # type: ignore[arg-type]
@@ -58,7 +59,7 @@ def config(path: str, adapters: list[str], eager: bool, reference: bool, dtype: 
 
 
 def run(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]], eager: bool, reference: bool,
-        dtype: str, gdn: str | None = None, max_batched: int = 2048, async_scheduling: bool | None = None,
+        dtype: str, gdn: str | None = None, max_batched: int | None = 2048, async_scheduling: bool | None = None,
         lora_dtype: str = "auto") -> tuple[list[list[int]], float]:
     """Greedy ids of the batch (async_scheduling None: the engine's default, on for GPUs at tp=1)."""
     with LLMEngine(config(path, adapters, eager, reference, dtype, gdn, max_batched, async_scheduling,
@@ -72,7 +73,15 @@ def run(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]
                          [n for _, n in batch])  # returns once the tokens are on the host: synchronized
         took = time.perf_counter() - t0
         mixed = e.runner.mixed
-        if not eager and not reference and gdn is None and max_batched <= 512 and ARGS.device != "cpu":
+        if max_batched is None and not eager and not reference and gdn is None and ARGS.device != "cpu":
+            # The default step budget is the largest mixed-step graph: every step replays a graph, none runs eagerly.
+            graphs = e.runner.graphs
+            replays = (mixed.replays if mixed else 0) + (graphs.replays if graphs else 0)
+            CHECKS.expect(f"default step budget: every step replays a graph, batch {len(batch)}",
+                          mixed is not None and e.config.scheduler.max_num_batched_tokens == mixed.sizes[-1] == 512
+                          and mixed.replays > 0 and replays == e.steps.steps,
+                          budget=e.config.scheduler.max_num_batched_tokens, replays=replays, steps=e.steps.steps)
+        elif not eager and not reference and gdn is None and max_batched <= 512 and ARGS.device != "cpu":
             # Dense models on a GPU run their steps of <= 512 tokens that hold a prefill through the mixed-step graphs.
             CHECKS.expect(f"mixed steps replayed mixed-step graphs, batch {len(batch)}, chunks of {max_batched}",
                           mixed is not None and mixed.replays > 0, replays=mixed.replays if mixed else None)
@@ -139,6 +148,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny shapes, one batch, no hybrid, no timing")
     ap.add_argument("--only", default="all", choices=("all", "dense", "hybrid"),
                     help="one half of the checks (run_h200.sh check runs the two halves side by side)")
+    ap.add_argument("--batches", type=int, nargs="*", default=None,
+                    help="the dense half's batch sizes (default 1 3 17 40; 3 17 with --quick)")
+    ap.add_argument("--no-sync-check", action="store_true", help="skip the dense half's host-sync check")
     ap.add_argument("--root", default="/tmp/gpu-check")
     ap.parse_args(namespace=ARGS)
     if ARGS.quick and ARGS.only == "hybrid":
@@ -148,7 +160,8 @@ def main() -> None:
     path = write_random_int4(f"{ARGS.root}/model", s, device=dev)
     adapters = [write_adapter(f"{ARGS.root}/lora{i}", s, s.layers, [4, 8, 16][i % 3], i) for i in range(6)]
     g = torch.Generator().manual_seed(0)
-    for n in () if ARGS.only == "hybrid" else (3, 17) if ARGS.quick else (1, 3, 17, 40):
+    sizes = ARGS.batches if ARGS.batches is not None else [3, 17] if ARGS.quick else [1, 3, 17, 40]
+    for n in [] if ARGS.only == "hybrid" else sizes:
         batch = [(torch.randint(0, 400, (8 + 5 * i,), generator=g).tolist(), None if i % 3 == 0 else f"a{i % 6}")
                  for i in range(n)]
         ref, _ = run(path, adapters, batch, eager=True, reference=True, dtype="float32")
@@ -172,11 +185,17 @@ def main() -> None:
             CHECKS.expect(f"LoRA expand in the int4 mma store (epilogue=1) + graphs == torch reference, float32, "
                           f"batch {n}", epi == ref and taken > 0,
                           matching_requests=sum(a == b for a, b in zip(epi, ref)), of=n, fused_launches=taken)
+        if n == 40:  # the default step budget (512 on a GPU): prompts of up to 203 tokens, ~4400 in all
+            default, _ = run(path, adapters, batch, eager=False, reference=False, dtype="float32", max_batched=None)
+            CHECKS.expect(f"default step budget, graphs == torch reference, float32, batch {n}", default == ref,
+                          matching_requests=sum(a == b for a, b in zip(default, ref)), of=n)
         if n >= 17:  # prefill chunks of 64 tokens share steps with decodes: the mixed-step graphs' case
             chunked, _ = run(path, adapters, batch, eager=False, reference=False, dtype="float32", max_batched=64)
             CHECKS.expect(f"mixed-step graphs (64-token chunks) == torch reference, float32, batch {n}",
                           chunked == ref, matching_requests=sum(a == b for a, b in zip(chunked, ref)), of=n)
-    if ARGS.device != "cpu" and ARGS.only != "hybrid":
+    if ARGS.device != "cpu" and ARGS.only != "hybrid" and not ARGS.no_sync_check:
+        batch = [(torch.randint(0, 400, (8 + 5 * i,), generator=g).tolist(), None if i % 3 == 0 else f"a{i % 6}")
+                 for i in range(40)]
         check_no_host_sync(path, adapters, batch)
     if ARGS.quick or ARGS.only == "dense":
         exit_with(CHECKS)

@@ -35,12 +35,14 @@ case "${1:-}" in
     xdist=()
     python3 -c "import xdist" 2>/dev/null && xdist=(-n 8)
     failed=""
-    rm -f /tmp/rc_engine /tmp/rc_hybrid /tmp/rc_fla /tmp/rc_device
-    # The scripts run beside pytest (one GPU, ~140 GiB: room for all); each writes its own log. The engine check's
-    # two halves run side by side: on a fresh machine its first engines time the int4 shapes (auto = tuned), and
-    # the dense half alone took 395 s (18 checks).
-    (timeout 540 python3 benchmarks/gpu_engine_check.py --only dense --root /tmp/gpu-check-d > "$OUT/engine_check.txt" 2>&1
-     echo $? > /tmp/rc_engine) &
+    rm -f /tmp/rc_engine /tmp/rc_engine40 /tmp/rc_hybrid /tmp/rc_fla /tmp/rc_device
+    # The scripts run beside pytest (one GPU, ~140 GiB: room for all); each writes its own log. The engine check
+    # runs in three parts side by side: on a fresh machine its first engines time the int4 shapes (auto = tuned),
+    # and the dense half in one process passed 540 s once the epilogue case joined it (eleventh session).
+    (timeout 540 python3 benchmarks/gpu_engine_check.py --only dense --batches 1 3 17 --no-sync-check \
+       --root /tmp/gpu-check-d > "$OUT/engine_check.txt" 2>&1; echo $? > /tmp/rc_engine) &
+    (timeout 540 python3 benchmarks/gpu_engine_check.py --only dense --batches 40 --root /tmp/gpu-check-d40 \
+       > "$OUT/engine_check40.txt" 2>&1; echo $? > /tmp/rc_engine40) &
     (timeout 540 python3 benchmarks/gpu_engine_check.py --only hybrid --root /tmp/gpu-check-h > "$OUT/engine_hybrid.txt" 2>&1
      echo $? > /tmp/rc_hybrid) &
     (timeout 200 python3 benchmarks/check_fla.py > "$OUT/fla.txt" 2>&1; echo $? > /tmp/rc_fla) &
@@ -51,11 +53,11 @@ case "${1:-}" in
       tests/e2e/test_fused_engine.py tests/e2e/test_kernel_fallback.py tests/e2e/test_lora_engine.py \
       tests/e2e/test_qwen35.py > "$OUT/tests.txt" 2>&1 || failed="$failed tests"
     wait
-    for part in engine hybrid fla device; do [ "$(cat /tmp/rc_$part 2>/dev/null)" = 0 ] || failed="$failed $part"; done
+    for part in engine engine40 hybrid fla device; do [ "$(cat /tmp/rc_$part 2>/dev/null)" = 0 ] || failed="$failed $part"; done
     if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
       timeout 300 python3 benchmarks/gpu_tp_check.py --skip collectives speed > "$OUT/tp.txt" 2>&1 || failed="$failed tp2"
     fi
-    tail -n 8 "$OUT/tests.txt"; grep -hE 'PASS|FAIL|"ok": false|Error' "$OUT"/engine_check.txt "$OUT"/engine_hybrid.txt "$OUT"/fla.txt | tail -n 12
+    tail -n 8 "$OUT/tests.txt"; grep -hE 'PASS|FAIL|"ok": false|Error' "$OUT"/engine_check.txt "$OUT"/engine_check40.txt "$OUT"/engine_hybrid.txt "$OUT"/fla.txt | tail -n 12
     cat "$OUT/check_device.txt" | grep -v '^INFO'
     if [ -n "$failed" ]; then echo "run_h200 check: FAIL ($failed )"; exit 1; fi
     echo "run_h200 check: PASS"
@@ -216,6 +218,11 @@ case "${1:-}" in
     timeout 200 python3 benchmarks/bench_mixed.py --layers 36 --adapters 32 --batches 64 --prompts 0 16 64 \
       --root /tmp/mixed36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/mixed.txt" | cut -c1-400
     ;;
+  burst18)  # issue 14: the opening burst (c prompts at an idle engine), 36 layers, 32 adapters, budgets 2048 and the default (512 on a GPU)
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    timeout 420 python3 benchmarks/bench_burst.py --layers 36 --adapters 32 --batches 32 64 --budgets 2048 0 \
+      --root /tmp/burst36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/burst.txt"
+    ;;
   serve18)  # issue 14 after the tuned int4 default: the server vs the offline loop vs pure decode, 36 layers, 32 adapters
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     # shellcheck disable=SC2086  # BATCHES="64": one concurrency only; MNBT=128: tokens per step on both sides
@@ -224,5 +231,5 @@ case "${1:-}" in
       | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
     tail -n 40 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
     ;;
-  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18"; exit 2 ;;
 esac

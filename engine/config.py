@@ -120,19 +120,34 @@ class LoRAConfig:
         return self.max_cpu_loras if self.max_cpu_loras is not None else max(self.max_loras, 16)
 
 
+EAGER_STEP_TOKENS = 2048
+"""The step budget where steps run eagerly (CPU, hybrid models, graphs off): SchedulerConfig.max_num_batched_tokens."""
+
+
+def step_budget(configured: int | None, largest_mixed_graph: int | None, max_num_seqs: int) -> int:
+    """SchedulerConfig.max_num_batched_tokens once the runner is known: as configured, else the largest
+    mixed-step graph (at least max_num_seqs, so every decode row fits a step) or, without those graphs, 2048."""
+    if configured is not None:
+        return configured
+    return EAGER_STEP_TOKENS if largest_mixed_graph is None else max(largest_mixed_graph, max_num_seqs)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
     """Sequences running at once."""
-    max_num_batched_tokens: int = 2048
-    """Tokens (prefill + decode) per step; longer prompts are prefilled in chunks."""
+    max_num_batched_tokens: int | None = None
+    """Tokens (prefill + decode) per step; longer prompts are prefilled in chunks. None: the largest mixed-step
+    graph (512) where those graphs run (GPUs, dense models), so that no step runs eagerly, and at least
+    max_num_seqs; 2048 elsewhere. On an H200 a 36-layer eager step costs the host ~75 ms beyond its device
+    time, a replayed 512-token graph ~3 ms (docs/PERFORMANCE.md, eleventh session)."""
     max_waiting_requests: int | None = None
     """Waiting-queue bound; the server answers 503 beyond it. None: unbounded."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 

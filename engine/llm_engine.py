@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from transformers import AutoTokenizer
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import EngineConfig, step_budget
 from engine.device import Device, detect, rank_device
 from engine.errors import AdapterError, ConfigError, ModelNotFoundError, RequestError
 from engine.loader import eos_ids, inspect_checkpoint
@@ -95,6 +95,11 @@ class LLMEngine:
         self.base_names = frozenset((self.served_model_name, *config.model.extra_served_model_names))
         """Every name that means the base model (the first served name is the one reported)."""
         self.executor = make_executor(config, info, kind, self.max_model_len, progress, self.eos_ids)
+        if config.scheduler.max_num_batched_tokens is None:  # see SchedulerConfig: no step runs eagerly
+            mixed = self.runner.mixed
+            budget = step_budget(None, mixed.sizes[-1] if mixed is not None else None, config.scheduler.max_num_seqs)
+            config = replace(config, scheduler=replace(config.scheduler, max_num_batched_tokens=budget))
+            self.config = config
         self.vocab_size = int(self.hf_config["vocab_size"])
         kv = self.executor.kv
         if kv.num_blocks * kv.block_size < self.max_model_len:

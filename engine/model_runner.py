@@ -124,7 +124,8 @@ class ModelRunner:
         self.mixed: MixedGraphs | None = None
         if self.use_graphs and config.mixed_graphs and not self.gdn_layers:
             bs = self.kv.block_size
-            sizes = [s for s in MIXED_SIZES if s <= config.scheduler.max_num_batched_tokens]
+            budget = config.scheduler.max_num_batched_tokens
+            sizes = [s for s in MIXED_SIZES if budget is None or s <= budget]
             self.mixed = MixedGraphs(self.model, device, sizes or [MIXED_SIZES[0]], config.scheduler.max_num_seqs,
                                      (max_model_len + bs - 1) // bs, bs, self.kv.num_blocks,
                                      config.lora.max_loras if self.lora_layers else 0)

@@ -45,7 +45,7 @@ def tp_device(size: int) -> DeviceName:
 
 
 def make_engine(path: str, max_model_len: int = 256, num_blocks: int | None = None, max_num_seqs: int = 64,
-                max_num_batched_tokens: int = 2048, prefix_caching: bool = True,
+                max_num_batched_tokens: int | None = None, prefix_caching: bool = True,
                 kernels: KernelConfig | None = None, device: DeviceName = "auto",
                 async_scheduling: bool | None = None) -> LLMEngine:
     return LLMEngine(EngineConfig(
@@ -60,7 +60,7 @@ def make_engine(path: str, max_model_len: int = 256, num_blocks: int | None = No
 def make_lora_engine(path: str, adapters: dict[str, str] | None = None, max_loras: int = 4, max_lora_rank: int = 64,
                      max_cpu_loras: int | None = None, max_model_len: int = 256, max_num_seqs: int = 64,
                      num_blocks: int | None = None, tp: int = 1, fully_sharded: bool = False,
-                     prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
+                     prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
                      kernels: KernelConfig | None = None, async_scheduling: bool | None = None,
                      lora_dtype: str = "auto") -> LLMEngine:
     from engine import LoRAConfig

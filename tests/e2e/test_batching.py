@@ -29,6 +29,12 @@ def alone(int4_model: str, batch_prompts: list[str]) -> list[list[int]]:
     return [engine.generate([p], GREEDY)[0].token_ids for p in batch_prompts]
 
 
+def test_cpu_engine_resolves_the_eager_step_budget(int4_model: str) -> None:
+    with make_engine(int4_model) as e:  # no graphs on the CPU: every step runs eagerly, the budget is 2048
+        assert e.runner.mixed is None
+        assert e.config.scheduler.max_num_batched_tokens == e.scheduler.budget == 2048
+
+
 def test_batch_of_16_equals_alone(int4_model: str, batch_prompts: list[str], alone: list[list[int]]) -> None:
     engine = make_engine(int4_model)
     batched = [r.token_ids for r in engine.generate(batch_prompts, GREEDY)]

@@ -92,6 +92,14 @@ def test_bench_mixed_quick(tmp_path: Path) -> None:
     assert [r["mixed_share"] for r in rows] == [0.0, 1.0] and all(r["ms_per_step"] > 0 for r in rows)
 
 
+def test_bench_burst_quick(tmp_path: Path) -> None:
+    (row,) = [r for r in _run("bench_burst.py", tmp_path) if r["case"] == "burst"]
+    # 4 prompts of 16-64 tokens in 64-token steps: more than one step, every request's token inside the burst
+    assert row["budget"] == 64 and row["concurrency"] == 4 and len(row["steps"]) >= 2
+    assert 0 < row["first_ms"] <= row["p50_ms"] <= row["last_ms"] and sum(t for t, _ in row["steps"]) >= 4 * 16
+    assert row["host_op_us"] > 0 and row["top_host_ops"]
+
+
 def test_bench_grammar_quick(tmp_path: Path) -> None:
     out = _run("bench_grammar.py", tmp_path)
     decode = [r for r in out if r["case"] == "decode"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.block_manager import BlockManager
-from engine.config import SchedulerConfig
+from engine.config import EAGER_STEP_TOKENS, SchedulerConfig, step_budget
 from engine.protocol import SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import SeqStatus, Sequence
@@ -32,6 +32,16 @@ def test_token_budget_chunks_prefill_and_mixes_decodes() -> None:
     assert _run_step(s) == [(0, 1, True), (1, 9, False)]
     assert _run_step(s) == [(0, 1, True), (1, 9, True)]
     assert _run_step(s) == [(0, 1, True), (1, 1, True)]
+
+
+def test_default_step_budget_is_the_largest_mixed_graph_where_graphs_run() -> None:
+    assert step_budget(None, 512, 64) == 512  # a GPU with mixed-step graphs: no step runs eagerly
+    assert step_budget(None, 512, 1000) == 1000  # every decode row still fits one step
+    assert step_budget(None, None, 64) == EAGER_STEP_TOKENS == 2048  # CPU, hybrid models, graphs off
+    assert step_budget(100, 512, 64) == 100 and step_budget(7, None, 64) == 7  # an explicit budget stays
+    s = Scheduler(SchedulerConfig(max_num_seqs=8), BlockManager(4096, 4))  # unresolved: the eager budget
+    s.add(_seq(0, 3000))
+    assert _run_step(s) == [(0, 2048, False)]
 
 
 def test_max_num_seqs() -> None:
