@@ -6,6 +6,7 @@ kernels inside replayed graphs included; host ops by self time: launches, alloca
 off: every burst computes its prompts.
 
     python benchmarks/bench_burst.py --layers 36 --adapters 32 --batches 32 64 --budgets 2048 0
+    python benchmarks/bench_burst.py --layers 36 --adapters 32 --batches 32 64 --budgets 0 --max-mixed-graph-tokens 2048
     python benchmarks/bench_burst.py --quick          # tiny shapes on the CPU (smoke test)
 """
 
@@ -77,6 +78,7 @@ def main() -> None:
     model_args(ap, [32, 64], [32], "/tmp/xpulora-burst")
     ap.add_argument("--budgets", type=int, nargs="+", default=[0],
                     help="max_num_batched_tokens of each engine (0: the engine's default)")
+    ap.add_argument("--max-mixed-graph-tokens", type=int, default=512, help="EngineConfig.max_mixed_graph_tokens")
     ap.add_argument("--top", type=int, default=14)
     a = ap.parse_args()
     device, s, _, path, adapters = write_model(a)
@@ -88,12 +90,15 @@ def main() -> None:
         cfg = engine_config(path, adapters[:n], max(a.batches), device.type)
         cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler,
                                                                     max_num_batched_tokens=budget or None),
-                                  cache=dataclasses.replace(cfg.cache, enable_prefix_caching=False))
+                                  cache=dataclasses.replace(cfg.cache, enable_prefix_caching=False),
+                                  max_mixed_graph_tokens=a.max_mixed_graph_tokens)
         with LLMEngine(cfg) as e:
             for c in a.batches:
                 burst(e, c, names, s.vocab, 1000 + c)  # warm: this size's graphs and Triton variants
                 res = burst(e, c, names, s.vocab, 2000 + c)
-                emit(case="burst", budget=e.config.scheduler.max_num_batched_tokens, concurrency=c, adapters=n, **res,
+                mixed = e.runner.mixed
+                emit(case="burst", budget=e.config.scheduler.max_num_batched_tokens, concurrency=c,
+                     largest_mixed_graph=mixed.sizes[-1] if mixed is not None else None, adapters=n, **res,
                      **kernels(e, c, names, s.vocab, 3000 + c, a.top))
 
 

@@ -220,8 +220,12 @@ case "${1:-}" in
     ;;
   burst18)  # issue 14: the opening burst (c prompts at an idle engine), 36 layers, 32 adapters, budgets 2048 and the default (512 on a GPU)
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    timeout 420 python3 benchmarks/bench_burst.py --layers 36 --adapters 32 --batches 32 64 --budgets 2048 0 \
+    # then mixed-step graphs up to 2048 tokens (--max-mixed-graph-tokens; the default budget follows): no eager steps
+    timeout 330 python3 benchmarks/bench_burst.py --layers 36 --adapters 32 --batches 32 64 --budgets 2048 0 \
       --root /tmp/burst36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/burst.txt"
+    timeout 200 python3 benchmarks/bench_burst.py --layers 36 --adapters 32 --batches 32 64 --budgets 0 \
+      --max-mixed-graph-tokens 2048 --root /tmp/burst36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' \
+      | tee -a "$OUT/burst.txt"
     ;;
   serve18)  # issue 14 after the tuned int4 default: the server vs the offline loop vs pure decode, 36 layers, 32 adapters
     export PYTHONPATH=$PWD:${PYTHONPATH:-}

@@ -121,6 +121,7 @@ class LoRAConfig:
 
 
 EAGER_STEP_TOKENS = 2048
+MAX_MIXED_GRAPH_TOKENS = 2048
 """The step budget where steps run eagerly (CPU, hybrid models, graphs off): SchedulerConfig.max_num_batched_tokens."""
 
 
@@ -138,9 +139,9 @@ class SchedulerConfig:
     """Sequences running at once."""
     max_num_batched_tokens: int | None = None
     """Tokens (prefill + decode) per step; longer prompts are prefilled in chunks. None: the largest mixed-step
-    graph (512) where those graphs run (GPUs, dense models), so that no step runs eagerly, and at least
-    max_num_seqs; 2048 elsewhere. On an H200 a 36-layer eager step costs the host ~75 ms beyond its device
-    time, a replayed 512-token graph ~3 ms (docs/PERFORMANCE.md, eleventh session)."""
+    graph (EngineConfig.max_mixed_graph_tokens, 512 by default; at least max_num_seqs) where those graphs run
+    (GPUs, dense models), so that no step runs eagerly; 2048 elsewhere. On an H200 a 36-layer eager step costs
+    the host ~75 ms beyond its device time (docs/PERFORMANCE.md, eleventh session)."""
     max_waiting_requests: int | None = None
     """Waiting-queue bound; the server answers 503 beyond it. None: unbounded."""
 
@@ -193,8 +194,18 @@ class EngineConfig:
     """Disable graph capture."""
     mixed_graphs: bool = True
     """Also capture steps that hold a prefill chunk, attention included (engine/graph_runner.MixedGraphs; dense
-    models on GPUs, up to 512 tokens); off: those steps run eagerly, decode-only steps still replay graphs."""
+    models on GPUs, up to max_mixed_graph_tokens); off: those steps run eagerly, decode-only steps still replay
+    graphs."""
+    max_mixed_graph_tokens: int = 512
+    """The largest mixed-step graph (graph_runner.MIXED_SIZES up to it: 16 ... 512, then 768, 1024, 1536, 2048);
+    the default step budget follows it. Each size is one more capture and its activations in the graph pool;
+    above 512 not yet run on a GPU."""
     async_scheduling: bool | None = None
     """Schedule and launch step N+1 before step N's sampled ids are read back, feeding them to step N+1 on the
     device (engine/llm_engine.py). None: on where the host can run ahead of the device (GPUs, tensor parallel
     size 1), off on the CPU; True also on the CPU (the same code path, nothing to overlap; tests use it)."""
+
+    def __post_init__(self) -> None:
+        if not 16 <= self.max_mixed_graph_tokens <= MAX_MIXED_GRAPH_TOKENS:
+            raise ConfigError(f"max_mixed_graph_tokens must be in [16, {MAX_MIXED_GRAPH_TOKENS}], "
+                              f"got {self.max_mixed_graph_tokens}")

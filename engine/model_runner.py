@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.device import Device
 from engine.distributed import all_reduce_min, broadcast, tp_rank, tp_size
 from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
-from engine.graph_runner import MIXED_SIZES, DecodeGraphs, MixedGraphs
+from engine.graph_runner import DecodeGraphs, MixedGraphs, mixed_sizes
 from engine.kernel_check import check_kernels, kernel_shapes
 from engine.layers.attention import Attention
 from engine.layers.gdn import GatedDeltaNet
@@ -124,9 +124,8 @@ class ModelRunner:
         self.mixed: MixedGraphs | None = None
         if self.use_graphs and config.mixed_graphs and not self.gdn_layers:
             bs = self.kv.block_size
-            budget = config.scheduler.max_num_batched_tokens
-            sizes = [s for s in MIXED_SIZES if budget is None or s <= budget]
-            self.mixed = MixedGraphs(self.model, device, sizes or [MIXED_SIZES[0]], config.scheduler.max_num_seqs,
+            sizes = mixed_sizes(config.scheduler.max_num_batched_tokens, config.max_mixed_graph_tokens)
+            self.mixed = MixedGraphs(self.model, device, sizes, config.scheduler.max_num_seqs,
                                      (max_model_len + bs - 1) // bs, bs, self.kv.num_blocks,
                                      config.lora.max_loras if self.lora_layers else 0)
 

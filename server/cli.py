@@ -67,7 +67,7 @@ def build_engine_config(a: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens),
         kernels=kernel_config(a),
         seed=a.seed, enforce_eager=a.enforce_eager,
-        mixed_graphs=a.mixed_graphs,
+        mixed_graphs=a.mixed_graphs, max_mixed_graph_tokens=a.max_mixed_graph_tokens,
         async_scheduling={"auto": None, "on": True, "off": False}[a.async_scheduling])
 
 

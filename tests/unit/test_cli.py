@@ -69,6 +69,19 @@ def test_tp_short_form() -> None:
     assert build_engine_config(_parse("serve", "/m", "-tp", "2")).parallel.tensor_parallel_size == 2
 
 
+def test_max_mixed_graph_tokens_sets_the_captured_sizes() -> None:
+    from engine import ConfigError
+    from engine.graph_runner import mixed_sizes
+
+    assert build_engine_config(_parse("serve", "/m")).max_mixed_graph_tokens == 512
+    assert build_engine_config(_parse("serve", "/m", "--max-mixed-graph-tokens", "2048")).max_mixed_graph_tokens == 2048
+    assert mixed_sizes(None, 512)[-1] == 512 and mixed_sizes(None, 2048)[-4:] == [768, 1024, 1536, 2048]
+    assert mixed_sizes(1000, 2048)[-1] == 768 and mixed_sizes(8, 512) == [16] and mixed_sizes(None, 100)[-1] == 96
+    for bad in ("8", "4096"):
+        with pytest.raises(ConfigError, match="max_mixed_graph_tokens must be in"):
+            build_engine_config(_parse("serve", "/m", "--max-mixed-graph-tokens", bad))
+
+
 def test_several_served_model_names() -> None:
     cfg = build_engine_config(_parse("serve", "/models/X", "--served-model-name", "qwen", "qwen-8b", "default"))
     assert cfg.model.served_model_name == "qwen" and cfg.model.extra_served_model_names == ("qwen-8b", "default")
