@@ -97,7 +97,7 @@ def test_bench_burst_quick(tmp_path: Path) -> None:
     # 4 prompts of 16-64 tokens in 64-token steps: more than one step, every request's token inside the burst
     assert row["budget"] == 64 and row["concurrency"] == 4 and len(row["steps"]) >= 2
     assert 0 < row["first_ms"] <= row["p50_ms"] <= row["last_ms"] and sum(t for t, _ in row["steps"]) >= 4 * 16
-    assert row["host_op_us"] > 0 and row["top_host_ops"]
+    assert row["host_op_us"] > 0 and row["top_host_ops"] and len(row["earlier_runs"]) == 1
 
 
 def test_bench_grammar_quick(tmp_path: Path) -> None:
