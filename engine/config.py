@@ -121,8 +121,9 @@ class LoRAConfig:
 
 
 EAGER_STEP_TOKENS = 2048
-MAX_MIXED_GRAPH_TOKENS = 2048
 """The step budget where steps run eagerly (CPU, hybrid models, graphs off): SchedulerConfig.max_num_batched_tokens."""
+MAX_MIXED_GRAPH_TOKENS = 2048
+"""The largest mixed-step graph size (graph_runner.MIXED_SIZES[-1]; this module does not import torch)."""
 
 
 def step_budget(configured: int | None, largest_mixed_graph: int | None, max_num_seqs: int) -> int:

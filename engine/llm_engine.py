@@ -95,11 +95,10 @@ class LLMEngine:
         self.base_names = frozenset((self.served_model_name, *config.model.extra_served_model_names))
         """Every name that means the base model (the first served name is the one reported)."""
         self.executor = make_executor(config, info, kind, self.max_model_len, progress, self.eos_ids)
-        if config.scheduler.max_num_batched_tokens is None:  # see SchedulerConfig: no step runs eagerly
-            mixed = self.runner.mixed
-            budget = step_budget(None, mixed.sizes[-1] if mixed is not None else None, config.scheduler.max_num_seqs)
-            config = replace(config, scheduler=replace(config.scheduler, max_num_batched_tokens=budget))
-            self.config = config
+        sched = config.scheduler  # the default step budget follows the mixed-step graphs (SchedulerConfig)
+        largest = self.runner.mixed.sizes[-1] if self.runner.mixed is not None else None
+        config = self.config = replace(config, scheduler=replace(
+            sched, max_num_batched_tokens=step_budget(sched.max_num_batched_tokens, largest, sched.max_num_seqs)))
         self.vocab_size = int(self.hf_config["vocab_size"])
         kv = self.executor.kv
         if kv.num_blocks * kv.block_size < self.max_model_len:

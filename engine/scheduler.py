@@ -37,7 +37,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import ROOT_KEY, BlockManager, block_key
-from engine.config import EAGER_STEP_TOKENS, SchedulerConfig
+from engine.config import SchedulerConfig, step_budget
 from engine.lora.manager import LoRAManager
 from engine.protocol import SamplingParams
 from engine.sequence import SeqStatus, Sequence
@@ -88,8 +88,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, lora: LoRAManager | None = None,
                  num_state_slots: int = 0, snapshots: SnapshotPool | None = None, snapshot_interval: int = 0) -> None:
         self.config = config
-        self.budget = config.max_num_batched_tokens or EAGER_STEP_TOKENS
-        """Tokens per step (LLMEngine resolves the config's None first; a scheduler alone takes the eager one)."""
+        self.budget = step_budget(config.max_num_batched_tokens, None, config.max_num_seqs)
+        """Tokens per step (LLMEngine resolves the config's None first; a scheduler alone knows of no graphs)."""
         self.snapshots, self.snapshot_interval = snapshots, snapshot_interval
         self.lora = lora
         self.uses_state = num_state_slots > 0
