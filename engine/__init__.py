@@ -1,7 +1,7 @@
 """xpulora engine: what the server and the CLI may use.
 
 The API process imports this package and must not load the model code it never runs (DESIGN.md §3): the
-names that live with it (LLMEngine, GenerationResult, check_device, DEVICE_CHOICES) are imported on first
+names that live with it (LLMEngine, check_device, DEVICE_CHOICES) are imported on first
 use (`__getattr__`), everything else here is light (messages, configs, the engine client).
 """
 
@@ -35,17 +35,16 @@ from engine.gc_pauses import PROCESS as GC_PAUSES
 from engine.gc_pauses import freeze_startup_heap
 from engine.lora.adapter import validate_name
 from engine.lora.adapter_files import resolve_under_roots
-from engine.protocol import ErrorKind, RequestOutput, SamplingParams, StructuredSpec, TokenLogprob
+from engine.protocol import ErrorKind, GenerationResult, RequestOutput, SamplingParams, StructuredSpec, TokenLogprob
 from engine.served import LoRAStats, ServedModel
 from engine.structured import JSON_OPTIONS
 
 if TYPE_CHECKING:
     from engine.device import DEVICE_CHOICES
     from engine.kernel_check import check_device
-    from engine.llm_engine import GenerationResult, LLMEngine
+    from engine.llm_engine import LLMEngine
 
-_LAZY = {"DEVICE_CHOICES": "engine.device", "check_device": "engine.kernel_check",
-         "GenerationResult": "engine.llm_engine", "LLMEngine": "engine.llm_engine"}
+_LAZY = {"DEVICE_CHOICES": "engine.device", "check_device": "engine.kernel_check", "LLMEngine": "engine.llm_engine"}
 
 
 def __getattr__(name: str) -> Any:

@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from transformers import AutoTokenizer
 
@@ -33,7 +33,7 @@ from engine.lora.manager import LoRAManager
 from engine.messages import StepCounts, TokenDelta
 from engine.model_runner import ModelRunner
 from engine.output_processor import OutputProcessor
-from engine.protocol import ErrorKind, FinishReason, RequestOutput, SamplingParams, TokenLogprob
+from engine.protocol import ErrorKind, FinishReason, GenerationResult, RequestOutput, SamplingParams, TokenLogprob
 from engine.sampler import StepFuture
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import SeqStatus, Sequence
@@ -56,22 +56,6 @@ class _Launched:
     step: SchedulerOutput
     seqs: list[Sequence]
     future: StepFuture
-
-
-@dataclass
-class GenerationResult:
-    """One finished request (offline API)."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: FinishReason | None
-    logprobs: list[TokenLogprob] | None = None
-    num_prompt_tokens: int = 0
-    error: str | None = None
-    prompt_token_ids: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache."""
 
 
 class LLMEngine:

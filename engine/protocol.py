@@ -148,6 +148,22 @@ class TokenLogprob:
 
 
 @dataclass
+class GenerationResult:
+    """One finished request (offline API)."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    error: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+
+
+@dataclass
 class RequestOutput:
     """What the engine reports for one request after a step (deltas since the last report)."""
 
