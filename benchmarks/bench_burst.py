@@ -18,13 +18,11 @@ import os
 import random
 import sys
 import time
-from collections import defaultdict
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_e2e import emit, engine_config, model_args, write_model
+from benchmarks.timing import profile_by_name, top
 from engine import LLMEngine, SamplingParams
 
 
@@ -51,26 +49,11 @@ def burst(e: LLMEngine, c: int, names: list[str | None], vocab: int, seed: int) 
             "p50_ms": round(1e3 * sorted(firsts)[c // 2], 2), "steps": steps}
 
 
-def kernels(e: LLMEngine, c: int, names: list[str | None], vocab: int, seed: int, top: int) -> dict:
-    """Device microseconds of one burst in total and of its top kernels by name (device events only)."""
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    device_act = getattr(torch.profiler.ProfilerActivity, e.device.torch_device.type.upper(), None)
-    if device_act is not None and device_act not in acts:
-        acts.append(device_act)
-    with torch.profiler.profile(activities=acts) as prof:
-        burst(e, c, names, vocab, seed)
-    by_name: dict[str, float] = defaultdict(float)
-    host: dict[str, float] = defaultdict(float)
-    for ev in prof.key_averages():
-        if ev.device_type != torch.autograd.DeviceType.CPU and ev.self_device_time_total > 0:
-            by_name[ev.key[:70]] += ev.self_device_time_total
-        elif ev.device_type == torch.autograd.DeviceType.CPU and ev.self_cpu_time_total > 0:
-            host[ev.key[:70]] += ev.self_cpu_time_total
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])
-    ranked_host = sorted(host.items(), key=lambda kv: -kv[1])
-    return {"device_us": round(sum(by_name.values()), 1), "top_kernels": [(k, round(v, 1)) for k, v in ranked[:top]],
-            "host_op_us": round(sum(host.values()), 1),
-            "top_host_ops": [(k, round(v, 1)) for k, v in ranked_host[:top]]}
+def kernels(e: LLMEngine, c: int, names: list[str | None], vocab: int, seed: int, top_n: int) -> dict:
+    """Device microseconds of one burst in total and of its top kernels by name; its host ops the same."""
+    device, host = profile_by_name(lambda: burst(e, c, names, vocab, seed), e.device.torch_device)
+    return {"device_us": round(sum(device.values()), 1), "top_kernels": top(device, top_n),
+            "host_op_us": round(sum(host.values()), 1), "top_host_ops": top(host, top_n)}
 
 
 def main() -> None:

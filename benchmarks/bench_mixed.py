@@ -18,13 +18,11 @@ import os
 import random
 import sys
 import time
-from collections import defaultdict
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_e2e import emit, engine_config, model_args, requests, write_model
+from benchmarks.timing import profile_by_name, top
 from engine import LLMEngine, SamplingParams
 
 STEPS, PROFILED = 40, 8
@@ -46,21 +44,11 @@ def steps_with_arrivals(e: LLMEngine, n: int, prompt_len: int, names: list[str |
 
 
 def kernels_per_step(e: LLMEngine, prompt_len: int, names: list[str | None], rng: random.Random, vocab: int,
-                     serial: itertools.count, top: int) -> tuple[float, list[tuple[str, float]]]:
-    """Device microseconds per step in total and of the top kernels by name, over PROFILED steps. Only the
-    device's own events count: a CPU op (aten::mm) also carries its kernels' time, which would count twice."""
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    device_act = getattr(torch.profiler.ProfilerActivity, e.device.torch_device.type.upper(), None)
-    if device_act is not None and device_act not in acts:  # CUDA, XPU; none on the CPU
-        acts.append(device_act)
-    with torch.profiler.profile(activities=acts) as prof:
-        steps_with_arrivals(e, PROFILED, prompt_len, names, rng, vocab, serial)
-    by_name: dict[str, float] = defaultdict(float)
-    for ev in prof.key_averages():
-        if ev.device_type != torch.autograd.DeviceType.CPU and ev.self_device_time_total > 0:
-            by_name[ev.key[:70]] += ev.self_device_time_total / PROFILED
-    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])
-    return sum(by_name.values()), [(k, round(v, 1)) for k, v in ranked[:top]]
+                     serial: itertools.count, top_n: int) -> tuple[float, list[tuple[str, float]]]:
+    """Device microseconds per step in total and of the top kernels by name, over PROFILED steps."""
+    device, _ = profile_by_name(lambda: steps_with_arrivals(e, PROFILED, prompt_len, names, rng, vocab, serial),
+                                e.device.torch_device)
+    return sum(device.values()) / PROFILED, top(device, top_n, PROFILED)
 
 
 def main() -> None:

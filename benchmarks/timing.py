@@ -66,3 +66,29 @@ def graph_time_us(fn: Callable[[], object], dev: torch.device, budget_s: float, 
         print(f"# graph capture failed: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
         return None
     return time_us(g.replay, sync, budget_s) / reps
+
+
+def profile_by_name(fn: Callable[[], object], dev: torch.device) -> tuple[dict[str, float], dict[str, float]]:
+    """Run fn under torch.profiler: (device microseconds by kernel name, host microseconds by op name, self
+    time). Only the device's own events count as device time: a CPU op (aten::mm) also carries its kernels'
+    time, which would count twice. Kernels inside replayed graphs are included."""
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    device_act = getattr(torch.profiler.ProfilerActivity, dev.type.upper(), None)
+    if device_act is not None and device_act not in acts:  # CUDA, XPU; none on the CPU
+        acts.append(device_act)
+    with torch.profiler.profile(activities=acts) as prof:
+        fn()
+    device: dict[str, float] = {}
+    host: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ev.device_type != torch.autograd.DeviceType.CPU and ev.self_device_time_total > 0:
+            device[ev.key[:70]] = device.get(ev.key[:70], 0.0) + ev.self_device_time_total
+        elif ev.device_type == torch.autograd.DeviceType.CPU and ev.self_cpu_time_total > 0:
+            host[ev.key[:70]] = host.get(ev.key[:70], 0.0) + ev.self_cpu_time_total
+    return device, host
+
+
+def top(by_name: dict[str, float], n: int, per: float = 1.0) -> list[tuple[str, float]]:
+    """The n largest entries of a profile_by_name table, divided by per, rounded to 0.1."""
+    return [(k, round(v / per, 1)) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:n]]
+
