@@ -69,7 +69,7 @@ def main() -> None:
     if a.quick:
         a.batches, a.budgets, a.repeats = [4], [64], 2
     n = max(a.adapters)
-    names: list[str | None] = [f"a{i % n}" for i in range(n)] + [None] if n else [None]
+    names: list[str | None] = [*(f"a{i}" for i in range(n)), None]  # every adapter, then the base model
     for budget in a.budgets:
         cfg = engine_config(path, adapters[:n], max(a.batches), device.type)
         cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler,

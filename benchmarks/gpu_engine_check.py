@@ -81,7 +81,8 @@ def run(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]
                           mixed is not None and e.config.scheduler.max_num_batched_tokens == mixed.sizes[-1] == 512
                           and mixed.replays > 0 and replays == e.steps.steps,
                           budget=e.config.scheduler.max_num_batched_tokens, replays=replays, steps=e.steps.steps)
-        elif not eager and not reference and gdn is None and max_batched <= 512 and ARGS.device != "cpu":
+        elif (not eager and not reference and gdn is None and max_batched is not None and max_batched <= 512
+              and ARGS.device != "cpu"):
             # Dense models on a GPU run their steps of <= 512 tokens that hold a prefill through the mixed-step graphs.
             CHECKS.expect(f"mixed steps replayed mixed-step graphs, batch {len(batch)}, chunks of {max_batched}",
                           mixed is not None and mixed.replays > 0, replays=mixed.replays if mixed else None)

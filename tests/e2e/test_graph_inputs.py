@@ -3,7 +3,8 @@ step (padding rows, zero-length sequence slots, the scratch block, pending token
 LoRA grouping) and replay what they captured. Graphs exist only on GPUs, so here each "graph" re-runs the
 forward eagerly over the same static buffers and metadata the capture recorded, with the Triton attention and
 LoRA kernels under the interpreter: what a replay computes from those buffers must equal the eager engine's
-greedy outputs on mixed adapter batches with chunked prefill. (The captures themselves are checked on CUDA by
+greedy outputs on mixed adapter batches with chunked prefill, also when the runner builds its graphs itself and
+the default step budget follows them. (The captures themselves are checked on CUDA by
 benchmarks/gpu_engine_check.py.)"""
 
 from __future__ import annotations
@@ -53,14 +54,14 @@ _Graphs._capture = capture
 Device.graph_pool = lambda self: None
 
 
-def engine(max_loras=2):
+def engine(max_loras=2, budget=24, max_mixed=512):
     return LLMEngine(EngineConfig(
         ModelConfig(str(DEMO / "model"), dtype="float32", max_model_len=128),
         cache=CacheConfig(num_blocks=64),
         parallel=ParallelConfig(device="cpu"),
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=24),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget),
         lora=LoRAConfig(enable_lora=True, max_loras=max_loras, max_lora_rank=64, lora_modules=ADAPTERS),
-        kernels=KernelConfig(attention="triton", lora="triton"), async_scheduling=True))
+        kernels=KernelConfig(attention="triton", lora="triton"), async_scheduling=True, max_mixed_graph_tokens=max_mixed))
 
 
 def with_graphs(e):
@@ -85,6 +86,17 @@ with with_graphs(engine()) as e:
     got = [r.token_ids for r in e.generate(prompts, params, models[:10])]
     decode, mixed = e.runner.graphs.replays, e.runner.mixed.replays
 assert decode > 0 and mixed > 0, (decode, mixed)
+assert got == want, (got, want)
+
+# The runner building its own graphs (captures stubbed as above) with the default step budget, which then
+# follows the largest mixed-step graph: every step of the batch replays a graph, none runs eagerly.
+Device.supports_graphs = property(lambda self: True)
+with engine(budget=None, max_mixed=32) as e:
+    assert e.runner.mixed.sizes == [16, 32], e.runner.mixed.sizes
+    assert e.config.scheduler.max_num_batched_tokens == e.scheduler.budget == 32
+    got = [r.token_ids for r in e.generate(prompts, params, models[:10])]
+    replays = e.runner.graphs.replays + e.runner.mixed.replays
+    assert e.runner.mixed.replays > 0 and replays == e.steps.steps, (replays, e.steps.steps)
 assert got == want, (got, want)
 print("ok", decode, mixed)
 '''
