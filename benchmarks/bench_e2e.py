@@ -123,25 +123,32 @@ def ours(e: LLMEngine, batch: int, n_adapters: int, new_tokens: int) -> dict:
 def time_decode(e: LLMEngine, prompts: list[list[int]], new_tokens: int,
                 names: list[str | None] | None = None, params: list[SamplingParams] | None = None
                 ) -> dict[str, float]:
-    """Warm up, prefill every prompt in one step, then time the decode steps until all finish; params[i] is
-    request i's sampling (default: greedy, ignore_eos, new_tokens)."""
+    """Warm up, prefill every prompt (in as many steps as the step budget needs), then time the decode steps until
+    all finish; params[i] is request i's sampling (default: greedy, ignore_eos, new_tokens)."""
     names = names or [None] * len(prompts)
     e.generate(prompts[:1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), names[:1])
     params = params or [SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)] * len(prompts)
     for i, (p, n, sp) in enumerate(zip(prompts, names, params)):
         e.add_request(str(i), p, sp, n)
-    e.step()  # prefill of every request
+    # Prefill every request before the clock: prompts beyond one step's budget (32 x 32 tokens at the GPU default
+    # of 512) take several steps, and those, or a decode step joined by a prompt chunk, would count as decode.
+    mixed = e.steps.mixed
+    e.step()
+    while e.steps.mixed != mixed:  # the step just launched held a prompt chunk: one more
+        mixed = e.steps.mixed
+        e.step()
     e.device.synchronize()
     # Steps and rows launched inside the window (the engine's counters), not loop turns: with async scheduling
     # the first turn reads back the prefill's token, computed before the clock, and the last turn only reads.
-    steps0, rows0 = e.steps.steps, e.steps.sequences
+    steps0, rows0, mixed0 = e.steps.steps, e.steps.sequences, e.steps.mixed
     t0 = time.perf_counter()
     while e.has_unfinished():
         e.step()
     e.device.synchronize()
     dt = time.perf_counter() - t0
     steps, rows = e.steps.steps - steps0, e.steps.sequences - rows0
-    return {"steps": steps, "ms_per_step": 1e3 * dt / steps, "tokens_per_s": rows / dt}
+    return {"steps": steps, "ms_per_step": 1e3 * dt / steps, "tokens_per_s": rows / dt,
+            "mixed_steps": e.steps.mixed - mixed0}
 
 
 def synchronous(e: LLMEngine, run: Callable[[], dict]) -> dict:

@@ -399,6 +399,9 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="tokens per step, both sides (default: the engine's); e.g. 128 keeps a step of 64 decodes "
                          "and its prompt chunks inside the int4 GEMMs' 128-row bucket")
+    ap.add_argument("--max-mixed-graph-tokens", type=int, default=None,
+                    help="largest mixed-step graph, both sides (default: the engine's); the default step budget "
+                         "follows it")
     a = ap.parse_args()
     device, s, _, path, adapters = write_model(a)  # --quick: tiny shapes, batches [1, 4], 2 adapters
     if a.quick:
@@ -417,6 +420,9 @@ def main() -> int:
     if a.max_num_batched_tokens is not None:
         cfg = replace(cfg, scheduler=replace(cfg.scheduler, max_num_batched_tokens=a.max_num_batched_tokens))
         flags += ["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
+    if a.max_mixed_graph_tokens is not None:
+        cfg = replace(cfg, max_mixed_graph_tokens=a.max_mixed_graph_tokens)
+        flags += ["--max-mixed-graph-tokens", str(a.max_mixed_graph_tokens)]
     with LLMEngine(cfg) as e:
         # Warm-up: one request per adapter and the base, so that every adapter sits in its slot as in a server
         # that has run a while (first slot fills are measured apart: docs/PERFORMANCE.md).

@@ -229,9 +229,11 @@ case "${1:-}" in
     ;;
   serve18)  # issue 14 after the tuned int4 default: the server vs the offline loop vs pure decode, 36 layers, 32 adapters
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    # shellcheck disable=SC2086  # BATCHES="64": one concurrency only; MNBT=128: tokens per step on both sides
+    # shellcheck disable=SC2086  # BATCHES="64": one concurrency only; MNBT=128: tokens per step on both sides;
+    # MMGT=2048: mixed-step graphs up to 2048 tokens on both sides (the default budget follows)
     timeout 520 python3 benchmarks/bench_serve.py --layers 36 --adapters 32 --batches ${BATCHES:-32 64} --requests 256 \
-      --new-tokens 128 --clients 4 --root /tmp/serve36 ${MNBT:+--max-num-batched-tokens $MNBT} 2>&1 \
+      --new-tokens 128 --clients 4 --root /tmp/serve36 ${MNBT:+--max-num-batched-tokens $MNBT} \
+      ${MMGT:+--max-mixed-graph-tokens $MMGT} 2>&1 \
       | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
     tail -n 40 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
     ;;

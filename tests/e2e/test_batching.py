@@ -35,6 +35,17 @@ def test_cpu_engine_resolves_the_eager_step_budget(int4_model: str) -> None:
         assert e.config.scheduler.max_num_batched_tokens == e.scheduler.budget == 2048
 
 
+def test_bench_decode_window_holds_no_prefill(int4_model: str) -> None:
+    """bench_e2e's pure decode (also bench_serve's baseline) starts its clock after every prompt is prefilled,
+    however many steps the budget needs: 8 prompts of 32 tokens at 64 tokens per step take 4 steps."""
+    from benchmarks.bench_e2e import time_decode
+
+    with make_engine(int4_model, max_num_batched_tokens=64) as e:
+        r = time_decode(e, [[7 + i] * 32 for i in range(8)], 6)
+        assert r["mixed_steps"] == 0
+        assert r["steps"] >= 4  # the 6 tokens' decode steps, less those before the clock
+
+
 def test_batch_of_16_equals_alone(int4_model: str, batch_prompts: list[str], alone: list[list[int]]) -> None:
     engine = make_engine(int4_model)
     batched = [r.token_ids for r in engine.generate(batch_prompts, GREEDY)]
