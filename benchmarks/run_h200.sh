@@ -234,7 +234,8 @@ case "${1:-}" in
     timeout 520 python3 benchmarks/bench_serve.py --layers 36 --adapters 32 --batches ${BATCHES:-32 64} --requests 256 \
       --new-tokens 128 --clients 4 --root /tmp/serve36 ${MNBT:+--max-num-batched-tokens $MNBT} \
       ${MMGT:+--max-mixed-graph-tokens $MMGT} 2>&1 \
-      | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
+      | tee "$OUT/serve_log.txt" | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/serve.txt"
+    grep -hE "captured|KV cache" "$OUT/serve_log.txt" /tmp/serve36/server.log 2>/dev/null | cut -c1-300
     tail -n 40 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
     ;;
   *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18"; exit 2 ;;

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 
 import torch
 
@@ -72,11 +73,15 @@ class _Graphs:
 
     def _capture_all(self) -> None:
         gc.collect()  # garbage with device memory goes before the captures take the pool (once, not per graph)
+        t0, (free0, _) = time.perf_counter(), self.device.mem_get_info()
         pool = self.device.graph_pool()
         for size in reversed(self.sizes):
             for with_lora in ((False, True) if self.lora_slots else (False,)):
                 self.graphs[(size, with_lora)] = self._capture(size, with_lora, pool)
-        log.info("captured %s graphs for sizes %s (LoRA variants: %s)", self.kind, self.sizes, bool(self.lora_slots))
+        # what the sizes cost at start-up, in seconds and device memory (--max-mixed-graph-tokens trades both)
+        log.info("captured %s graphs for sizes %s (LoRA variants: %s) in %.1f s, %.0f MiB of device memory",
+                 self.kind, self.sizes, bool(self.lora_slots), time.perf_counter() - t0,
+                 (free0 - self.device.mem_get_info()[0]) / 2**20)
 
     def _context(self, size: int, info: TritonLoRABatch | None) -> ForwardContext:
         raise NotImplementedError
