@@ -5,8 +5,8 @@ Per (step budget, c): ms until the first and the last request have their token, 
 kernels inside replayed graphs included; host ops by self time: launches, allocator, copies). The prefix cache is
 off: every burst computes its prompts.
 
-    python benchmarks/bench_burst.py --layers 36 --adapters 32 --batches 32 64 --budgets 2048 0
-    python benchmarks/bench_burst.py --layers 36 --adapters 32 --batches 32 64 --budgets 0 --max-mixed-graph-tokens 2048
+    python benchmarks/bench_burst.py --layers 36 --adapters 32 --batches 32 64 --budgets 0   # the default (2048)
+    python benchmarks/bench_burst.py --layers 36 --adapters 32 --batches 32 64 --budgets 0 --max-mixed-graph-tokens 512
     python benchmarks/bench_burst.py --quick          # tiny shapes on the CPU (smoke test)
 """
 
@@ -61,7 +61,8 @@ def main() -> None:
     model_args(ap, [32, 64], [32], "/tmp/xpulora-burst")
     ap.add_argument("--budgets", type=int, nargs="+", default=[0],
                     help="max_num_batched_tokens of each engine (0: the engine's default)")
-    ap.add_argument("--max-mixed-graph-tokens", type=int, default=512, help="EngineConfig.max_mixed_graph_tokens")
+    ap.add_argument("--max-mixed-graph-tokens", type=int, default=None,
+                    help="EngineConfig.max_mixed_graph_tokens (default: the engine's)")
     ap.add_argument("--repeats", type=int, default=3, help="timed bursts per (budget, c); the last is reported")
     ap.add_argument("--top", type=int, default=14)
     a = ap.parse_args()
@@ -74,8 +75,9 @@ def main() -> None:
         cfg = engine_config(path, adapters[:n], max(a.batches), device.type)
         cfg = dataclasses.replace(cfg, scheduler=dataclasses.replace(cfg.scheduler,
                                                                     max_num_batched_tokens=budget or None),
-                                  cache=dataclasses.replace(cfg.cache, enable_prefix_caching=False),
-                                  max_mixed_graph_tokens=a.max_mixed_graph_tokens)
+                                  cache=dataclasses.replace(cfg.cache, enable_prefix_caching=False))
+        if a.max_mixed_graph_tokens is not None:
+            cfg = dataclasses.replace(cfg, max_mixed_graph_tokens=a.max_mixed_graph_tokens)
         with LLMEngine(cfg) as e:
             for c in a.batches:
                 burst(e, c, names, s.vocab, 1000 + c)  # warm: this size's graphs and Triton variants

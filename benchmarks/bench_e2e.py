@@ -132,11 +132,9 @@ def time_decode(e: LLMEngine, prompts: list[list[int]], new_tokens: int,
         e.add_request(str(i), p, sp, n)
     # Prefill every request before the clock: prompts beyond one step's budget (32 x 32 tokens at the GPU default
     # of 512) take several steps, and those, or a decode step joined by a prompt chunk, would count as decode.
-    mixed = e.steps.mixed
     e.step()
-    while e.steps.mixed != mixed:  # the step just launched held a prompt chunk: one more
-        mixed = e.steps.mixed
-        e.step()
+    while e.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in e.scheduler.running):
+        e.step()  # a prompt still has chunks to run
     e.device.synchronize()
     # Steps and rows launched inside the window (the engine's counters), not loop turns: with async scheduling
     # the first turn reads back the prefill's token, computed before the clock, and the last turn only reads.

@@ -186,7 +186,7 @@ def main() -> None:
             CHECKS.expect(f"LoRA expand in the int4 mma store (epilogue=1) + graphs == torch reference, float32, "
                           f"batch {n}", epi == ref and taken > 0,
                           matching_requests=sum(a == b for a, b in zip(epi, ref)), of=n, fused_launches=taken)
-        if n == 40:  # the default step budget (512 on a GPU): prompts of up to 203 tokens, ~4400 in all
+        if n == 40:  # the default step budget (2048 on a GPU, graphs up to it): prompts up to 203 tokens, ~4400 in all
             default, _ = run(path, adapters, batch, eager=False, reference=False, dtype="float32", max_batched=None)
             CHECKS.expect(f"default step budget, graphs == torch reference, float32, batch {n}", default == ref,
                           matching_requests=sum(a == b for a, b in zip(default, ref)), of=n)

@@ -218,13 +218,13 @@ case "${1:-}" in
     timeout 200 python3 benchmarks/bench_mixed.py --layers 36 --adapters 32 --batches 64 --prompts 0 16 64 \
       --root /tmp/mixed36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/mixed.txt" | cut -c1-400
     ;;
-  burst18)  # issue 14: the opening burst (c prompts at an idle engine), 36 layers, 32 adapters, budgets 2048 and the default (512 on a GPU)
+  burst18)  # issue 14: the opening burst (c prompts at an idle engine), 36 layers, 32 adapters: the default (graphs and
+            # budget 2048), then graphs up to 512 (the budget follows), then budget 2048 with graphs up to 512 (eager steps)
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    # then mixed-step graphs up to 2048 tokens (--max-mixed-graph-tokens; the default budget follows): no eager steps
-    timeout 330 python3 benchmarks/bench_burst.py --layers 36 --adapters 32 --batches 32 64 --budgets 2048 0 \
-      --root /tmp/burst36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/burst.txt"
     timeout 200 python3 benchmarks/bench_burst.py --layers 36 --adapters 32 --batches 32 64 --budgets 0 \
-      --max-mixed-graph-tokens 2048 --root /tmp/burst36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' \
+      --root /tmp/burst36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' | tee "$OUT/burst.txt"
+    timeout 330 python3 benchmarks/bench_burst.py --layers 36 --adapters 32 --batches 32 64 --budgets 0 2048 \
+      --max-mixed-graph-tokens 512 --root /tmp/burst36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' \
       | tee -a "$OUT/burst.txt"
     ;;
   serve18)  # issue 14 after the tuned int4 default: the server vs the offline loop vs pure decode, 36 layers, 32 adapters

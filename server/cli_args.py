@@ -128,7 +128,7 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="disable graph capture")
     g.add_argument("--no-mixed-graphs", dest="mixed_graphs", action="store_false",
                    help="run steps that hold a prefill chunk eagerly (default: captured as graphs)")
-    g.add_argument("--max-mixed-graph-tokens", type=int, default=512,
+    g.add_argument("--max-mixed-graph-tokens", type=int, default=2048,
                    help="the largest step that holds a prefill chunk to capture as a graph (16-2048; the default "
                         "--max-num-batched-tokens follows it)")
     g.add_argument("--async-scheduling", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],

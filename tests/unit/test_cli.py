@@ -70,12 +70,13 @@ def test_tp_short_form() -> None:
 
 
 def test_max_mixed_graph_tokens_sets_the_captured_sizes() -> None:
-    from engine import ConfigError
+    from engine import ConfigError, EngineConfig
     from engine.config import MAX_MIXED_GRAPH_TOKENS
     from engine.graph_runner import MIXED_SIZES, mixed_sizes
 
-    assert build_engine_config(_parse("serve", "/m")).max_mixed_graph_tokens == 512
-    assert build_engine_config(_parse("serve", "/m", "--max-mixed-graph-tokens", "2048")).max_mixed_graph_tokens == 2048
+    default = build_engine_config(_parse("serve", "/m")).max_mixed_graph_tokens
+    assert default == EngineConfig.max_mixed_graph_tokens == MAX_MIXED_GRAPH_TOKENS  # the CLI and the config agree
+    assert build_engine_config(_parse("serve", "/m", "--max-mixed-graph-tokens", "512")).max_mixed_graph_tokens == 512
     assert MIXED_SIZES[-1] == MAX_MIXED_GRAPH_TOKENS
     assert mixed_sizes(None, 512)[-1] == 512 and mixed_sizes(None, 2048)[-4:] == [768, 1024, 1536, 2048]
     assert mixed_sizes(1000, 2048)[-1] == 768 and mixed_sizes(8, 512) == [16] and mixed_sizes(None, 100)[-1] == 96
