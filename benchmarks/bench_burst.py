@@ -86,7 +86,8 @@ def main() -> None:
                 runs = [burst(e, c, names, s.vocab, 2000 + 100 * r + c) for r in range(a.repeats)]
                 mixed = e.runner.mixed
                 emit(case="burst", budget=e.config.scheduler.max_num_batched_tokens, concurrency=c,
-                     largest_mixed_graph=mixed.sizes[-1] if mixed is not None else None, adapters=n, **runs[-1],
+                     largest_mixed_graph=mixed.sizes[-1] if mixed is not None else None, adapters=n,
+                     lora_config=os.environ.get("XPULORA_LORA_CONFIG", ""), **runs[-1],
                      earlier_runs=runs[:-1], **kernels(e, c, names, s.vocab, 3000 + c, a.top))
 
 

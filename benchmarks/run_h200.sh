@@ -227,6 +227,15 @@ case "${1:-}" in
       --max-mixed-graph-tokens 512 --root /tmp/burst36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' \
       | tee -a "$OUT/burst.txt"
     ;;
+  prefill18)  # issues 14/18: the LoRA kernels' launch shapes in prefill steps (64-prompt burst, graphs up to 2048):
+              # the default, the shrink without K splits (its grid is large at these token counts), longer token runs
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    for cfg in "" shrink_split_k=1 run_m=64 shrink_split_k=1,run_m=64; do
+      XPULORA_LORA_CONFIG=$cfg timeout 140 python3 benchmarks/bench_burst.py --layers 36 --adapters 32 --batches 64 \
+        --repeats 2 --root /tmp/burst36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' | tee -a "$OUT/prefill.txt" \
+        | grep --line-buffered '^{' | python3 -c "import sys,json; [print(r['lora_config'] or 'default', r['last_ms'], r['device_us'], dict(r['top_kernels']).get('_lora_expand_kernel'), dict(r['top_kernels']).get('_lora_shrink_kernel')) for r in map(json.loads, sys.stdin) if r.get('case') == 'burst']"
+    done
+    ;;
   serve18)  # issue 14 after the tuned int4 default: the server vs the offline loop vs pure decode, 36 layers, 32 adapters
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     # shellcheck disable=SC2086  # BATCHES="64": one concurrency only; MNBT=128: tokens per step on both sides;
@@ -238,5 +247,5 @@ case "${1:-}" in
     grep -hE "captured|KV cache" "$OUT/serve_log.txt" /tmp/serve36/server.log 2>/dev/null | cut -c1-300
     tail -n 40 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
     ;;
-  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18|prefill18"; exit 2 ;;
 esac
