@@ -130,8 +130,8 @@ def time_decode(e: LLMEngine, prompts: list[list[int]], new_tokens: int,
     params = params or [SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)] * len(prompts)
     for i, (p, n, sp) in enumerate(zip(prompts, names, params)):
         e.add_request(str(i), p, sp, n)
-    # Prefill every request before the clock: prompts beyond one step's budget (32 x 32 tokens at the GPU default
-    # of 512) take several steps, and those, or a decode step joined by a prompt chunk, would count as decode.
+    # Prefill every request before the clock: prompts beyond one step's budget (64 x 32 tokens at a budget of 512)
+    # take several steps, and those, or a decode step joined by a prompt chunk, would count as decode.
     e.step()
     while e.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in e.scheduler.running):
         e.step()  # a prompt still has chunks to run
