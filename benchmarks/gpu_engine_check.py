@@ -78,8 +78,8 @@ def run(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]
             graphs = e.runner.graphs
             replays = (mixed.replays if mixed else 0) + (graphs.replays if graphs else 0)
             CHECKS.expect(f"default step budget: every step replays a graph, batch {len(batch)}",
-                          mixed is not None and e.config.scheduler.max_num_batched_tokens == mixed.sizes[-1] == 512
-                          and mixed.replays > 0 and replays == e.steps.steps,
+                          mixed is not None and e.config.scheduler.max_num_batched_tokens == mixed.sizes[-1]
+                          == e.config.max_mixed_graph_tokens and mixed.replays > 0 and replays == e.steps.steps,
                           budget=e.config.scheduler.max_num_batched_tokens, replays=replays, steps=e.steps.steps)
         elif (not eager and not reference and gdn is None and max_batched is not None and max_batched <= 512
               and ARGS.device != "cpu"):
