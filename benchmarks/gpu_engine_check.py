@@ -35,6 +35,7 @@ from engine import (
     SamplingParams,
     SchedulerConfig,
 )
+from engine.config import MAX_MIXED_GRAPH_TOKENS
 from kernels import lora_triton
 from tools.checks import Checks, exit_with
 from tools.random_int4 import Shape, write_random_int4
@@ -44,8 +45,8 @@ ARGS = argparse.Namespace(device="cuda", lora_kernel="auto")
 
 
 def config(path: str, adapters: list[str], eager: bool, reference: bool, dtype: str, gdn: str | None = None,
-           max_batched: int | None = 2048, async_scheduling: bool | None = None, lora_dtype: str = "auto"
-           ) -> EngineConfig:
+           max_batched: int | None = 2048, async_scheduling: bool | None = None, lora_dtype: str = "auto",
+           graph_tokens: int = EngineConfig.max_mixed_graph_tokens) -> EngineConfig:
     ref = "reference" if reference else "auto"
     kernels = KernelConfig(lora="reference" if reference else ARGS.lora_kernel, attention=ref, fused=ref, int4=ref,
                            gdn=gdn or "auto")  # type: ignore[arg-type]
@@ -55,15 +56,16 @@ def config(path: str, adapters: list[str], eager: bool, reference: bool, dtype: 
     return EngineConfig(ModelConfig(path, dtype=dtype, max_model_len=512), cache=CacheConfig(num_blocks=2048),
                         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=max_batched), lora=lora,
                         enforce_eager=eager, parallel=ParallelConfig(device=ARGS.device), kernels=kernels,
-                        async_scheduling=async_scheduling)
+                        async_scheduling=async_scheduling, max_mixed_graph_tokens=graph_tokens)
 
 
 def run(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]], eager: bool, reference: bool,
         dtype: str, gdn: str | None = None, max_batched: int | None = 2048, async_scheduling: bool | None = None,
-        lora_dtype: str = "auto") -> tuple[list[list[int]], float]:
+        lora_dtype: str = "auto", graph_tokens: int = EngineConfig.max_mixed_graph_tokens
+        ) -> tuple[list[list[int]], float]:
     """Greedy ids of the batch (async_scheduling None: the engine's default, on for GPUs at tp=1)."""
     with LLMEngine(config(path, adapters, eager, reference, dtype, gdn, max_batched, async_scheduling,
-                          lora_dtype)) as e:
+                          lora_dtype, graph_tokens)) as e:
         for c in e.runner.kernel_choices:
             if c.rejected:  # the engine fell back to a slower kernel: the fast one computes wrong here
                 CHECKS.expect(f"{c.op} kernel passes its start-up check", False, chosen=c.chosen,
@@ -190,6 +192,11 @@ def main() -> None:
             default, _ = run(path, adapters, batch, eager=False, reference=False, dtype="float32", max_batched=None)
             CHECKS.expect(f"default step budget, graphs == torch reference, float32, batch {n}", default == ref,
                           matching_requests=sum(a == b for a, b in zip(default, ref)), of=n)
+            # The largest graphs (3072, 4096; opt-in): the first step takes 4096 of the ~4400 prompt tokens.
+            large, _ = run(path, adapters, batch, eager=False, reference=False, dtype="float32", max_batched=None,
+                           graph_tokens=MAX_MIXED_GRAPH_TOKENS)
+            CHECKS.expect(f"graphs up to {MAX_MIXED_GRAPH_TOKENS} tokens (budget follows) == torch reference, float32, "
+                          f"batch {n}", large == ref, matching_requests=sum(a == b for a, b in zip(large, ref)), of=n)
         if n >= 17:  # prefill chunks of 64 tokens share steps with decodes: the mixed-step graphs' case
             chunked, _ = run(path, adapters, batch, eager=False, reference=False, dtype="float32", max_batched=64)
             CHECKS.expect(f"mixed-step graphs (64-token chunks) == torch reference, float32, batch {n}",

@@ -122,7 +122,7 @@ class LoRAConfig:
 
 EAGER_STEP_TOKENS = 2048
 """The step budget where steps run eagerly (CPU, hybrid models, graphs off): SchedulerConfig.max_num_batched_tokens."""
-MAX_MIXED_GRAPH_TOKENS = 2048
+MAX_MIXED_GRAPH_TOKENS = 4096
 """The largest mixed-step graph size (graph_runner.MIXED_SIZES[-1]; this module does not import torch)."""
 
 
@@ -198,12 +198,12 @@ class EngineConfig:
     models on GPUs, up to max_mixed_graph_tokens); off: those steps run eagerly, decode-only steps still replay
     graphs."""
     max_mixed_graph_tokens: int = 2048
-    """The largest mixed-step graph (graph_runner.MIXED_SIZES up to it: 16 ... 512, 768, 1024, 1536, 2048); the
-    default step budget follows it. Each size is one more capture and its activations in the graph pool: on an H200
-    (36-layer 8B-shaped model, 32 adapters) all 16 sizes took 3.9 s and 634 MiB, and against 512 they brought the
-    opening burst's last first token from 113 to 91 ms (64 prompts) and the server's TTFT p99 from 82 to 72 ms
-    (c = 32), throughput unchanged (docs/PERFORMANCE.md, twelfth session). Lower it to shorten the steps that a
-    long prompt adds to running streams' inter-token latency."""
+    """The largest mixed-step graph (graph_runner.MIXED_SIZES up to it: 16 ... 512, 768, 1024, 1536, 2048, 3072,
+    4096); the default step budget follows it. Each size is one more capture and its activations in the graph pool:
+    on an H200 (36-layer 8B-shaped model, 32 adapters) the 16 sizes up to 2048 took 3.9 s and 634 MiB, and against
+    512 they brought the opening burst's last first token from 113 to 91 ms (64 prompts) and the server's TTFT p99
+    from 82 to 72 ms (c = 32), throughput unchanged (docs/PERFORMANCE.md, twelfth session). Lower it to shorten the
+    steps that a long prompt adds to running streams' inter-token latency."""
     async_scheduling: bool | None = None
     """Schedule and launch step N+1 before step N's sampled ids are read back, feeding them to step N+1 on the
     device (engine/llm_engine.py). None: on where the host can run ahead of the device (GPUs, tensor parallel

@@ -34,7 +34,7 @@ from engine.staging import Staging
 
 log = logging.getLogger(__name__)
 
-MIXED_SIZES = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+MIXED_SIZES = (16, 32, 48, 64, 80, 96, 128, 160, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
 """Token counts captured for mixed steps (those up to max_num_batched_tokens and
 EngineConfig.max_mixed_graph_tokens, 2048 by default). Larger steps run eagerly, which costs the host more than
 the device (H200, 36 layers, 32 adapters: a 1304-token eager step took 124 ms for 37 ms of kernels), so the

@@ -129,7 +129,7 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-mixed-graphs", dest="mixed_graphs", action="store_false",
                    help="run steps that hold a prefill chunk eagerly (default: captured as graphs)")
     g.add_argument("--max-mixed-graph-tokens", type=int, default=2048,
-                   help="the largest step that holds a prefill chunk to capture as a graph (16-2048; the default "
+                   help="the largest step that holds a prefill chunk to capture as a graph (16-4096; the default "
                         "--max-num-batched-tokens follows it)")
     g.add_argument("--async-scheduling", nargs="?", const="on", default="auto", choices=["auto", "on", "off"],
                    help="launch each step before the previous one's tokens are read back (auto: on GPUs at tensor "

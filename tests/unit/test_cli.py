@@ -75,12 +75,14 @@ def test_max_mixed_graph_tokens_sets_the_captured_sizes() -> None:
     from engine.graph_runner import MIXED_SIZES, mixed_sizes
 
     default = build_engine_config(_parse("serve", "/m")).max_mixed_graph_tokens
-    assert default == EngineConfig.max_mixed_graph_tokens == MAX_MIXED_GRAPH_TOKENS  # the CLI and the config agree
+    assert default == EngineConfig.max_mixed_graph_tokens == 2048  # the CLI and the config agree
     assert build_engine_config(_parse("serve", "/m", "--max-mixed-graph-tokens", "512")).max_mixed_graph_tokens == 512
     assert MIXED_SIZES[-1] == MAX_MIXED_GRAPH_TOKENS
     assert mixed_sizes(None, 512)[-1] == 512 and mixed_sizes(None, 2048)[-4:] == [768, 1024, 1536, 2048]
     assert mixed_sizes(1000, 2048)[-1] == 768 and mixed_sizes(8, 512) == [16] and mixed_sizes(None, 100)[-1] == 96
-    for bad in ("8", "4096"):
+    assert build_engine_config(_parse("serve", "/m", "--max-mixed-graph-tokens", "4096")).max_mixed_graph_tokens == 4096
+    assert mixed_sizes(None, 4096)[-2:] == [3072, 4096]
+    for bad in ("8", str(MAX_MIXED_GRAPH_TOKENS + 1)):
         with pytest.raises(ConfigError, match="max_mixed_graph_tokens must be in"):
             build_engine_config(_parse("serve", "/m", "--max-mixed-graph-tokens", bad))
 
