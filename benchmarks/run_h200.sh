@@ -247,5 +247,15 @@ case "${1:-}" in
     grep -hE "captured|KV cache" "$OUT/serve_log.txt" /tmp/serve36/server.log 2>/dev/null | cut -c1-300
     tail -n 40 /tmp/serve36/server.log > "$OUT/server_log_tail.txt" 2>/dev/null
     ;;
-  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18|prefill18"; exit 2 ;;
+  graphs4096)  # issue 14: mixed-step graphs up to 4096 tokens (the budget follows) against the 2048 default: the
+              # server at c=64 with 4096 (serve18 figures at 2048 are the twelfth session's), then the opening burst
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    date +%T; MMGT=4096 BATCHES=64 bash "$0" serve18; date +%T
+    for g in 4096 2048; do
+      timeout 200 python3 benchmarks/bench_burst.py --layers 36 --adapters 32 --batches 64 128 --budgets 0 \
+        --max-mixed-graph-tokens $g --root /tmp/burst36 2>&1 | grep --line-buffered -E '^\{|Error|Traceback' \
+        | tee -a "$OUT/burst.txt"; date +%T
+    done
+    ;;
+  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18|prefill18|graphs4096"; exit 2 ;;
 esac
