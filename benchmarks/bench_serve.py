@@ -9,6 +9,10 @@ with the same requests and the same number in flight. One JSON line per concurre
     steady_vs_decode the first over the window in which all streams are open (no opening burst, no drain).
     ceiling_tokens_per_s (plan_ceiling, from pure decode at 1, c/4, c/2, 3c/4 and c rows): what the plan's
     opening and drain leave of pure decode to a server whose prompts cost nothing; server_vs_ceiling.
+    prefill_us_per_token: the plan's opening burst (c prompts, one token each) at the idle offline engine, its
+    last token's time over its prompt tokens (bench_burst's burst, the better of two); prompt_ceiling_tokens_per_s
+    (prompt_ceiling): the ceiling with every prompt token costing that on top: what a server that computes the
+    plan's prompts at the engine's best prefill rate reaches at most; server_vs_prompt_ceiling.
     server_core / offline_core: what the steps held on each side (rows and tokens per step, the share of mixed
     steps), the core's host ms per step inside core_step and that time over the wall (busy; the rest of a
     server's wall is the core loop waiting for or moving messages), and api_output_busy: the API process's
@@ -43,6 +47,7 @@ import msgspec
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.bench_burst import burst
 from benchmarks.bench_e2e import emit, engine_config, model_args, ours, synchronous, write_model
 from engine import LLMEngine, SamplingParams
 from engine.gc_pauses import GcPauses
@@ -127,6 +132,19 @@ def plan_ceiling(reqs: list[Req], concurrency: int, ms_at: dict[int, float]) -> 
         while len(running) < concurrency and pending:
             running.append(pending.pop())
     return 1e3 * tokens / wall_ms
+
+
+def prompt_ceiling(reqs: list[Req], ceiling: float, s_per_token: float) -> float:
+    """plan_ceiling's tokens/s with the plan's prompt tokens computed at s_per_token each, added to its wall."""
+    generated = sum(r.max_tokens for r in reqs)
+    return generated / (generated / ceiling + s_per_token * sum(len(r.prompt) for r in reqs))
+
+
+def prefill_rate(e: LLMEngine, c: int, n_adapters: int, vocab: int) -> float:
+    """Seconds per prompt token of a c-prompt burst of the plan's kind at the idle engine, the better of two."""
+    names: list[str | None] = [*(f"a{i}" for i in range(n_adapters)), None]
+    runs = [burst(e, c, names, vocab, 40_000 + 100 * r + c) for r in range(2)]
+    return min(1e-3 * r["last_ms"] / sum(t for t, _ in r["steps"]) for r in runs)
 
 
 def step_summary(steps: int, sequences: int, tokens: int, mixed: int, seconds: float, wall: float
@@ -440,9 +458,13 @@ def main() -> int:
             ms_at = {b: ours(e, b, n, min(64, a.new_tokens))["ms_per_step"] for b in {1, c // 4, c // 2, 3 * c // 4}
                      if 0 < b < c} | {c: dec["ms_per_step"]}
             ceiling = plan_ceiling(reqs, c, ms_at)
+            rate = prefill_rate(e, c, n, vocab)
             rows[c] |= {"decode_tokens_per_s": dec["tokens_per_s"], "decode_ms_per_step": dec["ms_per_step"],
                         "decode_ms_at": {str(b): round(v, 3) for b, v in sorted(ms_at.items())},
                         "ceiling_tokens_per_s": ceiling, "ceiling_vs_decode": ceiling / dec["tokens_per_s"],
+                        "prefill_us_per_token": round(1e6 * rate, 2),
+                        "prompt_ceiling_tokens_per_s": prompt_ceiling(reqs, ceiling, rate),
+                        "prompt_ceiling_vs_decode": prompt_ceiling(reqs, ceiling, rate) / dec["tokens_per_s"],
                         "offline_step_vs_decode": rows[c]["offline_ms_per_step"] / dec["ms_per_step"],
                         "async_scheduling": e.async_scheduling}
             if a.sync_too:  # the same two runs with async scheduling off, on the same engine (prompts of its own)
@@ -467,6 +489,7 @@ def main() -> int:
             row["ratio"] = row["server_tokens_per_s"] / row["offline_tokens_per_s"]
             row["server_vs_decode"] = row["server_tokens_per_s"] / row["decode_tokens_per_s"]
             row["server_vs_ceiling"] = row["server_tokens_per_s"] / row["ceiling_tokens_per_s"]
+            row["server_vs_prompt_ceiling"] = row["server_tokens_per_s"] / row["prompt_ceiling_tokens_per_s"]
             if row["steady_tokens_per_s"] is not None:
                 row["steady_vs_decode"] = row["steady_tokens_per_s"] / row["decode_tokens_per_s"]
             failed |= bool(r["errors"] or r["wrong_length"])

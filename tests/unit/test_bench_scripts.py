@@ -57,6 +57,9 @@ def test_bench_serve_quick(tmp_path: Path) -> None:
         assert r["text_mismatch"] == 0, r
         assert set(r["decode_ms_at"]) == ({"1", "2", "3", "4"} if r["concurrency"] == 4 else {"1"}), r
         assert r["ceiling_tokens_per_s"] > 0 and r["server_vs_ceiling"] > 0, r
+        # computed prompts only lower the ceiling
+        assert r["prefill_us_per_token"] > 0 and 0 < r["prompt_ceiling_tokens_per_s"] < r["ceiling_tokens_per_s"], r
+        assert r["server_vs_prompt_ceiling"] > r["server_vs_ceiling"], r
         core = r["server_core"]
         # every request was admitted once and waited a while, less than its TTFT; the clients' next sends follow
         # the ends they pair with (a negative gap would be a wrong pairing)
@@ -83,6 +86,15 @@ def test_plan_ceiling_by_hand() -> None:
     assert plan_ceiling(reqs(3, 1, 2), 2, {1: 1.5, 2: 2.0}) == 1000.0
     # rows between two measured batches cost the line between them: 3 rows, then 2 rows at 2 ms
     assert plan_ceiling(reqs(1, 2, 2), 3, {1: 1.0, 3: 3.0}) == 1e3 * 5 / 5.0
+
+
+def test_prompt_ceiling_by_hand() -> None:
+    from benchmarks.bench_serve import Req, prompt_ceiling
+
+    # 6 generated tokens at a 1000 tokens/s ceiling take 6 ms; 2 + 3 prompt tokens at 0.4 ms each add 2 ms
+    reqs = [Req([1, 2], None, 4), Req([1, 2, 3], None, 2)]
+    assert abs(prompt_ceiling(reqs, 1000.0, 4e-4) - 6 / 8e-3) < 1e-9
+    assert prompt_ceiling(reqs, 1000.0, 0.0) == 1000.0
 
 
 def test_bench_mixed_quick(tmp_path: Path) -> None:
