@@ -39,19 +39,17 @@ def profile(path: str, adapters: list[str], batch: int, new_tokens: int, device:
         step = time_decode(e, prompts, new_tokens, names)
         r = e.runner
         row = {"part": "step", "batch": batch, "adapters": len(adapters), **step}
-        if r.graphs is not None:
+        h = torch.randn(batch, r.model.model.norm.weight.numel(), dtype=r.dtype, device=device)
+        if r.graphs is not None:  # a decode graph ends with the lm_head and the greedy argmax
             size = next(s for s in r.graphs.sizes if s >= batch)
-            graph, out, info = r.graphs.graphs[(size, bool(adapters))]
+            graph, _, info = r.graphs.graphs[(size, bool(adapters))]
             row["graph_replay_ms"] = time_us(graph.replay, sync, BUDGET_S) / 1e3
-            h = out[:batch]
-        else:
-            h = torch.randn(batch, r.model.model.norm.weight.numel(), dtype=r.dtype, device=device)
         logits = r.model.compute_logits(h)
         row["lm_head_ms"] = time_us(lambda: r.model.compute_logits(h), sync, BUDGET_S) / 1e3
         params = [SamplingParams(temperature=0.0)] * batch
         row["sampler_ms"] = time_us(lambda: r.sampler(logits.float(), params, [None] * batch), sync, BUDGET_S) / 1e3
-        row["rest_ms"] = step["ms_per_step"] - sum(row.get(k, 0.0) for k in ("graph_replay_ms", "lm_head_ms",
-                                                                             "sampler_ms"))
+        parts = ("graph_replay_ms",) if r.graphs is not None else ("lm_head_ms", "sampler_ms")
+        row["rest_ms"] = step["ms_per_step"] - sum(row.get(k, 0.0) for k in parts)
         emit(**row)
 
         # Host side of whole steps (kernel launches are asynchronous; the sampler's copy-out waits).

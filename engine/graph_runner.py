@@ -1,11 +1,13 @@
 """Captured steps (CUDA graphs; XPU graphs where torch has them): decode-only steps and mixed steps.
 
 A step replays the graph captured for the smallest size that holds it. Its inputs go to the device in one
-copy per dtype and into static buffers; the graph reads only those, so the host's part of a step is a few
-copies and one launch, whatever the model's depth.
+copy (int64, narrowed on the device) and into static buffers; the graph reads only those, so the host's part of
+a step is a few device copies and one launch, whatever the model's depth.
 
-- DecodeGraphs: B sequences of one token each, captured per B. Rows past B are padding that writes its K/V
-  into a scratch block no sequence owns and attends only to it (hybrid models: a scratch state slot too).
+- DecodeGraphs: B sequences of one token each, captured per B, lm_head and greedy argmax included (a greedy
+  step needs nothing after the replay; others sample from the graph's logits). Rows past B are padding that
+  writes its K/V into a scratch block no sequence owns and attends only to it (hybrid models: a scratch state
+  slot too).
 - MixedGraphs (dense attention models): any mix of prefill chunks and decodes, captured per token count T,
   attention included. The varlen attention kernel reads only device tensors; its grid is sized for T queries
   and max_num_seqs sequences, and the sequences a step does not use are zero-length (their programs exit at
@@ -23,6 +25,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -66,8 +69,8 @@ class _Graphs:
         self.block_tables = torch.full((seqs, max_blocks_per_seq), scratch_block, dtype=torch.int32, device=dev)
         self.context_lens = torch.zeros(seqs, dtype=torch.int32, device=dev)
         self.cu_q = torch.zeros(seqs + 1, dtype=torch.int32, device=dev)
-        self._longs, self._ints = Staging(device, torch.long), Staging(device, torch.int32)
-        self.graphs: dict[tuple[int, bool], tuple[object, torch.Tensor, TritonLoRABatch | None]] = {}
+        self._longs = Staging(device, torch.long)
+        self.graphs: dict[tuple[int, bool], tuple[object, tuple[torch.Tensor, ...], TritonLoRABatch | None]] = {}
         self.replays = 0
         """Steps run through these graphs (checks and benchmarks read it)."""
 
@@ -87,20 +90,25 @@ class _Graphs:
         raise NotImplementedError
 
     @torch.inference_mode()
-    def _capture(self, size: int, with_lora: bool, pool: object) -> tuple[object, torch.Tensor, TritonLoRABatch | None]:
+    def _capture(self, size: int, with_lora: bool, pool: object
+                 ) -> tuple[object, tuple[torch.Tensor, ...], TritonLoRABatch | None]:
         # Shapes only: every replay rewrites the grouping in place.
         info = TritonLoRABatch.build([0] * size, self.lora_slots, self.device.torch_device) if with_lora else None
         ctx = self._context(size, info)
         with forward_context(ctx):
             for _ in range(2):  # warm-up: Triton compiles and autotunes outside the capture
-                self.model(self.input_ids[:size], self.positions[:size])
+                self._outputs(self.model(self.input_ids[:size], self.positions[:size]), size)
         self.device.synchronize()
         graph = self.device.new_graph()
         with self.device.graph_capture(graph, pool), forward_context(ctx):
-            out = self.model(self.input_ids[:size], self.positions[:size])
+            out = self._outputs(self.model(self.input_ids[:size], self.positions[:size]), size)
         return graph, out, info
 
-    def _replay(self, size: int, token_slots: list[int]) -> torch.Tensor:
+    def _outputs(self, h: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
+        """What the graph leaves in its static outputs: the hidden states (DecodeGraphs: the greedy ids)."""
+        return (h,)
+
+    def _replay(self, size: int, token_slots: list[int]) -> tuple[torch.Tensor, ...]:
         with_lora = any(x >= 0 for x in token_slots) and (size, True) in self.graphs
         graph, out, info = self.graphs[(size, with_lora)]
         if with_lora:
@@ -115,6 +123,19 @@ class _Graphs:
             self.input_ids.index_copy_(0, at_t, prev_tokens.index_select(0, rows_t))
 
 
+@dataclass(frozen=True)
+class DecodeOut:
+    """A replayed decode step's results on the device, rows in step order."""
+
+    logits: torch.Tensor
+    """[B, vocab], the model's dtype: a view of the buffer every decode graph writes, so read it (queue the work
+    that reads it) before the next decode replay."""
+    ids: torch.Tensor
+    """[B] long: each row's greedy id (argmax of its logits, ties to the lowest id)."""
+    packed: torch.Tensor
+    """[B] float64: the ids as sampler.DeviceSample packs them for the host."""
+
+
 class DecodeGraphs(_Graphs):
     kind = "decode"
 
@@ -127,6 +148,9 @@ class DecodeGraphs(_Graphs):
         self.context_lens.fill_(1)
         self.cu_q.copy_(torch.arange(n + 1, dtype=torch.int32))
         self.state_index = torch.full((n,), scratch_state or 0, dtype=torch.long, device=device.torch_device)
+        self.logits: torch.Tensor | None = None
+        """[largest size, vocab] in the model's dtype, written by every decode graph (allocated at the first
+        warm-up, outside the graph pool)."""
         self._capture_all()
 
     def _pad(self, start: int, end: int) -> None:
@@ -149,34 +173,52 @@ class DecodeGraphs(_Graphs):
     def can_run(self, step: SchedulerOutput) -> bool:
         return all(len(s.token_ids) == 1 for s in step.seqs) and len(step.seqs) <= self.sizes[-1]
 
+    def _outputs(self, h: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
+        # The lm_head and the greedy pick run in the graph too: a greedy step then launches nothing after the
+        # replay but the copy of its ids to the host. The logits go to one buffer shared by every size (a step
+        # reads them, in stream order, before the next replay writes them); each graph keeps its own ids, which
+        # the next step's placeholders read.
+        logits = self.model.compute_logits(h)
+        if self.logits is None:
+            self.logits = logits.new_empty((self.sizes[-1], logits.size(-1)))
+        buf = self.logits[:size]
+        buf.copy_(logits)
+        ids = buf.argmax(dim=-1)  # the first maximal index: ties go to the lowest id, as the sampler's
+        return ids, ids.double()
+
     @torch.inference_mode()
     def run(self, step: SchedulerOutput, pending_at: list[int], pending_rows: list[int], prev_tokens: torch.Tensor
-            ) -> torch.Tensor:
-        """Hidden states [B, hidden] of a decode-only step. Rows pending_at take their token from
+            ) -> DecodeOut:
+        """Logits and greedy ids of a decode-only step's B rows. Rows pending_at take their token from
         prev_tokens[pending_rows] (the last step's sampled ids, under async scheduling)."""
         b = len(step.seqs)
         size = next(s for s in self.sizes if s >= b)
-        bs = self.block_size
+        bs, pad = self.block_size, size - b
         pos = [s.start_pos for s in step.seqs]
         # Only the columns some sequence uses: attention reads a row's blocks below its context length, so
         # the rest of a row may hold anything (a full-width table is 2048 columns at 32k tokens).
         width = max(len(s.block_table) for s in step.seqs)
         table = [blk for s in step.seqs for blk in s.block_table + [self.scratch] * (width - len(s.block_table))]
-        states = [s.state_slot for s in step.seqs] if self.scratch_state is not None else []
-        ids, positions, slot_t, index, at_t, rows_t = self._longs.send([
-            [s.token_ids[0] for s in step.seqs], pos,
-            [s.block_table[p // bs] * bs + p % bs for s, p in zip(step.seqs, pos)], states, pending_at, pending_rows])
-        ctx, table_t = self._ints.send([[p + 1 for p in pos], table])
-        self.input_ids[:b].copy_(ids)
+        table += [self.scratch] * (width * pad)
+        states = ([s.state_slot for s in step.seqs] + [self.scratch_state] * pad
+                  if self.scratch_state is not None else [])
+        # One copy to the device holds every input, the padding rows' too (scratch block, context length 1);
+        # copy_ narrows the int32 ones.
+        ids, positions, slot_t, ctx, table_t, index, at_t, rows_t = self._longs.send([
+            [s.token_ids[0] for s in step.seqs] + [0] * pad, pos + [0] * pad,
+            [s.block_table[p // bs] * bs + p % bs for s, p in zip(step.seqs, pos)] + [self.scratch * bs] * pad,
+            [p + 1 for p in pos] + [1] * pad, table, states, pending_at, pending_rows])
+        self.input_ids[:size].copy_(ids)
         self._fill_pending(at_t, rows_t, prev_tokens)
-        self.positions[:b].copy_(positions)
-        self.slot_mapping[:b].copy_(slot_t)
-        self.block_tables[:b, :width].copy_(table_t.view(b, width))
-        self.context_lens[:b].copy_(ctx)
+        self.positions[:size].copy_(positions)
+        self.slot_mapping[:size].copy_(slot_t)
+        self.block_tables[:size, :width].copy_(table_t.view(size, width))
+        self.context_lens[:size].copy_(ctx)
         if self.scratch_state is not None:
-            self.state_index[:b].copy_(index)
-        self._pad(b, size)
-        return self._replay(size, [s.lora_slot for s in step.seqs])[:b]
+            self.state_index[:size].copy_(index)
+        greedy, packed = self._replay(size, [s.lora_slot for s in step.seqs])
+        assert self.logits is not None
+        return DecodeOut(self.logits[:b], greedy[:b], packed[:b])
 
 
 class MixedGraphs(_Graphs):
@@ -224,9 +266,9 @@ class MixedGraphs(_Graphs):
             table += blocks
             table += [self.scratch] * (width - len(blocks))
             token_slots += [s.lora_slot] * n
-        ids_t, pos_t, slot_t, at_t, rows_t = self._longs.send([ids, pos, slots, pending_at, pending_rows])
-        cu_t, ctx_t, table_t = self._ints.send([cu + [t] * (self.max_seqs - b),
-                                                [s.start_pos + len(s.token_ids) for s in seqs], table])
+        ids_t, pos_t, slot_t, at_t, rows_t, cu_t, ctx_t, table_t = self._longs.send([
+            ids, pos, slots, pending_at, pending_rows, cu + [t] * (self.max_seqs - b),
+            [s.start_pos + len(s.token_ids) for s in seqs], table])  # one copy; copy_ narrows the int32 parts
         self.input_ids[:t].copy_(ids_t)
         self._fill_pending(at_t, rows_t, prev_tokens)
         self.positions[:t].copy_(pos_t)
@@ -235,4 +277,4 @@ class MixedGraphs(_Graphs):
         self.cu_q.copy_(cu_t)
         self.context_lens[:b].copy_(ctx_t)
         self.block_tables[:b, :width].copy_(table_t.view(b, width))
-        return self._replay(size, token_slots)[:t]
+        return self._replay(size, token_slots)[0][:t]

@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.device import Device
 from engine.distributed import all_reduce_min, broadcast, tp_rank, tp_size
 from engine.forward_context import AttentionMetadata, ForwardContext, forward_context
-from engine.graph_runner import DecodeGraphs, MixedGraphs, mixed_sizes
+from engine.graph_runner import DecodeGraphs, DecodeOut, MixedGraphs, mixed_sizes
 from engine.kernel_check import check_kernels, kernel_shapes
 from engine.layers.attention import Attention
 from engine.layers.gdn import GatedDeltaNet
@@ -25,7 +25,7 @@ from engine.lora.layers import BaseLayerWithLoRA, wrap_model
 from engine.lora.punica import LoRABatch, ReferenceLoRABatch, TritonLoRABatch, build_mapping, choose_impl
 from engine.lora.slots import AdapterPack, SlotFiller
 from engine.protocol import SamplingParams
-from engine.sampler import DeviceSample, Sampler, SamplerOutput, StepFuture, make_generator
+from engine.sampler import MIN_TEMPERATURE, DeviceSample, Sampler, SamplerOutput, StepFuture, make_generator
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.staging import Staging, Uploader
 from engine.structured import GrammarMatchers
@@ -43,6 +43,11 @@ GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 class KVCacheSpec:
     num_blocks: int
     block_size: int
+
+
+def _plain_greedy(p: SamplingParams) -> bool:
+    """The row's token is its logits' argmax as they come from the model: greedy, no processor, no logprobs."""
+    return p.temperature < MIN_TEMPERATURE and not p.uses_processors and p.logprobs is None
 
 
 def _sample_rows(step: SchedulerOutput) -> list[int]:
@@ -327,8 +332,9 @@ class ModelRunner:
         if sampling_rank:
             self.processors.release(step.finished_seq_ids)
             self.processors.observe(step.seqs)
+        decoded: DecodeOut | None = None
         if self.graphs is not None and self.graphs.can_run(step):
-            h = self.graphs.run(step, *self._pending(step), self._prev_tokens)
+            decoded = self.graphs.run(step, *self._pending(step), self._prev_tokens)
             # One row per sequence; a 1-token prefill chunk that is not a prompt's last does not sample.
             rows = [i for i, s in enumerate(step.seqs) if s.sample]
         elif self.mixed is not None and self.mixed.can_run(step):
@@ -342,8 +348,13 @@ class ModelRunner:
         sampled = [s for s in step.seqs if s.sample]
         if not sampled:
             return None
-        # The lm_head gathers logits across ranks, so every rank computes them; only rank 0 samples.
-        logits = self.model.compute_logits(h if len(rows) == h.size(0) else h[self.upload(rows, torch.long)])
+        if decoded is not None:  # the graph ran the lm_head (on every rank: it gathers across ranks)
+            if len(rows) != len(step.seqs):
+                idx = self.upload(rows, torch.long)
+                decoded = DecodeOut(decoded.logits[idx], decoded.ids[idx], decoded.packed[idx])
+            logits = decoded.logits
+        else:  # the lm_head gathers logits across ranks, so every rank computes them; only rank 0 samples
+            logits = self.model.compute_logits(h if len(rows) == h.size(0) else h[self.upload(rows, torch.long)])
         if not sampling_rank:
             if self.config.async_scheduling:  # the next step's placeholders read rank 0's ids
                 self._keep_sampled(broadcast(torch.empty(len(sampled), dtype=torch.long, device=logits.device)),
@@ -351,10 +362,13 @@ class ModelRunner:
             return None
         # Grammar bitmasks are filled on the host here, while a GPU still runs the launched step.
         bitmask = self.grammar.fill([s.seq_id for s in sampled]) if self.grammar is not None else None
-        gens = [self._generator(s.seq_id, s.params.seed) for s in sampled]
-        logits = logits.float()
-        sample = self.sampler.sample(self.processors.apply(logits, sampled, bitmask), [s.params for s in sampled],
-                                     gens, raw=logits)
+        if decoded is not None and bitmask is None and all(_plain_greedy(s.params) for s in sampled):
+            sample = DeviceSample(decoded.ids, decoded.packed, [], 0, [])  # the graph's argmax is the sample
+        else:
+            gens = [self._generator(s.seq_id, s.params.seed) for s in sampled]
+            logits = logits.float()
+            sample = self.sampler.sample(self.processors.apply(logits, sampled, bitmask),
+                                         [s.params for s in sampled], gens, raw=logits)
         if self.config.async_scheduling and tp_size() > 1:
             broadcast(sample.tokens)
         self._keep_sampled(sample.tokens, sampled)

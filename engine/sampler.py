@@ -27,7 +27,7 @@ from engine.protocol import SamplingParams, TokenLogprob
 
 # Temperatures below this are treated as greedy (as vLLM does): dividing by a smaller one can
 # overflow float32 and turn the softmax into NaN.
-_MIN_TEMPERATURE = 1e-5
+MIN_TEMPERATURE = 1e-5
 # Slack for the top-p test: the mass before a token is a float32 cumsum, so a set whose exact mass
 # is p (e.g. 0.5 + 0.3 with top_p=0.8) may come out a few ulps short; without slack it would wrongly
 # keep one more token.
@@ -78,8 +78,9 @@ class DeviceSample:
 
 class StepFuture:
     """One launched step's sampled ids on their way to the host. The copy is queued behind the step's kernels
-    into page-locked memory; `result()` waits for it (on the CPU there is nothing to wait for). `order`: the
-    launch ran its rows permuted; result row j is launch row order[j]."""
+    into page-locked memory, so it reads `packed` before any later step runs (a decode graph's ids are its static
+    output); `result()` waits for it (on the CPU there is nothing to wait for). `order`: the launch ran its rows
+    permuted; result row j is launch row order[j]."""
 
     def __init__(self, sample: DeviceSample | None, device: Device, order: list[int] | None = None) -> None:
         self.sample, self.order = sample, order
@@ -91,8 +92,8 @@ class StepFuture:
                 self._host.copy_(sample.packed, non_blocking=True)
                 self._event = device.new_event()
                 self._event.record()  # type: ignore[attr-defined]
-            else:
-                self._host = sample.packed
+            else:  # a snapshot: packed may be a graph's static output, which the next replay overwrites
+                self._host = sample.packed.clone()
 
     def result(self) -> SamplerOutput:
         if self._result is None:
@@ -154,12 +155,12 @@ class Sampler:
         device = logits.device
 
         tokens = torch.empty(batch, dtype=torch.long, device=device)
-        greedy_rows = [i for i, p in enumerate(params) if p.temperature < _MIN_TEMPERATURE]
+        greedy_rows = [i for i, p in enumerate(params) if p.temperature < MIN_TEMPERATURE]
         # Rows with top-k or top-p need the sorted distribution; the others sample in vocab order.
         trunc_rows: list[int] = []
         plain_rows: list[int] = []
         for i, p in enumerate(params):
-            if p.temperature < _MIN_TEMPERATURE:
+            if p.temperature < MIN_TEMPERATURE:
                 continue
             if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0:
                 trunc_rows.append(i)

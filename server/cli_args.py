@@ -113,7 +113,8 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens")
     g.add_argument("--max-num-seqs", type=int, default=64, help="sequences running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per step (default: 512 where mixed-step graphs run: no step runs eagerly; else 2048)")
+                   help="tokens per step (default: --max-mixed-graph-tokens, at least --max-num-seqs, where "
+                        "mixed-step graphs run: no step runs eagerly; else 2048)")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: sized from memory)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of device memory to use")

@@ -32,22 +32,25 @@ ADAPTERS = tuple((n, str(DEMO / "adapters" / n)) for n in ("reverse", "upper", "
 
 
 class EagerReplay:
-    """A graph stand-in: replay() runs the forward over the static buffers with the capture's context."""
+    """A graph stand-in: replay() runs the forward and what the runner adds to it (DecodeGraphs: the lm_head
+    into its shared logits buffer and the greedy ids) over the static buffers with the capture's context."""
 
-    def __init__(self, g, size, ctx, out):
-        self.g, self.size, self.ctx, self.out = g, size, ctx, out
+    def __init__(self, g, size, ctx, outs):
+        self.g, self.size, self.ctx, self.outs = g, size, ctx, outs
 
     def replay(self):
         with torch.inference_mode(), forward_context(self.ctx):
-            self.out.copy_(self.g.model(self.g.input_ids[:self.size], self.g.positions[:self.size]))
+            h = self.g.model(self.g.input_ids[:self.size], self.g.positions[:self.size])
+            for out, new in zip(self.outs, self.g._outputs(h, self.size)):
+                out.copy_(new)
 
 
 def capture(self, size, with_lora, pool):
     info = TritonLoRABatch.build([0] * size, self.lora_slots, self.device.torch_device) if with_lora else None
     ctx = self._context(size, info)
     with torch.inference_mode(), forward_context(ctx):
-        out = self.model(self.input_ids[:size], self.positions[:size]).clone()
-    return EagerReplay(self, size, ctx, out), out, info
+        outs = tuple(t.clone() for t in self._outputs(self.model(self.input_ids[:size], self.positions[:size]), size))
+    return EagerReplay(self, size, ctx, outs), outs, info
 
 
 _Graphs._capture = capture
@@ -87,6 +90,25 @@ with with_graphs(engine()) as e:
     decode, mixed = e.runner.graphs.replays, e.runner.mixed.replays
 assert decode > 0 and mixed > 0, (decode, mixed)
 assert got == want, (got, want)
+
+# Rows that do not take the graph's argmax as it is sample from the graph's logits: seeded temperature and
+# top-k sampling, logprobs, a logit bias, min_tokens, mixed with plain greedy rows in the same decode steps.
+kinds = [dict(temperature=0.0), dict(temperature=0.9, seed=7), dict(temperature=0.0, logprobs=2),
+         dict(temperature=0.7, top_k=5, seed=3, logprobs=1), dict(temperature=0.0, logit_bias=((11, 3.0),)),
+         dict(temperature=0.0, min_tokens=5)]
+params2 = [SamplingParams(max_tokens=6, ignore_eos=True, **kinds[i % len(kinds)]) for i in range(10)]
+with engine() as e:
+    want2 = e.generate(prompts, params2, models[:10])
+with with_graphs(engine()) as e:
+    got2 = e.generate(prompts, params2, models[:10])
+    assert e.runner.graphs.replays > 0
+assert [r.token_ids for r in got2] == [r.token_ids for r in want2], ([r.token_ids for r in got2],
+                                                                      [r.token_ids for r in want2])
+for g, w in zip(got2, want2):
+    assert (g.logprobs is None) == (w.logprobs is None)
+    for a, b in zip(g.logprobs or [], w.logprobs or []):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4, (a, b)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top], (a, b)
 
 # The runner building its own graphs (captures stubbed as above) with the default step budget, which then
 # follows the largest mixed-step graph: every step of the batch replays a graph, none runs eagerly.

@@ -177,7 +177,8 @@ def test_serve_help_shows_the_defaults() -> None:
     proc = _run_python("from server.cli import main\nmain(['serve', '--help'])")
     text = re.sub(r"\s+", " ", proc.stdout)
     for shown in ("(default: 127.0.0.1)", "(default: 8000)", "(default: 64)", "(default: auto)",
-                  "(default: 512 where mixed-step graphs run: no step runs eagerly; else 2048)",
+                  "(default: --max-mixed-graph-tokens, at least --max-num-seqs, where mixed-step graphs run: no step runs "
+                  "eagerly; else 2048)",
                   "-tp TENSOR_PARALLEL_SIZE", "--lora-root DIR", "--served-model-name NAME [NAME ...]"):
         assert shown in text, shown
     assert "(default: None)" not in text and "(default: False)" not in text and "(default: [])" not in text
