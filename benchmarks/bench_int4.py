@@ -13,6 +13,8 @@ scales and zeros, plus activations in and out, over the time), one JSON line eac
   triton     the split-K W4A16 kernel on the checkpoint layout (kernels.int4_triton), its rule's launch shape
   mma        the W4A16 kernel on the repacked layout (kernels.int4_mma): a small sweep of launch shapes, each
              timed and checked; `mma_us` is the best, `mma_sweep` all of them
+  cuda       the CUDA C tensor-core kernel on its repacked layout (kernels.int4_cuda, CUDA only, up to 64 rows):
+             every compiled launch shape, each timed and checked; `cuda_us` the best, `cuda_sweep` all of them
   dequant    one fused Triton dequantization into a transient bf16 weight, then the bf16 GEMM
   best       the fastest int4 method at this M: what the tuned dispatch (kernels.int4_tune) serves
 Each call reads the next of several weight copies (256 MB or more in all), so weights come from HBM, not from
@@ -54,6 +56,9 @@ from kernels.int4 import (
     triton_config,
     triton_mm,
 )
+from kernels.int4_cuda import CUDA_MAX_ROWS, CudaMmaConfig
+from kernels.int4_cuda import cuda_config as cuda_rule
+from kernels.int4_cuda import variants as cuda_variants
 from kernels.int4_gemv import GEMV_MAX_ROWS
 from kernels.int4_tune import _gemv_variants
 from kernels.reference import dequant_int4, pack_int4_cols, pack_int4_rows
@@ -110,7 +115,9 @@ def mma_sweep(m: int, k: int, n: int) -> list[MmaConfig]:
                               if c.fits(m, k, n, GROUP)))
 
 
-def cfg_name(c: MmaConfig | TritonInt4Config | GemvConfig) -> str:
+def cfg_name(c: MmaConfig | TritonInt4Config | GemvConfig | CudaMmaConfig) -> str:
+    if isinstance(c, CudaMmaConfig):
+        return f"w{c.warps} u{c.unroll}"
     if isinstance(c, GemvConfig):
         pf = "" if c.prefetch else " noprefetch"
         return f"{c.block_n}x{c.block_kw} s{c.split_k} w{c.num_warps} st{c.num_stages}{pf}"
@@ -150,7 +157,7 @@ def run_shape(dev: torch.device, k: int, n: int, ms: list[int], methods: list[st
     prepared: dict[str, list[PreparedInt4]] = {}
     for meth in methods:
         backend = {"native": f"native_{dev.type}", "dequant": "triton", "mma": "triton_mma",
-                   "gemv": "triton_gemv"}.get(meth, meth)
+                   "gemv": "triton_gemv", "cuda": "cuda_mma"}.get(meth, meth)
         if native_supported(backend, layout, dtype):  # type: ignore[arg-type]
             prepared[meth] = [prepare_int4(*c, layout, backend, dtype=dtype) for c in ckpts]  # type: ignore[arg-type]
     w_bytes = k * n // 2 + ckpts[0][2].numel() * 2 + ckpts[0][1].numel() * 4
@@ -177,17 +184,20 @@ def run_shape(dev: torch.device, k: int, n: int, ms: list[int], methods: list[st
             if meth == "native" and m > NATIVE_MAX_M:
                 rec["native_us"] = None
                 continue
-            if meth in ("mma", "gemv"):
-                if meth == "gemv" and m > GEMV_MAX_ROWS:
+            if meth in ("mma", "gemv", "cuda"):
+                if (meth == "gemv" and m > GEMV_MAX_ROWS) or (meth == "cuda" and m > CUDA_MAX_ROWS):
                     continue
                 sweep = {}
-                configs = mma_sweep(m, k, n) if meth == "mma" else _gemv_variants(k, n, GROUP)
+                configs: list = (mma_sweep(m, k, n) if meth == "mma" else _gemv_variants(k, n, GROUP)
+                                 if meth == "gemv" else cuda_variants(m, k))
                 for c in configs:
                     us = time_it(f"{meth}[{cfg_name(c)}]", lambda w, c=c: int4_mm(x, replace(w, config=c)), ws)
                     if us is not None:
                         sweep[cfg_name(c)] = round(us, 2)
                 rec[f"{meth}_sweep"] = dict(sorted(sweep.items(), key=lambda t: t[1]))
-                rule = cfg_name(mma_config(m, k, n, GROUP) if meth == "mma" else gemv_config(m, k, n, GROUP))
+                rule_cfg = (mma_config(m, k, n, GROUP) if meth == "mma" else gemv_config(m, k, n, GROUP)
+                            if meth == "gemv" else cuda_rule(m, k))
+                rule = cfg_name(rule_cfg) if rule_cfg is not None else "-"
                 rec[f"{meth}_rule"], rec[f"{meth}_rule_us"] = rule, sweep.get(rule)
                 if sweep:
                     best = min(sweep.values())
@@ -232,7 +242,7 @@ def target(m: int) -> tuple[str, Callable[[float], bool]] | None:
 
 
 def print_table(recs: list[dict]) -> tuple[int, int]:
-    cols = ["native", "triton", "mma", "gemv", "dequant"]
+    cols = ["native", "triton", "mma", "gemv", "cuda", "dequant"]
     print(f"\n{'K x N':>13} {'M':>5} {'bf16':>8} " + " ".join(f"{c:>8}" for c in cols)
           + f" {'best':>8} {'best/bf16':>10}  target")
     passed = total = 0
@@ -255,7 +265,7 @@ def tuner_tables(dev: torch.device, shapes: list[tuple[int, int]]) -> None:
     """The tuned dispatch as the engine runs it (its timer: engine.device's graph replays) on a few shapes."""
     from kernels.int4_tune import Shape, measure
 
-    backends = [f"native_{dev.type}", "triton_gemv", "triton_mma", "triton", "dequant"]
+    backends = [f"native_{dev.type}", "cuda_mma", "triton_gemv", "triton_mma", "triton", "dequant"]
     try:
         from engine.device import Device  # the engine package needs its wheels (tools/device_wheels.sh)
 
@@ -323,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         methods.append("native")
     if triton_env.usable_on(dev.type):
         methods += ["triton", "mma", "gemv", "dequant"]
+    if dev.type == "cuda":
+        methods.append("cuda")
     else:
         print(f"# triton not usable on {dev} (CPU: set TRITON_INTERPRET=1): no triton columns", file=sys.stderr)
     checker = Checker()

@@ -200,6 +200,24 @@ case "${1:-}" in
         --peer-cases "" --root /tmp/e2e36l 2>&1 | grep --line-buffered -E '^\{|Error' | tee "$OUT/e2e36_b1_${kern/:/_}.txt" | cut -c1-400
     done
     ;;
+  cuda18)  # issue 18: the CUDA C int4 kernel (cuda_mma, NVRTC): its CUDA tests, then the int4 table at M = 1-64 on the
+           # Qwen3-8B shapes with every launch shape checked and timed, and the tuner's tables (exit 1 on a mismatch)
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    python3 -c "import torch; print(torch.__version__, torch.version.cuda)" | tee "$OUT/env.txt"
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE -x tests/kernels/test_int4_cuda.py \
+      > "$OUT/cuda_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"; tail -25 "$OUT/cuda_tests.txt" | cut -c1-700
+    timeout 300 python3 benchmarks/bench_int4.py --shapes ${SHAPES:-8b} --ms ${MS:-1 4 16 32 64} > "$OUT/int4.txt" 2>&1
+    echo "bench rc=$?" >> "$OUT/int4.txt"
+    sed -n '/K x N/,$p' "$OUT/int4.txt" | cut -c1-400
+    grep -E '^\{' "$OUT/int4.txt" | python3 -c "import sys,json; [print(r['K'],r['N'],r['M'],'bf16',r['bf16_us'],'native',r.get('native_us'),'mma',r.get('mma_us'),'cuda',r.get('cuda_us'),r.get('cuda_sweep')) for r in map(json.loads,sys.stdin) if 'M' in r]"
+    ;;
+  e2e18)  # issue 18: 36-layer decode at batch 1 and 32 (no adapters), the tuned dispatch without and with cuda_mma
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    for kern in tuned:native_cuda,triton_gemv,triton_mma,triton,dequant tuned; do
+      timeout 170 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 --adapters 0 --int4-kernel $kern \
+        --peer-cases "" --root /tmp/e2e36l 2>&1 | grep --line-buffered -E '^\{|Error|int4 dispatch' | tee -a "$OUT/e2e18.txt" | cut -c1-500
+    done
+    ;;
   mixed14)  # issue 14: what a prompt costs the decode step it joins (36 layers, 32 adapters, B-1 decoding + one
             # P-token arrival per step; kernels by name), then the int4 kernel tests on CUDA (gemv included)
     export PYTHONPATH=$PWD:${PYTHONPATH:-}

@@ -203,7 +203,8 @@ class Device:
             return requested
         if self.kind == "cpu":
             return "tuned:native_cpu,reference"
-        return f"tuned:native_{self.kind},triton_gemv,triton_mma,triton,dequant"
+        cuda_c = "cuda_mma," if self.kind == "cuda" else ""  # CUDA C (kernels.int4_cuda): NVIDIA GPUs only
+        return f"tuned:native_{self.kind},{cuda_c}triton_gemv,triton_mma,triton,dequant"
 
     def product_name(self) -> str:
         """The device's model name (keys tuned kernel tables: the same for every rank of one model of GPU)."""

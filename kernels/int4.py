@@ -13,6 +13,8 @@ Backends (each checked against kernels.reference.int4_matmul by tests/kernels/te
                MMA-fragment order, zero points unpacked to uint8
   triton_gemv  our Triton kernel for one row on CUDA cores (kernels.int4_gemv) on the "triton" tensors as stored;
                more rows go to the "triton" kernel on the same tensors
+  cuda_mma     our CUDA C kernel for 1-64 rows on tensor cores (kernels.int4_cuda, NVRTC-compiled, bf16, CUDA only)
+               on weights repacked for it and triton_mma's scale/zero words; more rows run 64 at a time
 This module never picks a device: the caller (engine/device.py) chooses the backend; a native backend
 only accepts tensors on the device its name says.
 """
@@ -25,6 +27,10 @@ from typing import Literal, get_args
 
 import torch
 
+from kernels.int4_cuda import CUDA_MAX_ROWS, CudaMmaConfig, cuda_mm, repack_cuda
+from kernels.int4_cuda import available as cuda_mma_available
+from kernels.int4_cuda import compile_for as cuda_mma_compile
+from kernels.int4_cuda import supports_group as cuda_mma_group
 from kernels.int4_gemv import GEMV_MAX_ROWS, GemvConfig, gemv_config, gemv_mm
 from kernels.int4_lora import LoRAEpilogue
 from kernels.int4_mma import MmaConfig, mma_config, mma_meta, mma_mm, repack_mma
@@ -34,6 +40,7 @@ from kernels.triton_env import FLOATS, usable
 
 __all__ = [
     "INT4_BACKENDS",
+    "CudaMmaConfig",
     "GemvConfig",
     "Int4Backend",
     "Int4Layout",
@@ -50,7 +57,8 @@ __all__ = [
     "triton_mm",
 ]
 
-Int4Backend = Literal["reference", "native_cpu", "native_cuda", "native_xpu", "triton", "triton_mma", "triton_gemv"]
+Int4Backend = Literal["reference", "native_cpu", "native_cuda", "native_xpu", "triton", "triton_mma", "triton_gemv",
+                      "cuda_mma"]
 INT4_BACKENDS: tuple[Int4Backend, ...] = get_args(Int4Backend)
 
 _TINYGEMM_GROUPS = (32, 64, 128, 256)  # what the CPU and CUDA int4pack ops accept (TORCH_CHECK in aten)
@@ -92,11 +100,12 @@ class PreparedInt4:
 
     weight: reference -> dense W [K, N] (dtype); native_cpu -> uint8 [N, K/2]; native_cuda -> int32
     [N/8, K/(16*t), 32, t/2]; native_xpu -> int32 [N, K/8]; triton -> the checkpoint's qweight [K/8, N];
-    triton_mma -> int32 [N/16, K/32, 2, 32] (kernels.int4_mma.repack_mma).
+    triton_mma -> int32 [N/16, K/32, 2, 32] (kernels.int4_mma.repack_mma); cuda_mma -> int32 [N/16, K/64, 32, 4]
+    (kernels.int4_cuda.repack_cuda).
     scales / zeros: triton -> scales [K/G, N] and packed qzeros [K/G, N/8]; native_xpu -> scales
     [K/G, N] (dtype) and int8 zero points [K/G, N]; triton_gemv -> the triton tensors.
     scales_and_zeros: native_cpu/cuda [K/G, N, 2];
-    triton_mma int32 [K/G, N], the fp16 scale's bits | zero point << 16 (kernels.int4_mma.mma_meta).
+    triton_mma and cuda_mma int32 [K/G, N], the fp16 scale's bits | zero point << 16 (kernels.int4_mma.mma_meta).
     """
 
     backend: Int4Backend
@@ -106,7 +115,7 @@ class PreparedInt4:
     scales: torch.Tensor | None = None
     zeros: torch.Tensor | None = None
     scales_and_zeros: torch.Tensor | None = None
-    config: MmaConfig | TritonInt4Config | GemvConfig | None = None
+    config: MmaConfig | TritonInt4Config | GemvConfig | CudaMmaConfig | None = None
     """Launch shape of the Triton backends (None: the backend's rule); a tuned dispatch keeps copies of one
     PreparedInt4 that differ only here (dataclasses.replace shares the tensors)."""
 
@@ -152,6 +161,7 @@ def native_supported(backend: Int4Backend, layout: Int4Layout, dtype: torch.dtyp
     triton:      group % 16 == 0 (a K tile never straddles two groups), dtype f32/bf16/f16.
     triton_mma:  group % 32 == 0, N % 16 == 0 (the repacked block is 16 outputs x 32 inputs), dtype f32/bf16/f16.
     triton_gemv: as triton (whose kernel takes its rows above one).
+    cuda_mma:    group a power-of-two multiple of 64, K % 64 == 0, N % 16 == 0, dtype bf16, CUDA sm80+ with NVRTC.
     reference:   always, for floating dtypes.
     """
     g, k, n = layout.group_size, layout.in_features, layout.out_features
@@ -163,6 +173,8 @@ def native_supported(backend: Int4Backend, layout: Int4Layout, dtype: torch.dtyp
         return g % 16 == 0 and usable()
     if backend == "triton_mma":
         return g % 32 == 0 and n % 16 == 0 and usable()
+    if backend == "cuda_mma":
+        return cuda_mma_group(g) and k % 64 == 0 and n % 16 == 0 and dtype == torch.bfloat16 and cuda_mma_available()
     if backend not in INT4_BACKENDS:
         raise ValueError(f"unknown int4 backend {backend!r}; expected one of {INT4_BACKENDS}")
     if not _device_available(_device_type(backend)):
@@ -278,6 +290,13 @@ def prepare_int4(
         return PreparedInt4(backend, layout, dtype, weight=repack_mma(qweight.contiguous()),
                             scales_and_zeros=mma_meta(scales, _zq(qzeros, layout)))
 
+    if backend == "cuda_mma":
+        if qweight.device.type != "cuda":
+            raise ValueError(f"int4 backend 'cuda_mma' needs CUDA tensors, got {qweight.device}")
+        cuda_mma_compile(qweight.device)  # before any graph capture can need the module
+        return PreparedInt4(backend, layout, dtype, weight=repack_cuda(qweight.contiguous()),
+                            scales_and_zeros=mma_meta(scales, _zq(qzeros, layout)))
+
     u_nk = unpack_int4_rows(qweight).t().to(torch.int32)  # [N, K], values 0..15
 
     if backend == "native_cpu":
@@ -337,6 +356,15 @@ def int4_mm(x: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None = None,
         assert w.config is None or isinstance(w.config, GemvConfig)
         y = gemv_mm(x2, w, bias, w.config) if x2.shape[0] <= GEMV_MAX_ROWS else triton_mm(x2, w, bias)
         return y.reshape(*lead, n)
+    if w.backend == "cuda_mma":
+        assert w.scales_and_zeros is not None
+        assert w.config is None or isinstance(w.config, CudaMmaConfig)
+        xb = x2.to(torch.bfloat16)
+        parts = [cuda_mm(xb[i:i + CUDA_MAX_ROWS], w.weight, w.scales_and_zeros, w.layout.group_size, bias,
+                         w.config if xb.shape[0] <= CUDA_MAX_ROWS else None)
+                 for i in range(0, xb.shape[0], CUDA_MAX_ROWS)]
+        y = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return y.to(x.dtype).reshape(*lead, n)
     if w.backend == "triton_mma":
         assert w.scales_and_zeros is not None
         assert w.config is None or isinstance(w.config, MmaConfig)

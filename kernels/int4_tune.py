@@ -28,6 +28,7 @@ from pathlib import Path as FsPath
 import torch
 
 from kernels.int4 import (
+    CudaMmaConfig,
     GemvConfig,
     Int4Layout,
     MmaConfig,
@@ -40,6 +41,8 @@ from kernels.int4 import (
     prepare_int4,
     triton_config,
 )
+from kernels.int4_cuda import CUDA_MAX_ROWS
+from kernels.int4_cuda import variants as cuda_variants
 from kernels.int4_mma import split_for
 from kernels.reference import dequant_int4
 from kernels.registry import mismatch
@@ -54,7 +57,7 @@ LARGE_M = 1024
 DEQUANT = "dequant"
 CACHE_ENV = "XPULORA_KERNEL_CACHE_DIR"
 CACHE_FILE = "int4_dispatch.json"
-TABLE_VERSION = 4
+TABLE_VERSION = 5
 """Part of the cache key: bump it when the kernels or their candidates change, so that old tables are timed again."""
 TIMED_BYTES = 256 * 2**20
 """Weight copies timed in turn add up to at least this (several times a large GPU's last-level cache)."""
@@ -74,10 +77,12 @@ class Path:
     """One way to compute y = x @ W: a kernels.int4 backend (with a launch shape for the Triton ones), or dequant."""
 
     backend: str
-    config: MmaConfig | TritonInt4Config | GemvConfig | None = None
+    config: MmaConfig | TritonInt4Config | GemvConfig | CudaMmaConfig | None = None
 
     @property
     def name(self) -> str:
+        if isinstance(self.config, CudaMmaConfig):
+            return f"{self.backend}[w{self.config.warps} u{self.config.unroll}]"
         if isinstance(self.config, MmaConfig):
             c = self.config
             fold = " fold" if c.fold else ""
@@ -97,6 +102,9 @@ class Path:
         backend, _, rest = name.partition("[")
         if not rest:
             return Path(backend)
+        if backend == "cuda_mma":
+            warps, unroll = rest.rstrip("]").split(" ")
+            return Path(backend, CudaMmaConfig(int(warps[1:]), int(unroll[1:])))
         tile, split, warps, stages, *flags = rest.rstrip("]").split(" ")
         if backend == "triton_gemv" and flags in ([], ["noprefetch"]):
             bn, bkw = (int(v) for v in tile.split("x"))
@@ -189,7 +197,8 @@ def _gemv_variants(k: int, n: int, g: int) -> list[GemvConfig]:
 def candidates(backends: Sequence[str], m: int, layout: Int4Layout, dtype: torch.dtype) -> list[Path]:
     """The paths timed at m rows with activations of `dtype`. The memory-bound Triton kernels are not timed past
     256 rows (their cost grows with M; dequant + GEMM wins there), the one-row kernel (triton_gemv) only at one row,
-    dequant not below 8 rows (it writes the whole dense weight)."""
+    the CUDA one (cuda_mma: every compiled launch shape that fits) up to its 64 rows, dequant not below 8 rows (it
+    writes the whole dense weight)."""
     k, n, g = layout.in_features, layout.out_features, layout.group_size
     out: list[Path] = []
     for b in backends:
@@ -199,7 +208,9 @@ def candidates(backends: Sequence[str], m: int, layout: Int4Layout, dtype: torch
             out.append(Path(b, triton_config(m, k, n, g)))
         elif b == "triton_gemv" and m == 1:
             out.extend(Path(b, c) for c in _gemv_variants(k, n, g))
-        elif (b == DEQUANT and m >= 8) or b not in ("triton_mma", "triton", "triton_gemv", DEQUANT):
+        elif b == "cuda_mma" and m <= CUDA_MAX_ROWS:
+            out.extend(Path(b, c) for c in cuda_variants(m, k))
+        elif (b == DEQUANT and m >= 8) or b not in ("triton_mma", "triton", "triton_gemv", "cuda_mma", DEQUANT):
             out.append(Path(b))
     return out
 

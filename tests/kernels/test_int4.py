@@ -332,7 +332,7 @@ def _accelerator() -> torch.device | None:
 
 
 _ACC = _accelerator()
-_ACC_BACKENDS = [f"native_{_ACC.type}", "triton", "triton_mma", "triton_gemv"] if _ACC is not None else ["triton"]
+_ACC_BACKENDS = [f"native_{_ACC.type}", "triton", "triton_mma", "triton_gemv", "cuda_mma"] if _ACC is not None else ["triton"]
 _ACC_CASES = _cases() + [dict(c, dtype=torch.float16) for c in _cases() if c["dtype"] == torch.bfloat16]
 
 

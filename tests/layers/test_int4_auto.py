@@ -59,9 +59,9 @@ def test_device_resolves_auto_and_tuned() -> None:
 
     assert Device("cpu").int4_backend("auto") == "reference"  # no timing at start-up on the CPU unless asked
     assert Device("cpu").int4_backend("tuned") == "tuned:native_cpu,reference"
-    assert Device("cuda").int4_backend("auto") == "tuned:native_cuda,triton_gemv,triton_mma,triton,dequant"
+    assert Device("cuda").int4_backend("auto") == "tuned:native_cuda,cuda_mma,triton_gemv,triton_mma,triton,dequant"
     assert Device("xpu").int4_backend("auto") == "tuned:native_xpu,triton_gemv,triton_mma,triton,dequant"
-    assert Device("cuda").int4_backend("tuned") == "tuned:native_cuda,triton_gemv,triton_mma,triton,dequant"
+    assert Device("cuda").int4_backend("tuned") == "tuned:native_cuda,cuda_mma,triton_gemv,triton_mma,triton,dequant"
     assert Device("xpu").int4_backend("tuned") == "tuned:native_xpu,triton_gemv,triton_mma,triton,dequant"
     assert Device("cuda").int4_backend("auto:native_cuda") == "auto:native_cuda"  # the fixed dispatch stays valid
 

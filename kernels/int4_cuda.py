@@ -1,0 +1,328 @@
+"""W4A16 for decode batches (1-64 rows) on tensor cores, in CUDA C compiled at run time (NVRTC): backend "cuda_mma".
+
+    w = repack_cuda(qweight)              # [N/16, K/64, 32, 4] int32, once at load (round trip: unpack_cuda)
+    y = cuda_mm(x2, w, meta, G, bias)     # y = x2 @ W + bias, meta = kernels.int4_mma.mma_meta(scales, zq)
+
+    y[t, n] = sum_g s[g, n] * sum_{k in g} x[t, k] * (u(k, n) - zq(g, n))
+
+Why CUDA C: the Triton kernels stop at 1.3-1.8 TB/s, bound by issuing their own instructions (the unpack and a
+wgmma they cannot overlap, docs/PERFORMANCE.md's Nsight section). Here the weights go straight from global memory
+to the registers an MMA reads: the output features are the MMA's 16 rows and the tokens its 8 columns
+(`mma.sync m16n8k16`: y^T = W^T x^T, so one row wastes 7 columns, not 15 rows), and each lane's 16-byte load is
+exactly its A fragments for 64 k (4 MMAs of 16): a nibble pair becomes a bf16 pair of 128 + u by one LOP3
+(0x4300 | u), minus 128 + zq by one bf16x2 FMA, exact. Per 64 k the 4 x (8 tokens) partials are scaled in fp32
+(the scale never rounds the weight). The k order inside 64 is permuted so that each lane's x is 16 consecutive
+k (two 16-byte loads per 8 tokens); the repack applies the same order to the weights.
+A block is one 16-feature tile; its warps split K (warp w takes the w-th run of UNROLL chunks of 64 k in each round
+of WARPS * UNROLL) and sum their partials through shared memory in warp order: the same bits on every run.
+The CUDA backend is chosen by engine/device.py (tuned candidates on CUDA only); XPU keeps the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CUDA_MAX_ROWS", "CudaMmaConfig", "available", "cuda_config", "cuda_mm", "repack_cuda", "unpack_cuda"]
+
+CUDA_MAX_ROWS = 64
+CHUNK_K = 64
+TOKEN_TILES = (1, 2, 4, 8)
+"""Compiled token-tile counts (8 rows each): a launch takes the smallest that holds its rows."""
+SHAPES = ((4, 4), (8, 2), (8, 4), (16, 1), (16, 2), (4, 2), (8, 1), (4, 1))
+"""(warps, chunks per warp per round) compiled for each token-tile count whose registers allow it (MT * U <= 8)."""
+
+
+@dataclass(frozen=True)
+class CudaMmaConfig:
+    """Launch shape: warps per block (each a share of K) and chunks of 64 k each warp loads before it computes."""
+
+    warps: int
+    unroll: int
+
+    def fits(self, m: int, k: int) -> bool:
+        mt = _token_tiles(m)
+        return (mt is not None and (self.warps, self.unroll) in _shapes_for(mt)
+                and (k // CHUNK_K) % (self.warps * self.unroll) == 0)
+
+
+def _token_tiles(m: int) -> int | None:
+    return next((t for t in TOKEN_TILES if 8 * t >= m), None)
+
+
+def _shapes_for(mt: int) -> tuple[tuple[int, int], ...]:
+    return tuple((w, u) for w, u in SHAPES if mt * u <= 8 and w * mt <= 64)  # registers; 32 KB of partials
+
+
+@functools.lru_cache(maxsize=4096)
+def cuda_config(m: int, k: int) -> CudaMmaConfig | None:
+    """The untuned shape: 8 warps with as many chunks each as fit the rows' registers and K (None: none fits)."""
+    mt = _token_tiles(m)
+    if mt is None:
+        return None
+    for w, u in sorted(_shapes_for(mt), key=lambda s: (s[0] != 8, -s[1])):
+        if (k // CHUNK_K) % (w * u) == 0:
+            return CudaMmaConfig(w, u)
+    return None
+
+
+def variants(m: int, k: int) -> list[CudaMmaConfig]:
+    """Every compiled launch shape that fits m rows and K (the tuner times them all)."""
+    mt = _token_tiles(m)
+    if mt is None:
+        return []
+    return [CudaMmaConfig(w, u) for w, u in _shapes_for(mt) if (k // CHUNK_K) % (w * u) == 0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# layout
+
+
+def repack_cuda(qweight: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """GPTQ qweight [K/8, N] int32 -> [N/16, K/64, 32, 4] int32 (same device), `chunk` output features at a time.
+
+    Lane l = 4 g + t of 16-feature tile b, chunk c, word j holds k0 = 64 c + 16 t + 4 j .. k0 + 3 of features
+    n = 16 b + g (h = 0) and n + 8 (h = 1): nibble 4 (kk & 1) + 2 (kk >> 1) + h is W[k0 + kk, n + 8 h], so that
+    (word >> 4p) & 0x000F000F holds A fragment p of MMA j (rows g / g + 8, k slots 2t, 2t + 1 / 2t + 8, 2t + 9).
+    """
+    from kernels.reference import unpack_int4_rows
+
+    kw, n = qweight.shape
+    k = kw * 8
+    if k % CHUNK_K or n % 16:
+        raise ValueError(f"the cuda_mma int4 layout needs K % 64 == 0 and N % 16 == 0, got K={k}, N={n}")
+    out = torch.empty(n // 16, k // CHUNK_K, 32, 4, dtype=torch.int32, device=qweight.device)
+    chunk = max(16, chunk - chunk % 16)
+    for n0 in range(0, n, chunk):
+        nc = min(chunk, n - n0)
+        u = unpack_int4_rows(qweight[:, n0:n0 + nc]).to(torch.int32)  # [K, nc]
+        u = u.view(k // CHUNK_K, 4, 4, 2, 2, nc // 16, 2, 8)  # c, t, j, kk_hi, kk_lo, b, h, g  (kk = 2 hi + lo)
+        u = u.permute(5, 0, 7, 1, 2, 4, 3, 6)  # b, c, g, t, j, kk_lo, kk_hi, h: nibble 4 lo + 2 hi + h
+        u = u.reshape(nc // 16, k // CHUNK_K, 32, 4, 8)
+        w = u[..., 0]
+        for p in range(1, 8):
+            w = w | (u[..., p] << (4 * p))  # int32 shifts wrap: bit 31 set for nibble 7 >= 8
+        out[n0 // 16:(n0 + nc) // 16] = w
+    return out
+
+
+def unpack_cuda(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of repack_cuda: [N/16, K/64, 32, 4] int32 -> GPTQ qweight [K/8, N] int32."""
+    from kernels.reference import pack_int4_rows
+
+    nb, kc = packed.shape[:2]
+    w = packed.to(torch.int64) & 0xFFFFFFFF
+    u = (w.unsqueeze(-1) >> torch.arange(0, 32, 4, device=w.device)) & 0xF  # b, c, lane, j, p
+    u = u.view(nb, kc, 8, 4, 4, 2, 2, 2)  # b, c, g, t, j, kk_lo, kk_hi, h
+    u = u.permute(1, 3, 4, 6, 5, 0, 7, 2).reshape(kc * CHUNK_K, nb * 16)  # c, t, j, hi, lo | b, h, g
+    return pack_int4_rows(u)
+
+
+# ----------------------------------------------------------------------------------------------------
+# kernel
+
+_SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+#define DEVI __device__ __forceinline__
+
+DEVI uint4 ld_stream(const uint4* p) {  // weights: read once, keep L1 for x
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+DEVI u32 and_or(u32 a, u32 b, u32 c) {  // (a & b) | c
+  u32 r; asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r;
+}
+DEVI u32 bf2_fma(u32 a, u32 b, u32 c) {
+  u32 r; asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r;
+}
+DEVI float h2f(u32 h) {
+  float f; u16 s = (u16)(h & 0xFFFF); asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(s)); return f;
+}
+DEVI u16 f2bf(float f) { u16 r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r; }
+DEVI void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+DEVI u32 word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+
+// qw [N/16, K/64, 32, 4]; meta [K/G, N] (fp16 scale | zq << 16); x [M, x_stride] bf16; y [M, N] bf16.
+template <int MT, int WARPS, int U>
+DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, const u16* __restrict__ x,
+                const u16* __restrict__ bias, u16* __restrict__ y, int M, int K, int N, int x_stride,
+                int group_shift, int has_bias) {
+  __shared__ float red[WARPS][MT * 4][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int chunks = K >> 6, b = blockIdx.x, n_lo = 16 * b + g;
+  const uint4* wp = qw + (size_t)b * chunks * 32 + lane;
+  float acc[MT][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+  const u32 ONE = 0x3F803F80u;  // bf16x2 (1, 1)
+
+  for (int c0 = warp * U; c0 < chunks; c0 += WARPS * U) {
+    uint4 wv[U], xv[U][MT][2];
+    u32 m_lo[U], m_hi[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = c0 + u;
+      wv[u] = ld_stream(wp + (size_t)c * 32);
+      const u32* mrow = meta + (size_t)((unsigned)c >> group_shift) * N;
+      m_lo[u] = __ldg(mrow + n_lo);
+      m_hi[u] = __ldg(mrow + n_lo + 8);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const int tok = 8 * mt + g;
+        if (tok < M) {
+          const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)tok * x_stride + 64 * c + 16 * t);
+          xv[u][mt][0] = __ldg(xp);
+          xv[u][mt][1] = __ldg(xp + 1);
+        } else {
+          xv[u][mt][0] = xv[u][mt][1] = make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const u32 z_lo = (0xC300u | (m_lo[u] >> 16)) * 0x10001u;  // bf16x2 -(128 + zq)
+      const u32 z_hi = (0xC300u | (m_hi[u] >> 16)) * 0x10001u;
+      float part[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) part[mt][0] = part[mt][1] = part[mt][2] = part[mt][3] = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const u32 q = word(wv[u], j);
+        const u32 a0 = bf2_fma(and_or(q, 0x000F000Fu, 0x43004300u), ONE, z_lo);
+        const u32 a1 = bf2_fma(and_or(q >> 4, 0x000F000Fu, 0x43004300u), ONE, z_hi);
+        const u32 a2 = bf2_fma(and_or(q >> 8, 0x000F000Fu, 0x43004300u), ONE, z_lo);
+        const u32 a3 = bf2_fma(and_or(q >> 12, 0x000F000Fu, 0x43004300u), ONE, z_hi);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const uint4& xa = xv[u][mt][j >> 1];
+          mma(part[mt], a0, a1, a2, a3, word(xa, 2 * (j & 1)), word(xa, 2 * (j & 1) + 1));
+        }
+      }
+      const float s_lo = h2f(m_lo[u]), s_hi = h2f(m_hi[u]);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        acc[mt][0] += part[mt][0] * s_lo;
+        acc[mt][1] += part[mt][1] * s_lo;
+        acc[mt][2] += part[mt][2] * s_hi;
+        acc[mt][3] += part[mt][3] * s_hi;
+      }
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[warp][mt * 4 + i][lane] = acc[mt][i];
+  __syncthreads();
+  for (int e = threadIdx.x; e < MT * 4 * 32; e += WARPS * 32) {
+    const int r = e >> 5, l = e & 31, mt = r >> 2, i = r & 3;
+    const int tok = 8 * mt + 2 * (l & 3) + (i & 1), n = 16 * b + (l >> 2) + 8 * (i >> 1);
+    if (tok < M) {
+      float s = 0.f;
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) s += red[w][r][l];
+      if (has_bias) s += __uint_as_float(((u32)bias[n]) << 16);
+      y[(size_t)tok * N + n] = f2bf(s);
+    }
+  }
+}
+"""
+
+
+def _kernel_name(mt: int, warps: int, unroll: int) -> str:
+    return f"w4a16_cuda_mt{mt}_w{warps}_u{unroll}"
+
+
+def _source() -> str:
+    entries = []
+    for mt in TOKEN_TILES:
+        for w, u in _shapes_for(mt):
+            entries.append(
+                f'extern "C" __global__ void __launch_bounds__({32 * w}) {_kernel_name(mt, w, u)}('
+                "const uint4* qw, const u32* meta, const u16* x, const u16* bias, u16* y, int M, int K, int N, "
+                f"int x_stride, int group_shift, int has_bias) {{ w4a16<{mt}, {w}, {u}>(qw, meta, x, bias, y, M, K, N, "
+                "x_stride, group_shift, has_bias); }")
+    return _SOURCE + "\n".join(entries) + "\n"
+
+
+def _names() -> list[str]:
+    return [_kernel_name(mt, w, u) for mt in TOKEN_TILES for w, u in _shapes_for(mt)]
+
+
+def supports_group(group_size: int) -> bool:
+    """A group is a power-of-two number of 64-k chunks (the kernel finds a chunk's group by a shift)."""
+    chunks = group_size // CHUNK_K
+    return group_size % CHUNK_K == 0 and chunks & (chunks - 1) == 0
+
+
+@functools.cache
+def available() -> bool:
+    """CUDA (not ROCm) with sm_80+ and torch's NVRTC helpers: the kernels can be compiled here."""
+    if not torch.cuda.is_available() or torch.version.hip is not None:
+        return False
+    if torch.cuda.get_device_capability() < (8, 0):
+        return False
+    try:
+        from torch.cuda._utils import _cuda_load_module, _nvrtc_compile  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def _module(device_index: int) -> dict[str, object]:
+    """All launch shapes compiled in one NVRTC program (a few seconds, once per process and device)."""
+    from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
+
+    names = _names()
+    with torch.cuda.device(device_index):
+        binary, _ = _nvrtc_compile(_source(), names[0], nvcc_options=["-std=c++17", "--use_fast_math"])
+        kernels = _cuda_load_module(binary, names)
+    assert isinstance(kernels, dict)
+    return kernels
+
+
+def compile_for(device: torch.device) -> None:
+    """Compile (and load) the kernels before a graph capture needs them."""
+    _module(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def cuda_mm(x2: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: int, bias: torch.Tensor | None,
+            config: CudaMmaConfig | None = None) -> torch.Tensor:
+    """y = x2 @ W + bias, x2 [M, K] bf16 with M <= CUDA_MAX_ROWS; qw from repack_cuda, meta from mma_meta."""
+    m, k = x2.shape
+    nb, kc = qw.shape[:2]
+    n = nb * 16
+    if x2.dtype != torch.bfloat16:
+        raise TypeError(f"int4 cuda_mma computes in bfloat16, got {x2.dtype}")
+    if kc * CHUNK_K != k or tuple(qw.shape[2:]) != (32, 4) or qw.dtype != torch.int32:
+        raise ValueError(f"int4 cuda_mma: weight {tuple(qw.shape)} {qw.dtype} does not match K={k}")
+    if not supports_group(group_size) or tuple(meta.shape) != (k // group_size, n):
+        raise ValueError(f"int4 cuda_mma: group {group_size} / meta {tuple(meta.shape)} do not fit K={k}, N={n}")
+    if m > CUDA_MAX_ROWS:
+        raise ValueError(f"int4 cuda_mma takes at most {CUDA_MAX_ROWS} rows, got {m}")
+    c = config or cuda_config(m, k)
+    if c is None or not c.fits(m, k):
+        raise ValueError(f"int4 cuda_mma config {c} does not fit M={m}, K={k}")
+    if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:  # the kernel loads x 16 bytes at a time
+        x2 = x2.clone(memory_format=torch.contiguous_format)
+    if bias is not None:
+        bias = bias.to(torch.bfloat16).contiguous()
+    y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
+    mt = _token_tiles(m)
+    assert mt is not None
+    kernel = _module(x2.device.index if x2.device.index is not None else torch.cuda.current_device())[
+        _kernel_name(mt, c.warps, c.unroll)]
+    shift = (group_size // CHUNK_K).bit_length() - 1
+    kernel(grid=(nb, 1, 1), block=(32 * c.warps, 1, 1),  # type: ignore[operator]
+           args=[qw, meta, x2, bias if bias is not None else y, y, m, k, n, x2.stride(0), shift, int(bias is not None)])
+    return y

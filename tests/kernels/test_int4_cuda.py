@@ -1,0 +1,164 @@
+"""The CUDA C int4 kernel (kernels.int4_cuda, backend cuda_mma): its repacked layout on any machine, the kernel
+against kernels.reference on CUDA (every compiled launch shape, 1-64 rows and more, groups 64-256, GPTQ v1 / v2,
+per-group zero points, bias, unaligned activations, graph replay, the same bits twice)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import int4_cuda
+from kernels.int4 import Int4Layout, int4_mm, native_supported, prepare_int4
+from kernels.int4_cuda import CudaMmaConfig, cuda_config, repack_cuda, unpack_cuda, variants
+from kernels.reference import int4_matmul, pack_int4_cols, pack_int4_rows, unpack_int4_rows
+from tests.kernels.triton_env import assert_close_rel
+
+BF16_TOL = (1.6e-2, 1e-2)
+"""As tests/kernels/test_int4.py: two bf16 ulps relative plus 1 % of the output scale."""
+ON_CUDA = int4_cuda.available()
+
+
+def _qweight(k: int, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-2**31, 2**31, (k // 8, n), generator=g, dtype=torch.int64).to(torch.int32)
+
+
+@pytest.mark.parametrize("k,n", [(64, 16), (256, 48), (1024, 160)])
+def test_repack_round_trip(k: int, n: int) -> None:
+    qw = _qweight(k, n, k + n)
+    packed = repack_cuda(qw, chunk=32)  # several column chunks
+    assert packed.shape == (n // 16, k // 64, 32, 4) and packed.dtype == torch.int32
+    assert torch.equal(unpack_cuda(packed), qw)
+    assert torch.equal(repack_cuda(qw), packed), "the column chunking does not change the layout"
+
+
+def test_repack_puts_each_weight_where_the_docstring_says() -> None:
+    """Word j of lane 4g + t of tile b, chunk c, nibble 4 (kk & 1) + 2 (kk >> 1) + h is W[64c + 16t + 4j + kk,
+    16b + g + 8h]: checked for every position of a small layer, independently of unpack_cuda."""
+    k, n = 128, 32
+    qw = _qweight(k, n, 3)
+    u = unpack_int4_rows(qw)
+    packed = repack_cuda(qw).to(torch.int64) & 0xFFFFFFFF
+    for b in range(n // 16):
+        for c in range(k // 64):
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                for j in range(4):
+                    word = int(packed[b, c, lane, j])
+                    for kk in range(4):
+                        for h in range(2):
+                            p = 4 * (kk & 1) + 2 * (kk >> 1) + h
+                            assert (word >> (4 * p)) & 0xF == int(u[64 * c + 16 * t + 4 * j + kk, 16 * b + g + 8 * h])
+
+
+def test_launch_shapes_fit_the_rows_and_k() -> None:
+    for m in (1, 8, 9, 16, 17, 32, 33, 64):
+        for k in (4096, 5120, 12288, 17408):
+            shapes = variants(m, k)
+            assert shapes, (m, k)
+            assert all(c.fits(m, k) and (k // 64) % (c.warps * c.unroll) == 0 for c in shapes)
+            rule = cuda_config(m, k)
+            assert rule is not None and rule in shapes
+    assert variants(65, 4096) == [] and cuda_config(65, 4096) is None
+    assert not CudaMmaConfig(8, 4).fits(33, 4096), "5 or more token tiles take at most 1 chunk in flight per 8 rows"
+    assert int4_cuda.supports_group(128) and int4_cuda.supports_group(64) and not int4_cuda.supports_group(192)
+    assert not int4_cuda.supports_group(32)
+
+
+def test_backend_refuses_what_it_cannot_run() -> None:
+    lay = Int4Layout(128, 1, 256, 64)
+    assert not native_supported("cuda_mma", lay, torch.float16)
+    assert not native_supported("cuda_mma", Int4Layout(32, 1, 256, 64), torch.bfloat16)
+    if not ON_CUDA:
+        assert not native_supported("cuda_mma", lay, torch.bfloat16)
+        with pytest.raises(ValueError, match="does not support"):
+            prepare_int4(_qweight(256, 64, 0), pack_int4_cols(torch.full((2, 64), 7)), torch.ones(2, 64).half(), lay,
+                         "cuda_mma", dtype=torch.bfloat16)
+
+
+def _case(m: int, k: int, n: int, gs: int, zo: int, sym: bool, bias: bool, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    qw = pack_int4_rows(torch.randint(0, 16, (k, n), generator=g))
+    z = torch.full((k // gs, n), 7) if sym else torch.randint(0, 16 - zo, (k // gs, n), generator=g)
+    qz = pack_int4_cols(z)
+    sign = torch.where(torch.rand(k // gs, n, generator=g) < 0.5, -1.0, 1.0)
+    sc = ((torch.rand(k // gs, n, generator=g) * 0.02 + 0.005) * sign).half()
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    return qw, qz, sc, x, b, int4_matmul(x, qw, qz, sc, gs, zo, b)
+
+
+CASES = [  # (M, K, N, group, zero_offset, symmetric, bias)
+    (1, 4096, 96, 128, 1, True, False),
+    (2, 1024, 48, 64, 0, False, True),
+    (5, 2048, 32, 256, 1, False, True),
+    (8, 512, 16, 128, 0, True, False),
+    (9, 1024, 64, 128, 1, False, False),
+    (16, 4096, 32, 128, 1, True, True),
+    (17, 1024, 48, 64, 1, False, False),
+    (31, 2048, 16, 128, 0, False, True),
+    (33, 1024, 32, 128, 1, True, False),
+    (64, 4096, 48, 128, 1, False, True),
+    (100, 1024, 32, 128, 1, False, True),  # above 64 rows: int4_mm runs 64 at a time
+]
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the CUDA C kernel runs on CUDA only")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "m{}-k{}-n{}-g{}-zo{}-{}-{}".format(
+    c[0], c[1], c[2], c[3], c[4], "sym" if c[5] else "asym", "bias" if c[6] else "nobias"))
+def test_every_launch_shape_matches_reference(case: tuple) -> None:
+    from dataclasses import replace
+
+    m, k, n, gs, zo, sym, has_bias = case
+    qw, qz, sc, x, b, ref = _case(m, k, n, gs, zo, sym, has_bias, seed=m * 7 + k + n)
+    dev = torch.device("cuda")
+    lay = Int4Layout(gs, zo, k, n)
+    assert native_supported("cuda_mma", lay, torch.bfloat16)
+    w = prepare_int4(qw.to(dev), qz.to(dev), sc.to(dev), lay, "cuda_mma", dtype=torch.bfloat16)
+    bd = None if b is None else b.to(dev)
+    shapes = variants(m, k) if m <= 64 else [None]
+    assert shapes
+    for c in shapes:
+        wc = replace(w, config=c)
+        y = int4_mm(x.to(dev), wc, bd)
+        assert y.shape == (m, n) and y.dtype == torch.bfloat16
+        assert_close_rel(y.cpu(), ref, BF16_TOL, f"cuda_mma {c} {case}")
+        assert torch.equal(y, int4_mm(x.to(dev), wc, bd)), ("the same bits on every run", c)
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the CUDA C kernel runs on CUDA only")
+def test_unaligned_activations_and_graph_replay() -> None:
+    m, k, n, gs = 4, 1024, 64, 128
+    qw, qz, sc, x, b, ref = _case(m, k, n, gs, 1, False, True, seed=11)
+    dev = torch.device("cuda")
+    w = prepare_int4(qw.to(dev), qz.to(dev), sc.to(dev), Int4Layout(gs, 1, k, n), "cuda_mma", dtype=torch.bfloat16)
+    big = torch.zeros(m, k + 3, dtype=torch.bfloat16, device=dev)
+    big[:, 3:] = x.to(dev)
+    view = big[:, 3:]  # rows 6 bytes off a 16-byte boundary
+    assert_close_rel(int4_mm(view, w, b.to(dev)).cpu(), ref, BF16_TOL, "unaligned view")
+    xs = torch.zeros(m, k, dtype=torch.bfloat16, device=dev)
+    bd = b.to(dev)
+    graph = torch.cuda.CUDAGraph()
+    int4_mm(xs, w, bd)  # warm up outside the capture
+    with torch.cuda.graph(graph):
+        out = int4_mm(xs, w, bd)
+    xs.copy_(x.to(dev))
+    graph.replay()
+    assert_close_rel(out.cpu(), ref, BF16_TOL, "graph replay")
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the CUDA C kernel runs on CUDA only")
+def test_cuda_mm_rejects_what_it_cannot_run() -> None:
+    from kernels.int4_cuda import cuda_mm
+
+    k, n, gs = 512, 32, 128
+    qw, qz, sc, x, _, _ = _case(1, k, n, gs, 1, True, False, seed=2)
+    dev = torch.device("cuda")
+    w = prepare_int4(qw.to(dev), qz.to(dev), sc.to(dev), Int4Layout(gs, 1, k, n), "cuda_mma", dtype=torch.bfloat16)
+    assert w.scales_and_zeros is not None
+    with pytest.raises(TypeError, match="bfloat16"):
+        cuda_mm(x.to(dev).half(), w.weight, w.scales_and_zeros, gs, None)
+    with pytest.raises(ValueError, match="at most 64 rows"):
+        cuda_mm(torch.zeros(65, k, dtype=torch.bfloat16, device=dev), w.weight, w.scales_and_zeros, gs, None)
+    with pytest.raises(ValueError, match="does not fit"):
+        cuda_mm(x.to(dev), w.weight, w.scales_and_zeros, gs, None, CudaMmaConfig(16, 2))  # 8 chunks: 16 x 2 > 8
