@@ -117,7 +117,7 @@ def mma_sweep(m: int, k: int, n: int) -> list[MmaConfig]:
 
 def cfg_name(c: MmaConfig | TritonInt4Config | GemvConfig | CudaMmaConfig) -> str:
     if isinstance(c, CudaMmaConfig):
-        return f"w{c.warps} u{c.unroll}"
+        return f"w{c.warps} u{c.unroll} n{c.tiles}"
     if isinstance(c, GemvConfig):
         pf = "" if c.prefetch else " noprefetch"
         return f"{c.block_n}x{c.block_kw} s{c.split_k} w{c.num_warps} st{c.num_stages}{pf}"
@@ -189,14 +189,14 @@ def run_shape(dev: torch.device, k: int, n: int, ms: list[int], methods: list[st
                     continue
                 sweep = {}
                 configs: list = (mma_sweep(m, k, n) if meth == "mma" else _gemv_variants(k, n, GROUP)
-                                 if meth == "gemv" else cuda_variants(m, k))
+                                 if meth == "gemv" else cuda_variants(m, k, n))
                 for c in configs:
                     us = time_it(f"{meth}[{cfg_name(c)}]", lambda w, c=c: int4_mm(x, replace(w, config=c)), ws)
                     if us is not None:
                         sweep[cfg_name(c)] = round(us, 2)
                 rec[f"{meth}_sweep"] = dict(sorted(sweep.items(), key=lambda t: t[1]))
                 rule_cfg = (mma_config(m, k, n, GROUP) if meth == "mma" else gemv_config(m, k, n, GROUP)
-                            if meth == "gemv" else cuda_rule(m, k))
+                            if meth == "gemv" else cuda_rule(m, k, n))
                 rule = cfg_name(rule_cfg) if rule_cfg is not None else "-"
                 rec[f"{meth}_rule"], rec[f"{meth}_rule_us"] = rule, sweep.get(rule)
                 if sweep:

@@ -218,6 +218,21 @@ case "${1:-}" in
         --peer-cases "" --root /tmp/e2e36l 2>&1 | grep --line-buffered -E '^\{|Error|int4 dispatch' | tee -a "$OUT/e2e18.txt" | cut -c1-500
     done
     ;;
+  ab18)  # issue 18: the int4 table at M = 16 / 32 (new launch shapes), then 36-layer decode at batch 1 and 32 (no
+         # adapters) from .old (carry it: `git archive <commit before>`) and from this tree, in one call; then where
+         # the new batch-1 step's device time goes
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    timeout 150 python3 benchmarks/bench_int4.py --shapes 8b --ms 16 32 --no-tuner > "$OUT/int4_ab.txt" 2>&1
+    echo "bench rc=$?" >> "$OUT/int4_ab.txt"; sed -n '/K x N/,$p' "$OUT/int4_ab.txt" | cut -c1-200
+    for side in old new; do
+      dir=$PWD; [ $side = old ] && dir=$PWD/.old
+      (cd "$dir" && PYTHONPATH=$dir:/tmp/site timeout 170 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 \
+        --adapters 0 --int4-kernel tuned --peer-cases "" --root /tmp/e2e36l 2>&1) \
+        | grep --line-buffered -E '"decode"|Error' | sed "s/^/$side /" | tee -a "$OUT/e2e_ab.txt" | cut -c1-330
+    done
+    timeout 120 python3 benchmarks/bench_mixed.py --layers 36 --adapters 0 --batches 2 33 --prompts 0 --top 14 \
+      --root /tmp/e2e36l 2>&1 | grep -v Warn | tail -40 | tee "$OUT/mixed_b1.txt" | cut -c1-200
+    ;;
   mixed14)  # issue 14: what a prompt costs the decode step it joins (36 layers, 32 adapters, B-1 decoding + one
             # P-token arrival per step; kernels by name), then the int4 kernel tests on CUDA (gemv included)
     export PYTHONPATH=$PWD:${PYTHONPATH:-}

@@ -13,8 +13,9 @@ exactly its A fragments for 64 k (4 MMAs of 16): a nibble pair becomes a bf16 pa
 (0x4300 | u), minus 128 + zq by one bf16x2 FMA, exact. Per 64 k the 4 x (8 tokens) partials are scaled in fp32
 (the scale never rounds the weight). The k order inside 64 is permuted so that each lane's x is 16 consecutive
 k (two 16-byte loads per 8 tokens); the repack applies the same order to the weights.
-A block is one 16-feature tile; its warps split K (warp w takes the w-th run of UNROLL chunks of 64 k in each round
-of WARPS * UNROLL) and sum their partials through shared memory in warp order: the same bits on every run.
+A block is one to four 16-feature tiles (x read once for all of them); its warps split K (warp w takes the w-th
+run of UNROLL chunks of 64 k in each round of WARPS * UNROLL) and sum their partials through shared memory in
+warp order: the same bits on every run.
 The CUDA backend is chosen by engine/device.py (tuned candidates on CUDA only); XPU keeps the Triton kernels.
 """
 
@@ -31,49 +32,57 @@ CUDA_MAX_ROWS = 64
 CHUNK_K = 64
 TOKEN_TILES = (1, 2, 4, 8)
 """Compiled token-tile counts (8 rows each): a launch takes the smallest that holds its rows."""
-SHAPES = ((4, 4), (8, 2), (8, 4), (16, 1), (16, 2), (4, 2), (8, 1), (4, 1))
-"""(warps, chunks per warp per round) compiled for each token-tile count whose registers allow it (MT * U <= 8)."""
+SHAPES = ((4, 4, 1), (8, 2, 1), (8, 4, 1), (16, 1, 1), (16, 2, 1), (4, 2, 1), (8, 1, 1), (4, 1, 1),
+          (4, 2, 2), (8, 1, 2), (8, 2, 2), (16, 1, 2), (4, 1, 2), (4, 1, 4), (8, 1, 4))
+"""(warps, chunks per warp per round, feature tiles per block) compiled for each token-tile count whose registers
+allow it (_shapes_for)."""
 
 
 @dataclass(frozen=True)
 class CudaMmaConfig:
-    """Launch shape: warps per block (each a share of K) and chunks of 64 k each warp loads before it computes."""
+    """Launch shape: warps per block (each a share of K), chunks of 64 k each warp loads before it computes, and
+    tiles of 16 output features per block (each x fragment feeds that many MMAs)."""
 
     warps: int
     unroll: int
+    tiles: int = 1
 
-    def fits(self, m: int, k: int) -> bool:
+    def fits(self, m: int, k: int, n: int) -> bool:
         mt = _token_tiles(m)
-        return (mt is not None and (self.warps, self.unroll) in _shapes_for(mt)
-                and (k // CHUNK_K) % (self.warps * self.unroll) == 0)
+        return (mt is not None and (self.warps, self.unroll, self.tiles) in _shapes_for(mt)
+                and (k // CHUNK_K) % (self.warps * self.unroll) == 0 and n % (16 * self.tiles) == 0)
 
 
 def _token_tiles(m: int) -> int | None:
     return next((t for t in TOKEN_TILES if 8 * t >= m), None)
 
 
-def _shapes_for(mt: int) -> tuple[tuple[int, int], ...]:
-    return tuple((w, u) for w, u in SHAPES if mt * u <= 8 and w * mt <= 64)  # registers; 32 KB of partials
+def _shapes_for(mt: int) -> tuple[tuple[int, int, int], ...]:
+    """Registers per lane (accumulators 4 NT MT, one tile's partials 4 MT, x 8 U MT, weights 4 U NT) within ~136,
+    and the partials' shared memory (WARPS NT MT x 512 bytes) within 32 KB."""
+    return tuple((w, u, nt) for w, u, nt in SHAPES
+                 if 4 * nt * mt + 4 * mt + 8 * u * mt + 4 * u * nt <= 136 and w * nt * mt <= 64)
 
 
 @functools.lru_cache(maxsize=4096)
-def cuda_config(m: int, k: int) -> CudaMmaConfig | None:
-    """The untuned shape: 8 warps with as many chunks each as fit the rows' registers and K (None: none fits)."""
+def cuda_config(m: int, k: int, n: int) -> CudaMmaConfig | None:
+    """The untuned shape: one feature tile per block, 8 warps with as many chunks each as fit the rows' registers
+    and K (None: none fits)."""
     mt = _token_tiles(m)
     if mt is None:
         return None
-    for w, u in sorted(_shapes_for(mt), key=lambda s: (s[0] != 8, -s[1])):
-        if (k // CHUNK_K) % (w * u) == 0:
-            return CudaMmaConfig(w, u)
+    for w, u, nt in sorted(_shapes_for(mt), key=lambda s: (s[2] != 1, s[0] != 8, -s[1])):
+        if CudaMmaConfig(w, u, nt).fits(m, k, n):
+            return CudaMmaConfig(w, u, nt)
     return None
 
 
-def variants(m: int, k: int) -> list[CudaMmaConfig]:
-    """Every compiled launch shape that fits m rows and K (the tuner times them all)."""
+def variants(m: int, k: int, n: int) -> list[CudaMmaConfig]:
+    """Every compiled launch shape that fits m rows, K and N (the tuner times them all)."""
     mt = _token_tiles(m)
     if mt is None:
         return []
-    return [CudaMmaConfig(w, u) for w, u in _shapes_for(mt) if (k // CHUNK_K) % (w * u) == 0]
+    return [c for c in (CudaMmaConfig(*s) for s in _shapes_for(mt)) if c.fits(m, k, n)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -153,29 +162,35 @@ DEVI void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
 DEVI u32 word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
 
 // qw [N/16, K/64, 32, 4]; meta [K/G, N] (fp16 scale | zq << 16); x [M, x_stride] bf16; y [M, N] bf16.
-template <int MT, int WARPS, int U>
+// A block: NT tiles of 16 features (x fragments reused across them), MT tiles of 8 tokens, WARPS shares of K.
+template <int MT, int NT, int WARPS, int U>
 DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, const u16* __restrict__ x,
                 const u16* __restrict__ bias, u16* __restrict__ y, int M, int K, int N, int x_stride,
                 int group_shift, int has_bias) {
-  __shared__ float red[WARPS][MT * 4][32];
+  __shared__ float red[WARPS][NT * MT * 4][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int chunks = K >> 6, b = blockIdx.x, n_lo = 16 * b + g;
-  const uint4* wp = qw + (size_t)b * chunks * 32 + lane;
-  float acc[MT][4];
+  const int chunks = K >> 6, b0 = blockIdx.x * NT;
+  const uint4* wp = qw + (size_t)b0 * chunks * 32 + lane;
+  float acc[NT][MT][4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) acc[mt][0] = acc[mt][1] = acc[mt][2] = acc[mt][3] = 0.f;
+  for (int i = 0; i < NT; ++i)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) acc[i][mt][0] = acc[i][mt][1] = acc[i][mt][2] = acc[i][mt][3] = 0.f;
   const u32 ONE = 0x3F803F80u;  // bf16x2 (1, 1)
 
   for (int c0 = warp * U; c0 < chunks; c0 += WARPS * U) {
-    uint4 wv[U], xv[U][MT][2];
-    u32 m_lo[U], m_hi[U];
+    uint4 wv[U][NT], xv[U][MT][2];
+    u32 m_lo[U][NT], m_hi[U][NT];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = c0 + u;
-      wv[u] = ld_stream(wp + (size_t)c * 32);
-      const u32* mrow = meta + (size_t)((unsigned)c >> group_shift) * N;
-      m_lo[u] = __ldg(mrow + n_lo);
-      m_hi[u] = __ldg(mrow + n_lo + 8);
+      const u32* mrow = meta + (size_t)((unsigned)c >> group_shift) * N + 16 * b0 + g;
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        wv[u][i] = ld_stream(wp + ((size_t)i * chunks + c) * 32);
+        m_lo[u][i] = __ldg(mrow + 16 * i);
+        m_hi[u][i] = __ldg(mrow + 16 * i + 8);
+      }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const int tok = 8 * mt + g;
@@ -190,42 +205,47 @@ DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, cons
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const u32 z_lo = (0xC300u | (m_lo[u] >> 16)) * 0x10001u;  // bf16x2 -(128 + zq)
-      const u32 z_hi = (0xC300u | (m_hi[u] >> 16)) * 0x10001u;
-      float part[MT][4];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) part[mt][0] = part[mt][1] = part[mt][2] = part[mt][3] = 0.f;
+      for (int i = 0; i < NT; ++i) {
+        const u32 z_lo = (0xC300u | (m_lo[u][i] >> 16)) * 0x10001u;  // bf16x2 -(128 + zq)
+        const u32 z_hi = (0xC300u | (m_hi[u][i] >> 16)) * 0x10001u;
+        float part[MT][4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const u32 q = word(wv[u], j);
-        const u32 a0 = bf2_fma(and_or(q, 0x000F000Fu, 0x43004300u), ONE, z_lo);
-        const u32 a1 = bf2_fma(and_or(q >> 4, 0x000F000Fu, 0x43004300u), ONE, z_hi);
-        const u32 a2 = bf2_fma(and_or(q >> 8, 0x000F000Fu, 0x43004300u), ONE, z_lo);
-        const u32 a3 = bf2_fma(and_or(q >> 12, 0x000F000Fu, 0x43004300u), ONE, z_hi);
+        for (int mt = 0; mt < MT; ++mt) part[mt][0] = part[mt][1] = part[mt][2] = part[mt][3] = 0.f;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const u32 q = word(wv[u][i], j);
+          const u32 a0 = bf2_fma(and_or(q, 0x000F000Fu, 0x43004300u), ONE, z_lo);
+          const u32 a1 = bf2_fma(and_or(q >> 4, 0x000F000Fu, 0x43004300u), ONE, z_hi);
+          const u32 a2 = bf2_fma(and_or(q >> 8, 0x000F000Fu, 0x43004300u), ONE, z_lo);
+          const u32 a3 = bf2_fma(and_or(q >> 12, 0x000F000Fu, 0x43004300u), ONE, z_hi);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            const uint4& xa = xv[u][mt][j >> 1];
+            mma(part[mt], a0, a1, a2, a3, word(xa, 2 * (j & 1)), word(xa, 2 * (j & 1) + 1));
+          }
+        }
+        const float s_lo = h2f(m_lo[u][i]), s_hi = h2f(m_hi[u][i]);
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          const uint4& xa = xv[u][mt][j >> 1];
-          mma(part[mt], a0, a1, a2, a3, word(xa, 2 * (j & 1)), word(xa, 2 * (j & 1) + 1));
+          acc[i][mt][0] += part[mt][0] * s_lo;
+          acc[i][mt][1] += part[mt][1] * s_lo;
+          acc[i][mt][2] += part[mt][2] * s_hi;
+          acc[i][mt][3] += part[mt][3] * s_hi;
         }
-      }
-      const float s_lo = h2f(m_lo[u]), s_hi = h2f(m_hi[u]);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        acc[mt][0] += part[mt][0] * s_lo;
-        acc[mt][1] += part[mt][1] * s_lo;
-        acc[mt][2] += part[mt][2] * s_hi;
-        acc[mt][3] += part[mt][3] * s_hi;
       }
     }
   }
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int i = 0; i < NT; ++i)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) red[warp][mt * 4 + i][lane] = acc[mt][i];
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) red[warp][(i * MT + mt) * 4 + q][lane] = acc[i][mt][q];
   __syncthreads();
-  for (int e = threadIdx.x; e < MT * 4 * 32; e += WARPS * 32) {
-    const int r = e >> 5, l = e & 31, mt = r >> 2, i = r & 3;
-    const int tok = 8 * mt + 2 * (l & 3) + (i & 1), n = 16 * b + (l >> 2) + 8 * (i >> 1);
+  for (int e = threadIdx.x; e < NT * MT * 4 * 32; e += WARPS * 32) {
+    const int r = e >> 5, l = e & 31, q = r & 3, mt = (r >> 2) % MT, i = (r >> 2) / MT;
+    const int tok = 8 * mt + 2 * (l & 3) + (q & 1), n = 16 * (b0 + i) + (l >> 2) + 8 * (q >> 1);
     if (tok < M) {
       float s = 0.f;
 #pragma unroll
@@ -238,24 +258,24 @@ DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, cons
 """
 
 
-def _kernel_name(mt: int, warps: int, unroll: int) -> str:
-    return f"w4a16_cuda_mt{mt}_w{warps}_u{unroll}"
+def _kernel_name(mt: int, warps: int, unroll: int, tiles: int) -> str:
+    return f"w4a16_cuda_mt{mt}_w{warps}_u{unroll}_n{tiles}"
 
 
 def _source() -> str:
     entries = []
     for mt in TOKEN_TILES:
-        for w, u in _shapes_for(mt):
+        for w, u, nt in _shapes_for(mt):
             entries.append(
-                f'extern "C" __global__ void __launch_bounds__({32 * w}) {_kernel_name(mt, w, u)}('
+                f'extern "C" __global__ void __launch_bounds__({32 * w}) {_kernel_name(mt, w, u, nt)}('
                 "const uint4* qw, const u32* meta, const u16* x, const u16* bias, u16* y, int M, int K, int N, "
-                f"int x_stride, int group_shift, int has_bias) {{ w4a16<{mt}, {w}, {u}>(qw, meta, x, bias, y, M, K, N, "
-                "x_stride, group_shift, has_bias); }")
+                f"int x_stride, int group_shift, int has_bias) {{ w4a16<{mt}, {nt}, {w}, {u}>(qw, meta, x, bias, y, "
+                "M, K, N, x_stride, group_shift, has_bias); }")
     return _SOURCE + "\n".join(entries) + "\n"
 
 
 def _names() -> list[str]:
-    return [_kernel_name(mt, w, u) for mt in TOKEN_TILES for w, u in _shapes_for(mt)]
+    return [_kernel_name(mt, *s) for mt in TOKEN_TILES for s in _shapes_for(mt)]
 
 
 def supports_group(group_size: int) -> bool:
@@ -310,9 +330,9 @@ def cuda_mm(x2: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: 
         raise ValueError(f"int4 cuda_mma: group {group_size} / meta {tuple(meta.shape)} do not fit K={k}, N={n}")
     if m > CUDA_MAX_ROWS:
         raise ValueError(f"int4 cuda_mma takes at most {CUDA_MAX_ROWS} rows, got {m}")
-    c = config or cuda_config(m, k)
-    if c is None or not c.fits(m, k):
-        raise ValueError(f"int4 cuda_mma config {c} does not fit M={m}, K={k}")
+    c = config or cuda_config(m, k, n)
+    if c is None or not c.fits(m, k, n):
+        raise ValueError(f"int4 cuda_mma config {c} does not fit M={m}, K={k}, N={n}")
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:  # the kernel loads x 16 bytes at a time
         x2 = x2.clone(memory_format=torch.contiguous_format)
     if bias is not None:
@@ -321,8 +341,8 @@ def cuda_mm(x2: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: 
     mt = _token_tiles(m)
     assert mt is not None
     kernel = _module(x2.device.index if x2.device.index is not None else torch.cuda.current_device())[
-        _kernel_name(mt, c.warps, c.unroll)]
+        _kernel_name(mt, c.warps, c.unroll, c.tiles)]
     shift = (group_size // CHUNK_K).bit_length() - 1
-    kernel(grid=(nb, 1, 1), block=(32 * c.warps, 1, 1),  # type: ignore[operator]
+    kernel(grid=(nb // c.tiles, 1, 1), block=(32 * c.warps, 1, 1),  # type: ignore[operator]
            args=[qw, meta, x2, bias if bias is not None else y, y, m, k, n, x2.stride(0), shift, int(bias is not None)])
     return y

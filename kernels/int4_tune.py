@@ -82,7 +82,8 @@ class Path:
     @property
     def name(self) -> str:
         if isinstance(self.config, CudaMmaConfig):
-            return f"{self.backend}[w{self.config.warps} u{self.config.unroll}]"
+            c = self.config
+            return f"{self.backend}[w{c.warps} u{c.unroll} n{c.tiles}]"
         if isinstance(self.config, MmaConfig):
             c = self.config
             fold = " fold" if c.fold else ""
@@ -103,8 +104,8 @@ class Path:
         if not rest:
             return Path(backend)
         if backend == "cuda_mma":
-            warps, unroll = rest.rstrip("]").split(" ")
-            return Path(backend, CudaMmaConfig(int(warps[1:]), int(unroll[1:])))
+            warps, unroll, tiles = rest.rstrip("]").split(" ")
+            return Path(backend, CudaMmaConfig(int(warps[1:]), int(unroll[1:]), int(tiles[1:])))
         tile, split, warps, stages, *flags = rest.rstrip("]").split(" ")
         if backend == "triton_gemv" and flags in ([], ["noprefetch"]):
             bn, bkw = (int(v) for v in tile.split("x"))
@@ -209,7 +210,7 @@ def candidates(backends: Sequence[str], m: int, layout: Int4Layout, dtype: torch
         elif b == "triton_gemv" and m == 1:
             out.extend(Path(b, c) for c in _gemv_variants(k, n, g))
         elif b == "cuda_mma" and m <= CUDA_MAX_ROWS:
-            out.extend(Path(b, c) for c in cuda_variants(m, k))
+            out.extend(Path(b, c) for c in cuda_variants(m, k, n))
         elif (b == DEQUANT and m >= 8) or b not in ("triton_mma", "triton", "triton_gemv", "cuda_mma", DEQUANT):
             out.append(Path(b))
     return out

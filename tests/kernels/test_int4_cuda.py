@@ -54,13 +54,15 @@ def test_repack_puts_each_weight_where_the_docstring_says() -> None:
 def test_launch_shapes_fit_the_rows_and_k() -> None:
     for m in (1, 8, 9, 16, 17, 32, 33, 64):
         for k in (4096, 5120, 12288, 17408):
-            shapes = variants(m, k)
+            shapes = variants(m, k, 5120)
             assert shapes, (m, k)
-            assert all(c.fits(m, k) and (k // 64) % (c.warps * c.unroll) == 0 for c in shapes)
-            rule = cuda_config(m, k)
-            assert rule is not None and rule in shapes
-    assert variants(65, 4096) == [] and cuda_config(65, 4096) is None
-    assert not CudaMmaConfig(8, 4).fits(33, 4096), "5 or more token tiles take at most 1 chunk in flight per 8 rows"
+            assert all(c.fits(m, k, 5120) and (k // 64) % (c.warps * c.unroll) == 0 for c in shapes)
+            rule = cuda_config(m, k, 5120)
+            assert rule is not None and rule in shapes and rule.tiles == 1
+    assert any(c.tiles > 1 for c in variants(16, 4096, 4096)), "blocks of several feature tiles are candidates"
+    assert all(c.tiles == 1 for c in variants(16, 4096, 48)), "48 features: only one tile per block divides them"
+    assert variants(65, 4096, 64) == [] and cuda_config(65, 4096, 64) is None
+    assert not CudaMmaConfig(8, 4).fits(33, 4096, 64), "5 or more token tiles hold one chunk in flight per 8 rows"
     assert int4_cuda.supports_group(128) and int4_cuda.supports_group(64) and not int4_cuda.supports_group(192)
     assert not int4_cuda.supports_group(32)
 
@@ -116,7 +118,7 @@ def test_every_launch_shape_matches_reference(case: tuple) -> None:
     assert native_supported("cuda_mma", lay, torch.bfloat16)
     w = prepare_int4(qw.to(dev), qz.to(dev), sc.to(dev), lay, "cuda_mma", dtype=torch.bfloat16)
     bd = None if b is None else b.to(dev)
-    shapes = variants(m, k) if m <= 64 else [None]
+    shapes = variants(m, k, n) if m <= 64 else [None]
     assert shapes
     for c in shapes:
         wc = replace(w, config=c)
