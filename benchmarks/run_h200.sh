@@ -233,6 +233,18 @@ case "${1:-}" in
     timeout 120 python3 benchmarks/bench_mixed.py --layers 36 --adapters 0 --batches 2 33 --prompts 0 --top 14 \
       --root /tmp/e2e36l 2>&1 | grep -v Warn | tail -40 | tee "$OUT/mixed_b1.txt" | cut -c1-200
     ;;
+  recheck18)  # issue 18: what the fifteenth session's `check` failed, after its fixes (cuda_mma needs K % 256, fewer
+              # launch shapes, the compiled module cached on disk): the cuda_mma tests, the LoRA engine tests, and the
+              # dense engine check at batch 17, side by side (less than the whole `check`; the device time ran out)
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    (timeout 230 python3 benchmarks/gpu_engine_check.py --only dense --batches 17 --no-sync-check \
+       --root /tmp/gpu-check-d > "$OUT/engine_check17.txt" 2>&1; echo "engine check rc=$?" >> "$OUT/engine_check17.txt") &
+    timeout 230 python3 -m pytest -q -p no:cacheprovider -rfE --durations=8 -n 4 tests/kernels/test_int4_cuda.py \
+      tests/e2e/test_lora_engine.py "tests/kernels/test_int4.py::test_accelerator_backend_matches_reference" \
+      > "$OUT/tests18.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/tests18.txt"
+    wait
+    tail -16 "$OUT/tests18.txt" | cut -c1-200; grep -E '"ok"|PASS|FAIL|rc=' "$OUT/engine_check17.txt" | cut -c1-160
+    ;;
   mixed14)  # issue 14: what a prompt costs the decode step it joins (36 layers, 32 adapters, B-1 decoding + one
             # P-token arrival per step; kernels by name), then the int4 kernel tests on CUDA (gemv included)
     export PYTHONPATH=$PWD:${PYTHONPATH:-}

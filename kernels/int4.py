@@ -161,7 +161,8 @@ def native_supported(backend: Int4Backend, layout: Int4Layout, dtype: torch.dtyp
     triton:      group % 16 == 0 (a K tile never straddles two groups), dtype f32/bf16/f16.
     triton_mma:  group % 32 == 0, N % 16 == 0 (the repacked block is 16 outputs x 32 inputs), dtype f32/bf16/f16.
     triton_gemv: as triton (whose kernel takes its rows above one).
-    cuda_mma:    group a power-of-two multiple of 64, K % 64 == 0, N % 16 == 0, dtype bf16, CUDA sm80+ with NVRTC.
+    cuda_mma:    group a power-of-two multiple of 64, K % 256 == 0 (its smallest block: 4 warps of 64 k), N % 16 == 0,
+                 dtype bf16, CUDA sm80+ with NVRTC.
     reference:   always, for floating dtypes.
     """
     g, k, n = layout.group_size, layout.in_features, layout.out_features
@@ -174,7 +175,7 @@ def native_supported(backend: Int4Backend, layout: Int4Layout, dtype: torch.dtyp
     if backend == "triton_mma":
         return g % 32 == 0 and n % 16 == 0 and usable()
     if backend == "cuda_mma":
-        return cuda_mma_group(g) and k % 64 == 0 and n % 16 == 0 and dtype == torch.bfloat16 and cuda_mma_available()
+        return cuda_mma_group(g) and k % 256 == 0 and n % 16 == 0 and dtype == torch.bfloat16 and cuda_mma_available()
     if backend not in INT4_BACKENDS:
         raise ValueError(f"unknown int4 backend {backend!r}; expected one of {INT4_BACKENDS}")
     if not _device_available(_device_type(backend)):

@@ -22,9 +22,13 @@ The CUDA backend is chosen by engine/device.py (tuned candidates on CUDA only); 
 from __future__ import annotations
 
 import functools
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CUDA_MAX_ROWS", "CudaMmaConfig", "available", "cuda_config", "cuda_mm", "repack_cuda", "unpack_cuda"]
 
@@ -32,10 +36,11 @@ CUDA_MAX_ROWS = 64
 CHUNK_K = 64
 TOKEN_TILES = (1, 2, 4, 8)
 """Compiled token-tile counts (8 rows each): a launch takes the smallest that holds its rows."""
-SHAPES = ((4, 4, 1), (8, 2, 1), (8, 4, 1), (16, 1, 1), (16, 2, 1), (4, 2, 1), (8, 1, 1), (4, 1, 1),
-          (4, 2, 2), (8, 1, 2), (8, 2, 2), (16, 1, 2), (4, 1, 2), (4, 1, 4), (8, 1, 4))
+SHAPES = ((16, 1, 1), (16, 2, 1), (8, 1, 1), (8, 2, 1), (4, 2, 1), (4, 1, 1), (16, 1, 2), (8, 1, 2), (4, 1, 2))
 """(warps, chunks per warp per round, feature tiles per block) compiled for each token-tile count whose registers
-allow it (_shapes_for)."""
+allow it (_shapes_for): the shapes that won or came within 3 % at some M <= 32 on the four Qwen3-8B shapes on an
+H200 (docs/PERFORMANCE.md, fifteenth session; 4-chunk unrolls, 2-tile unrolls and 4-tile blocks never did), and
+(4, 1, 1), the one that fits K = 256 and won at M = 64."""
 
 
 @dataclass(frozen=True)
@@ -298,15 +303,44 @@ def available() -> bool:
     return True
 
 
+def _binary(device_index: int, names: list[str]) -> bytes:
+    """The compiled module: all launch shapes in one NVRTC program (a few seconds of one CPU), kept beside the tuned
+    int4 tables (kernels.int4_tune.cache_dir, keyed by source, architecture and CUDA version) so that every later
+    process of this machine loads it in milliseconds."""
+    import hashlib
+
+    from torch.cuda._utils import _nvrtc_compile
+
+    from kernels.int4_tune import cache_dir  # here, not at the top: int4_tune imports this module
+
+    src = _source()
+    arch = "".join(map(str, torch.cuda.get_device_capability(device_index)))
+    key = hashlib.sha256(f"{src}|sm{arch}|{torch.version.cuda}|{torch.__version__}".encode()).hexdigest()[:24]
+    where = cache_dir()
+    path = where / f"int4_cuda_{key}.bin" if where is not None else None
+    if path is not None and path.is_file():
+        return path.read_bytes()
+    with torch.cuda.device(device_index):
+        binary, _ = _nvrtc_compile(src, names[0], compute_capability=arch,
+                                   nvcc_options=["-std=c++17", "--use_fast_math"])
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(binary)
+            tmp.replace(path)  # atomic: a concurrent process reads the old file or the whole new one
+        except OSError as e:  # the cache is never required
+            log.warning("int4 cuda_mma: could not keep the compiled kernels in %s (%s)", path.parent, e)
+    return binary
+
+
 @functools.cache
 def _module(device_index: int) -> dict[str, object]:
-    """All launch shapes compiled in one NVRTC program (a few seconds, once per process and device)."""
-    from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
+    from torch.cuda._utils import _cuda_load_module
 
     names = _names()
     with torch.cuda.device(device_index):
-        binary, _ = _nvrtc_compile(_source(), names[0], nvcc_options=["-std=c++17", "--use_fast_math"])
-        kernels = _cuda_load_module(binary, names)
+        kernels = _cuda_load_module(_binary(device_index, names), names)
     assert isinstance(kernels, dict)
     return kernels
 

@@ -60,9 +60,11 @@ def test_launch_shapes_fit_the_rows_and_k() -> None:
             rule = cuda_config(m, k, 5120)
             assert rule is not None and rule in shapes and rule.tiles == 1
     assert any(c.tiles > 1 for c in variants(16, 4096, 4096)), "blocks of several feature tiles are candidates"
+    for m in (1, 16, 32, 64):
+        assert CudaMmaConfig(4, 1).fits(m, 256, 16), "the smallest K the backend takes has a launch shape at any M"
     assert all(c.tiles == 1 for c in variants(16, 4096, 48)), "48 features: only one tile per block divides them"
     assert variants(65, 4096, 64) == [] and cuda_config(65, 4096, 64) is None
-    assert not CudaMmaConfig(8, 4).fits(33, 4096, 64), "5 or more token tiles hold one chunk in flight per 8 rows"
+    assert not CudaMmaConfig(8, 2).fits(33, 4096, 64), "5 or more token tiles hold one chunk in flight per 8 rows"
     assert int4_cuda.supports_group(128) and int4_cuda.supports_group(64) and not int4_cuda.supports_group(192)
     assert not int4_cuda.supports_group(32)
 
@@ -71,6 +73,7 @@ def test_backend_refuses_what_it_cannot_run() -> None:
     lay = Int4Layout(128, 1, 256, 64)
     assert not native_supported("cuda_mma", lay, torch.float16)
     assert not native_supported("cuda_mma", Int4Layout(32, 1, 256, 64), torch.bfloat16)
+    assert not native_supported("cuda_mma", Int4Layout(64, 1, 128, 64), torch.bfloat16), "K below one 4-warp block"
     if not ON_CUDA:
         assert not native_supported("cuda_mma", lay, torch.bfloat16)
         with pytest.raises(ValueError, match="does not support"):
@@ -93,6 +96,7 @@ def _case(m: int, k: int, n: int, gs: int, zo: int, sym: bool, bias: bool, seed:
 CASES = [  # (M, K, N, group, zero_offset, symmetric, bias)
     (1, 4096, 96, 128, 1, True, False),
     (2, 1024, 48, 64, 0, False, True),
+    (3, 256, 32, 64, 1, False, True),  # the smallest K: one round of 4 warps
     (5, 2048, 32, 256, 1, False, True),
     (8, 512, 16, 128, 0, True, False),
     (9, 1024, 64, 128, 1, False, False),
