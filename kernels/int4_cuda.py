@@ -82,6 +82,25 @@ def cuda_config(m: int, k: int, n: int) -> CudaMmaConfig | None:
     return None
 
 
+TUNED: dict[int, tuple[tuple[int, int, int], ...]] = {
+    1: ((16, 1, 1), (16, 2, 1), (8, 2, 1), (8, 1, 1), (4, 2, 1)),
+    2: ((16, 1, 1), (16, 2, 1), (8, 2, 1), (8, 1, 2), (4, 1, 2)),
+    4: ((8, 1, 1), (8, 2, 1), (16, 1, 1), (8, 1, 2), (4, 1, 2)),
+    8: ((4, 1, 1), (8, 1, 1)),
+}
+"""Per token-tile count, the launch shapes the tuner times: each won, or came within 3 % of the best, at some M of
+that tile count on the four Qwen3-8B shapes (H200, fifteenth session); (4, 1, 1) fits every K the backend takes."""
+
+
+def tuner_variants(m: int, k: int, n: int) -> list[CudaMmaConfig]:
+    """The launch shapes kernels.int4_tune times at m rows (TUNED, those that fit; the smallest block if none)."""
+    mt = _token_tiles(m)
+    if mt is None:
+        return []
+    out = [CudaMmaConfig(*s) for s in TUNED[mt] if CudaMmaConfig(*s).fits(m, k, n)]
+    return out or variants(m, k, n)[:1]
+
+
 def variants(m: int, k: int, n: int) -> list[CudaMmaConfig]:
     """Every compiled launch shape that fits m rows, K and N (the tuner times them all)."""
     mt = _token_tiles(m)

@@ -42,7 +42,7 @@ from kernels.int4 import (
     triton_config,
 )
 from kernels.int4_cuda import CUDA_MAX_ROWS
-from kernels.int4_cuda import variants as cuda_variants
+from kernels.int4_cuda import tuner_variants as cuda_variants
 from kernels.int4_mma import split_for
 from kernels.reference import dequant_int4
 from kernels.registry import mismatch

@@ -9,7 +9,7 @@ import torch
 
 from kernels import int4_cuda
 from kernels.int4 import Int4Layout, int4_mm, native_supported, prepare_int4
-from kernels.int4_cuda import CudaMmaConfig, cuda_config, repack_cuda, unpack_cuda, variants
+from kernels.int4_cuda import CudaMmaConfig, cuda_config, repack_cuda, tuner_variants, unpack_cuda, variants
 from kernels.reference import int4_matmul, pack_int4_cols, pack_int4_rows, unpack_int4_rows
 from tests.kernels.triton_env import assert_close_rel
 
@@ -63,6 +63,10 @@ def test_launch_shapes_fit_the_rows_and_k() -> None:
     for m in (1, 16, 32, 64):
         assert CudaMmaConfig(4, 1).fits(m, 256, 16), "the smallest K the backend takes has a launch shape at any M"
     assert all(c.tiles == 1 for c in variants(16, 4096, 48)), "48 features: only one tile per block divides them"
+    for m in (1, 2, 8, 9, 16, 17, 32, 33, 64):
+        for k, n in ((256, 16), (4096, 6144), (17408, 5120), (5120, 34816)):
+            timed = tuner_variants(m, k, n)
+            assert timed and all(c in variants(m, k, n) for c in timed), (m, k, n)
     assert variants(65, 4096, 64) == [] and cuda_config(65, 4096, 64) is None
     assert not CudaMmaConfig(8, 2).fits(33, 4096, 64), "5 or more token tiles hold one chunk in flight per 8 rows"
     assert int4_cuda.supports_group(128) and int4_cuda.supports_group(64) and not int4_cuda.supports_group(192)
