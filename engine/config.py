@@ -15,8 +15,8 @@ LoRADTypeName = Literal["auto", "bfloat16", "float16", "float32", "fp8"]
 AttentionKernelName = Literal["auto", "triton", "reference"]
 FusedKernelName = Literal["auto", "triton", "reference"]
 GDNKernelName = Literal["auto", "fla", "reference"]
-Int4KernelName = Literal["auto", "tuned", "reference", "triton", "triton_mma", "triton_gemv", "native_cpu",
-                         "native_cuda", "native_xpu", "auto:native_cuda", "auto:native_xpu"]
+Int4KernelName = Literal["auto", "tuned", "reference", "triton", "triton_mma", "triton_gemv", "cuda_mma",
+                         "native_cpu", "native_cuda", "native_xpu", "auto:native_cuda", "auto:native_xpu"]
 
 
 @dataclass(frozen=True)

@@ -164,8 +164,8 @@ def _kernel_flags(g: Any) -> None:
     g.add_argument("--gdn-kernel", choices=("auto", "fla", "reference"), default="auto",
                    help="Gated DeltaNet (Qwen3.5 hybrids): auto (fla-core on GPUs when installed, else torch)")
     g.add_argument("--int4-kernel", default="auto",
-                   choices=("auto", "tuned", "reference", "triton", "triton_mma", "triton_gemv", "native_cpu",
-                            "native_cuda", "native_xpu", "auto:native_cuda", "auto:native_xpu"),
+                   choices=("auto", "tuned", "reference", "triton", "triton_mma", "triton_gemv", "cuda_mma",
+                            "native_cpu", "native_cuda", "native_xpu", "auto:native_cuda", "auto:native_xpu"),
                    help="int4 GEMM: auto (tuned on GPUs, the reference on the CPU), tuned (the fastest checked kernel "
                         "per layer shape and row count, timed at start-up or read from the cache in "
                         "$XPULORA_KERNEL_CACHE_DIR), or one backend for every row count")
