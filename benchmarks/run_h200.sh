@@ -211,13 +211,6 @@ case "${1:-}" in
     sed -n '/K x N/,$p' "$OUT/int4.txt" | cut -c1-400
     grep -E '^\{' "$OUT/int4.txt" | python3 -c "import sys,json; [print(r['K'],r['N'],r['M'],'bf16',r['bf16_us'],'native',r.get('native_us'),'mma',r.get('mma_us'),'cuda',r.get('cuda_us'),r.get('cuda_sweep')) for r in map(json.loads,sys.stdin) if 'M' in r]"
     ;;
-  e2e18)  # issue 18: 36-layer decode at batch 1 and 32 (no adapters), the tuned dispatch without and with cuda_mma
-    export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    for kern in tuned:native_cuda,triton_gemv,triton_mma,triton,dequant tuned; do
-      timeout 170 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 --adapters 0 --int4-kernel $kern \
-        --peer-cases "" --root /tmp/e2e36l 2>&1 | grep --line-buffered -E '^\{|Error|int4 dispatch' | tee -a "$OUT/e2e18.txt" | cut -c1-500
-    done
-    ;;
   ab18)  # issue 18: the int4 table at M = 16 / 32 (new launch shapes), then 36-layer decode at batch 1 and 32 (no
          # adapters) from .old (carry it: `git archive <commit before>`) and from this tree, in one call; then where
          # the new batch-1 step's device time goes

@@ -297,6 +297,42 @@ class Device:
         return ["triton", "reference"]
 
 
+def cuda_compiler_available() -> bool:
+    """CUDA C can be compiled at run time here (NVRTC through torch, kernels.int4_cuda): CUDA, not ROCm, sm_80+."""
+    if not torch.cuda.is_available() or torch.version.hip is not None or torch.cuda.get_device_capability() < (8, 0):
+        return False
+    return importlib.util.find_spec("torch.cuda._utils") is not None and all(
+        hasattr(importlib.import_module("torch.cuda._utils"), f) for f in ("_nvrtc_compile", "_cuda_load_module"))
+
+
+def cuda_build_key(index: int) -> str:
+    """What a binary compiled by compile_cuda depends on besides its source: architecture, CUDA and torch."""
+    arch = "".join(map(str, torch.cuda.get_device_capability(index)))
+    return f"sm{arch}|cuda{torch.version.cuda}|torch{torch.__version__}"
+
+
+def compile_cuda(source: str, first_kernel: str, index: int) -> bytes:
+    """One NVRTC program for CUDA device `index` (extern "C" kernels; a few seconds of one CPU)."""
+    from torch.cuda._utils import _nvrtc_compile
+
+    arch = "".join(map(str, torch.cuda.get_device_capability(index)))
+    with torch.cuda.device(index):
+        binary, _ = _nvrtc_compile(source, first_kernel, compute_capability=arch,
+                                   nvcc_options=["-std=c++17", "--use_fast_math"])
+    return binary
+
+
+def load_cuda(binary: bytes, names: list[str], index: int) -> dict[str, Callable[..., None]]:
+    """The named kernels of a compiled module on device `index`; each is called as
+    kernel(grid=(x, y, z), block=(x, y, z), args=[tensors and ints]) on the current stream (graph-capturable)."""
+    from torch.cuda._utils import _cuda_load_module
+
+    with torch.cuda.device(index):
+        kernels = _cuda_load_module(binary, names)
+    assert isinstance(kernels, dict)
+    return kernels  # type: ignore[return-value]
+
+
 def device_count(kind: DeviceKind) -> int | None:
     """Devices of this kind visible to torch; None on the CPU, where TP ranks share the host."""
     if kind == "cuda":

@@ -292,8 +292,8 @@ def prepare_int4(
                             scales_and_zeros=mma_meta(scales, _zq(qzeros, layout)))
 
     if backend == "cuda_mma":
-        if qweight.device.type != "cuda":
-            raise ValueError(f"int4 backend 'cuda_mma' needs CUDA tensors, got {qweight.device}")
+        if not qweight.is_cuda:
+            raise ValueError(f"int4 backend 'cuda_mma' needs tensors on the GPU, got {qweight.device}")
         cuda_mma_compile(qweight.device)  # before any graph capture can need the module
         return PreparedInt4(backend, layout, dtype, weight=repack_cuda(qweight.contiguous()),
                             scales_and_zeros=mma_meta(scales, _zq(qzeros, layout)))

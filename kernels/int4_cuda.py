@@ -24,9 +24,12 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from kernels.int4_cuda_src import SOURCE
 
 log = logging.getLogger(__name__)
 
@@ -154,132 +157,8 @@ def unpack_cuda(packed: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------
-# kernel
+# kernel (its CUDA C: kernels.int4_cuda_src; compiled and loaded through engine.device)
 
-_SOURCE = r"""
-typedef unsigned int u32;
-typedef unsigned short u16;
-#define DEVI __device__ __forceinline__
-
-DEVI uint4 ld_stream(const uint4* p) {  // weights: read once, keep L1 for x
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-  return v;
-}
-DEVI u32 and_or(u32 a, u32 b, u32 c) {  // (a & b) | c
-  u32 r; asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r;
-}
-DEVI u32 bf2_fma(u32 a, u32 b, u32 c) {
-  u32 r; asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c)); return r;
-}
-DEVI float h2f(u32 h) {
-  float f; u16 s = (u16)(h & 0xFFFF); asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(s)); return f;
-}
-DEVI u16 f2bf(float f) { u16 r; asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f)); return r; }
-DEVI void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-DEVI u32 word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
-
-// qw [N/16, K/64, 32, 4]; meta [K/G, N] (fp16 scale | zq << 16); x [M, x_stride] bf16; y [M, N] bf16.
-// A block: NT tiles of 16 features (x fragments reused across them), MT tiles of 8 tokens, WARPS shares of K.
-template <int MT, int NT, int WARPS, int U>
-DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, const u16* __restrict__ x,
-                const u16* __restrict__ bias, u16* __restrict__ y, int M, int K, int N, int x_stride,
-                int group_shift, int has_bias) {
-  __shared__ float red[WARPS][NT * MT * 4][32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int chunks = K >> 6, b0 = blockIdx.x * NT;
-  const uint4* wp = qw + (size_t)b0 * chunks * 32 + lane;
-  float acc[NT][MT][4];
-#pragma unroll
-  for (int i = 0; i < NT; ++i)
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) acc[i][mt][0] = acc[i][mt][1] = acc[i][mt][2] = acc[i][mt][3] = 0.f;
-  const u32 ONE = 0x3F803F80u;  // bf16x2 (1, 1)
-
-  for (int c0 = warp * U; c0 < chunks; c0 += WARPS * U) {
-    uint4 wv[U][NT], xv[U][MT][2];
-    u32 m_lo[U][NT], m_hi[U][NT];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = c0 + u;
-      const u32* mrow = meta + (size_t)((unsigned)c >> group_shift) * N + 16 * b0 + g;
-#pragma unroll
-      for (int i = 0; i < NT; ++i) {
-        wv[u][i] = ld_stream(wp + ((size_t)i * chunks + c) * 32);
-        m_lo[u][i] = __ldg(mrow + 16 * i);
-        m_hi[u][i] = __ldg(mrow + 16 * i + 8);
-      }
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const int tok = 8 * mt + g;
-        if (tok < M) {
-          const uint4* xp = reinterpret_cast<const uint4*>(x + (size_t)tok * x_stride + 64 * c + 16 * t);
-          xv[u][mt][0] = __ldg(xp);
-          xv[u][mt][1] = __ldg(xp + 1);
-        } else {
-          xv[u][mt][0] = xv[u][mt][1] = make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int i = 0; i < NT; ++i) {
-        const u32 z_lo = (0xC300u | (m_lo[u][i] >> 16)) * 0x10001u;  // bf16x2 -(128 + zq)
-        const u32 z_hi = (0xC300u | (m_hi[u][i] >> 16)) * 0x10001u;
-        float part[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) part[mt][0] = part[mt][1] = part[mt][2] = part[mt][3] = 0.f;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const u32 q = word(wv[u][i], j);
-          const u32 a0 = bf2_fma(and_or(q, 0x000F000Fu, 0x43004300u), ONE, z_lo);
-          const u32 a1 = bf2_fma(and_or(q >> 4, 0x000F000Fu, 0x43004300u), ONE, z_hi);
-          const u32 a2 = bf2_fma(and_or(q >> 8, 0x000F000Fu, 0x43004300u), ONE, z_lo);
-          const u32 a3 = bf2_fma(and_or(q >> 12, 0x000F000Fu, 0x43004300u), ONE, z_hi);
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-            const uint4& xa = xv[u][mt][j >> 1];
-            mma(part[mt], a0, a1, a2, a3, word(xa, 2 * (j & 1)), word(xa, 2 * (j & 1) + 1));
-          }
-        }
-        const float s_lo = h2f(m_lo[u][i]), s_hi = h2f(m_hi[u][i]);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          acc[i][mt][0] += part[mt][0] * s_lo;
-          acc[i][mt][1] += part[mt][1] * s_lo;
-          acc[i][mt][2] += part[mt][2] * s_hi;
-          acc[i][mt][3] += part[mt][3] * s_hi;
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < NT; ++i)
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) red[warp][(i * MT + mt) * 4 + q][lane] = acc[i][mt][q];
-  __syncthreads();
-  for (int e = threadIdx.x; e < NT * MT * 4 * 32; e += WARPS * 32) {
-    const int r = e >> 5, l = e & 31, q = r & 3, mt = (r >> 2) % MT, i = (r >> 2) / MT;
-    const int tok = 8 * mt + 2 * (l & 3) + (q & 1), n = 16 * (b0 + i) + (l >> 2) + 8 * (q >> 1);
-    if (tok < M) {
-      float s = 0.f;
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) s += red[w][r][l];
-      if (has_bias) s += __uint_as_float(((u32)bias[n]) << 16);
-      y[(size_t)tok * N + n] = f2bf(s);
-    }
-  }
-}
-"""
 
 
 def _kernel_name(mt: int, warps: int, unroll: int, tiles: int) -> str:
@@ -295,7 +174,7 @@ def _source() -> str:
                 "const uint4* qw, const u32* meta, const u16* x, const u16* bias, u16* y, int M, int K, int N, "
                 f"int x_stride, int group_shift, int has_bias) {{ w4a16<{mt}, {nt}, {w}, {u}>(qw, meta, x, bias, y, "
                 "M, K, N, x_stride, group_shift, has_bias); }")
-    return _SOURCE + "\n".join(entries) + "\n"
+    return SOURCE + "\n".join(entries) + "\n"
 
 
 def _names() -> list[str]:
@@ -310,38 +189,27 @@ def supports_group(group_size: int) -> bool:
 
 @functools.cache
 def available() -> bool:
-    """CUDA (not ROCm) with sm_80+ and torch's NVRTC helpers: the kernels can be compiled here."""
-    if not torch.cuda.is_available() or torch.version.hip is not None:
-        return False
-    if torch.cuda.get_device_capability() < (8, 0):
-        return False
-    try:
-        from torch.cuda._utils import _cuda_load_module, _nvrtc_compile  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """The kernels can be compiled and run here (engine.device.cuda_compiler_available)."""
+    from engine.device import cuda_compiler_available  # here: the engine package imports this one's users
+
+    return cuda_compiler_available()
 
 
-def _binary(device_index: int, names: list[str]) -> bytes:
-    """The compiled module: all launch shapes in one NVRTC program (a few seconds of one CPU), kept beside the tuned
-    int4 tables (kernels.int4_tune.cache_dir, keyed by source, architecture and CUDA version) so that every later
-    process of this machine loads it in milliseconds."""
+def _binary(index: int, names: list[str]) -> bytes:
+    """The compiled module, kept beside the tuned int4 tables (kernels.int4_tune.cache_dir, keyed by source,
+    architecture, CUDA and torch) so that every later process of this machine loads it in milliseconds."""
     import hashlib
 
-    from torch.cuda._utils import _nvrtc_compile
-
+    from engine.device import compile_cuda, cuda_build_key
     from kernels.int4_tune import cache_dir  # here, not at the top: int4_tune imports this module
 
     src = _source()
-    arch = "".join(map(str, torch.cuda.get_device_capability(device_index)))
-    key = hashlib.sha256(f"{src}|sm{arch}|{torch.version.cuda}|{torch.__version__}".encode()).hexdigest()[:24]
+    key = hashlib.sha256(f"{src}|{cuda_build_key(index)}".encode()).hexdigest()[:24]
     where = cache_dir()
     path = where / f"int4_cuda_{key}.bin" if where is not None else None
     if path is not None and path.is_file():
         return path.read_bytes()
-    with torch.cuda.device(device_index):
-        binary, _ = _nvrtc_compile(src, names[0], compute_capability=arch,
-                                   nvcc_options=["-std=c++17", "--use_fast_math"])
+    binary = compile_cuda(src, names[0], index)
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -354,19 +222,18 @@ def _binary(device_index: int, names: list[str]) -> bytes:
 
 
 @functools.cache
-def _module(device_index: int) -> dict[str, object]:
-    from torch.cuda._utils import _cuda_load_module
+def _module(index: int) -> dict[str, Callable[..., None]]:
+    """All launch shapes, compiled in one program and loaded once per process and device."""
+    from engine.device import load_cuda
 
     names = _names()
-    with torch.cuda.device(device_index):
-        kernels = _cuda_load_module(_binary(device_index, names), names)
-    assert isinstance(kernels, dict)
-    return kernels
+    return load_cuda(_binary(index, names), names, index)
 
 
 def compile_for(device: torch.device) -> None:
-    """Compile (and load) the kernels before a graph capture needs them."""
-    _module(device.index if device.index is not None else torch.cuda.current_device())
+    """Compile (and load) the kernels before a graph capture needs them (device: a CUDA tensor's device)."""
+    assert device.index is not None, "a GPU tensor's device has an index"
+    _module(device.index)
 
 
 def cuda_mm(x2: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: int, bias: torch.Tensor | None,
@@ -393,9 +260,9 @@ def cuda_mm(x2: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: 
     y = torch.empty((m, n), dtype=torch.bfloat16, device=x2.device)
     mt = _token_tiles(m)
     assert mt is not None
-    kernel = _module(x2.device.index if x2.device.index is not None else torch.cuda.current_device())[
-        _kernel_name(mt, c.warps, c.unroll, c.tiles)]
+    assert x2.device.index is not None, "a GPU tensor's device has an index"
+    kernel = _module(x2.device.index)[_kernel_name(mt, c.warps, c.unroll, c.tiles)]
     shift = (group_size // CHUNK_K).bit_length() - 1
-    kernel(grid=(nb // c.tiles, 1, 1), block=(32 * c.warps, 1, 1),  # type: ignore[operator]
+    kernel(grid=(nb // c.tiles, 1, 1), block=(32 * c.warps, 1, 1),
            args=[qw, meta, x2, bias if bias is not None else y, y, m, k, n, x2.stride(0), shift, int(bias is not None)])
     return y
