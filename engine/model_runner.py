@@ -28,6 +28,7 @@ from engine.protocol import SamplingParams
 from engine.sampler import MIN_TEMPERATURE, DeviceSample, Sampler, SamplerOutput, StepFuture, make_generator
 from engine.scheduler import ScheduledSeq, SchedulerOutput
 from engine.staging import Staging, Uploader
+from engine.state_slots import StateSlots
 from engine.structured import GrammarMatchers
 from kernels.registry import Choice
 
@@ -98,16 +99,16 @@ class ModelRunner:
         self.num_state_slots = config.scheduler.max_num_seqs if self.gdn_layers else 0
         self.num_state_snapshots = self.num_state_slots if config.cache.enable_prefix_caching else 0
         """Hybrid models: snapshot slots for prefix caching (engine.state_snapshots), as many as state slots."""
-        self._snapshots: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.use_graphs = (device.supports_graphs and not config.enforce_eager
                            and self.kernels.attention == "triton"
                            and (not self.lora_layers or self.lora_impl is TritonLoRABatch))
-        self._allocate_state_pool()  # before the KV cache, which takes what memory is left
+        self.upload = Uploader(device)
+        self.states = StateSlots(self.gdn_layers, self.num_state_slots, self.num_state_snapshots, self.use_graphs,
+                                 self.dtype, device.torch_device, self.upload)  # before the KV cache takes the rest
         self.kv = self._allocate_kv_cache()
         self.on_kv_overwrite: Callable[[], None] | None = None
         """Called when KV blocks are written outside a scheduled step (prompt_logits): the engine's prefix
         cache forgets what those blocks held."""
-        self.upload = Uploader(device)
         self.sampler = Sampler(self.upload)
         self._longs, self._ints = Staging(device, torch.long), Staging(device, torch.int32)
         self.processors = LogitsProcessors(int(info.text_config["vocab_size"]), device.torch_device, eos_ids,
@@ -157,22 +158,6 @@ class ModelRunner:
             raise RuntimeError(f"not enough device memory for one sequence of {self.max_model_len} tokens "
                                f"({n} KV blocks fit); lower --max-model-len or raise gpu_memory_utilization")
         return n
-
-    def _allocate_state_pool(self) -> None:
-        """Per GDN layer: conv state [slots, conv_dim, K-1] and fp32 recurrent state [slots, Hv, Dk, Dv]."""
-        dev, n = self.device.torch_device, self.num_state_slots
-        n += 1 if self.use_graphs else 0  # a scratch slot for the padding rows of graph replays
-        for m in self.gdn_layers:
-            m.conv_state = torch.zeros(n, m.conv_dim, m.kernel - 1, dtype=self.dtype, device=dev)
-            m.ssm_state = torch.zeros(n, m.hv, m.dk, m.dv, dtype=torch.float32, device=dev)
-        if self.gdn_layers:
-            per_seq = sum(m.conv_state[0].numel() * m.conv_state.element_size() + m.ssm_state[0].numel() * 4
-                          for m in self.gdn_layers)
-            log.info("linear-attention state pool: %d slots x %.1f MiB", n, per_seq / 2**20)
-        self._snapshots = [(torch.zeros_like(m.conv_state[:self.num_state_snapshots]),
-                            torch.zeros_like(m.ssm_state[:self.num_state_snapshots])) for m in self.gdn_layers]
-        if self.num_state_snapshots:
-            log.info("prefix-cache state snapshots: %d slots x %.1f MiB", self.num_state_snapshots, per_seq / 2**20)
 
     def _allocate_kv_cache(self) -> KVCacheSpec:
         # Every rank must agree on the block count (the scheduler's block ids index all of them).
@@ -277,31 +262,6 @@ class ModelRunner:
                 rows.append(self._prev_rows[s.seq_id])
         return at, rows
 
-    def _reset_states(self, step: SchedulerOutput) -> None:
-        """A sequence's first chunk starts from zero state (new, or recomputed after preemption)."""
-        fresh = [s.state_slot for s in step.seqs if s.start_pos == 0 and s.state_slot >= 0]
-        if not fresh or not self.gdn_layers:
-            return
-        index = self.upload(fresh, torch.long)
-        for m in self.gdn_layers:  # two launches per layer, however many sequences start
-            m.conv_state.index_fill_(0, index, 0)
-            m.ssm_state.index_fill_(0, index, 0)
-
-    def _copy_states(self, step: SchedulerOutput, restore: bool) -> None:
-        """Prefix caching on hybrid models: snapshot -> state slot before a step (a hit), state slot ->
-        snapshot after it."""
-        pairs = [(s.state_restore, s.state_slot) if restore else (s.state_slot, s.state_save)
-                 for s in step.seqs if (s.state_restore if restore else s.state_save) >= 0]
-        if not pairs or not self._snapshots:
-            return
-        src, dst = (self.upload(list(x), torch.long) for x in zip(*pairs))
-        for m, (conv, ssm) in zip(self.gdn_layers, self._snapshots):
-            for state, snap in ((m.conv_state, conv), (m.ssm_state, ssm)):
-                if restore:
-                    state.index_copy_(0, dst, snap.index_select(0, src))
-                else:
-                    snap.index_copy_(0, dst, state.index_select(0, src))
-
     def execute(self, step: SchedulerOutput, lora_loads: Iterable[tuple[int, LoRAAdapter]] = ()) -> SamplerOutput:
         """launch, then wait for the sampled ids (tests, tensor-parallel ranks > 0)."""
         return self.launch(step, lora_loads).result()
@@ -326,8 +286,8 @@ class ModelRunner:
             self.load_lora(slot, adapter)
         for sid in step.finished_seq_ids:
             self.generators.pop(sid, None)
-        self._reset_states(step)
-        self._copy_states(step, restore=True)
+        self.states.reset(step)
+        self.states.copy(step, restore=True)
         sampling_rank = tp_rank() == 0
         if sampling_rank:
             self.processors.release(step.finished_seq_ids)
@@ -344,7 +304,7 @@ class ModelRunner:
             input_ids, positions, ctx, rows = self._prepare(step)
             with forward_context(ctx):
                 h = self.model(input_ids, positions)
-        self._copy_states(step, restore=False)
+        self.states.copy(step, restore=False)
         sampled = [s for s in step.seqs if s.sample]
         if not sampled:
             return None
@@ -398,7 +358,7 @@ class ModelRunner:
                                                 lora_slot, 0 if self.gdn_layers else -1)])
         if self.on_kv_overwrite is not None:
             self.on_kv_overwrite()
-        self._reset_states(step)
+        self.states.reset(step)
         input_ids, positions, ctx, _ = self._prepare(step)
         with forward_context(ctx):
             h = self.model(input_ids, positions)
