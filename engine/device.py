@@ -301,14 +301,16 @@ def cuda_compiler_available() -> bool:
     """CUDA C can be compiled at run time here (NVRTC through torch, kernels.int4_cuda): CUDA, not ROCm, sm_80+."""
     if not torch.cuda.is_available() or torch.version.hip is not None or torch.cuda.get_device_capability() < (8, 0):
         return False
-    return importlib.util.find_spec("torch.cuda._utils") is not None and all(
-        hasattr(importlib.import_module("torch.cuda._utils"), f) for f in ("_nvrtc_compile", "_cuda_load_module"))
+    try:
+        from torch.cuda._utils import _cuda_load_module, _nvrtc_compile  # noqa: F401  (private: may move)
+    except ImportError:
+        return False
+    return True
 
 
 def cuda_build_key(index: int) -> str:
     """What a binary compiled by compile_cuda depends on besides its source: architecture, CUDA and torch."""
-    arch = "".join(map(str, torch.cuda.get_device_capability(index)))
-    return f"sm{arch}|cuda{torch.version.cuda}|torch{torch.__version__}"
+    return f"sm{''.join(map(str, torch.cuda.get_device_capability(index)))}|{torch.version.cuda}|{torch.__version__}"
 
 
 def compile_cuda(source: str, first_kernel: str, index: int) -> bytes:
@@ -317,9 +319,8 @@ def compile_cuda(source: str, first_kernel: str, index: int) -> bytes:
 
     arch = "".join(map(str, torch.cuda.get_device_capability(index)))
     with torch.cuda.device(index):
-        binary, _ = _nvrtc_compile(source, first_kernel, compute_capability=arch,
-                                   nvcc_options=["-std=c++17", "--use_fast_math"])
-    return binary
+        return _nvrtc_compile(source, first_kernel, compute_capability=arch,
+                              nvcc_options=["-std=c++17", "--use_fast_math"])[0]
 
 
 def load_cuda(binary: bytes, names: list[str], index: int) -> dict[str, Callable[..., None]]:

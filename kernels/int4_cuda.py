@@ -42,7 +42,7 @@ TOKEN_TILES = (1, 2, 4, 8)
 SHAPES = ((16, 1, 1), (16, 2, 1), (8, 1, 1), (8, 2, 1), (4, 2, 1), (4, 1, 1), (16, 1, 2), (8, 1, 2), (4, 1, 2))
 """(warps, chunks per warp per round, feature tiles per block) compiled for each token-tile count whose registers
 allow it (_shapes_for): the shapes that won or came within 3 % at some M <= 32 on the four Qwen3-8B shapes on an
-H200 (docs/PERFORMANCE.md, fifteenth session; 4-chunk unrolls, 2-tile unrolls and 4-tile blocks never did), and
+H200 (docs/PERFORMANCE.md, sixteenth session; 4-chunk unrolls, 2-tile unrolls and 4-tile blocks never did), and
 (4, 1, 1), the one that fits K = 256 and won at M = 64."""
 
 
@@ -92,11 +92,12 @@ TUNED: dict[int, tuple[tuple[int, int, int], ...]] = {
     8: ((4, 1, 1), (8, 1, 1)),
 }
 """Per token-tile count, the launch shapes the tuner times: each won, or came within 3 % of the best, at some M of
-that tile count on the four Qwen3-8B shapes (H200, fifteenth session); (4, 1, 1) fits every K the backend takes."""
+that tile count on the four Qwen3-8B shapes (H200, docs/PERFORMANCE.md sixteenth session)."""
 
 
 def tuner_variants(m: int, k: int, n: int) -> list[CudaMmaConfig]:
-    """The launch shapes kernels.int4_tune times at m rows (TUNED, those that fit; the smallest block if none)."""
+    """The launch shapes kernels.int4_tune times at m rows: TUNED's that fit, else the first compiled one that does
+    (every K the backend takes has one: (4, 1, 1))."""
     mt = _token_tiles(m)
     if mt is None:
         return []
@@ -105,7 +106,7 @@ def tuner_variants(m: int, k: int, n: int) -> list[CudaMmaConfig]:
 
 
 def variants(m: int, k: int, n: int) -> list[CudaMmaConfig]:
-    """Every compiled launch shape that fits m rows, K and N (the tuner times them all)."""
+    """Every compiled launch shape that fits m rows, K and N (benchmarks/bench_int4.py sweeps them all)."""
     mt = _token_tiles(m)
     if mt is None:
         return []

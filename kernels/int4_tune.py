@@ -198,8 +198,8 @@ def _gemv_variants(k: int, n: int, g: int) -> list[GemvConfig]:
 def candidates(backends: Sequence[str], m: int, layout: Int4Layout, dtype: torch.dtype) -> list[Path]:
     """The paths timed at m rows with activations of `dtype`. The memory-bound Triton kernels are not timed past
     256 rows (their cost grows with M; dequant + GEMM wins there), the one-row kernel (triton_gemv) only at one row,
-    the CUDA one (cuda_mma: every compiled launch shape that fits) up to its 64 rows, dequant not below 8 rows (it
-    writes the whole dense weight)."""
+    the CUDA one (cuda_mma: kernels.int4_cuda.tuner_variants) up to its 64 rows, dequant not below 8 rows (it writes
+    the whole dense weight)."""
     k, n, g = layout.in_features, layout.out_features, layout.group_size
     out: list[Path] = []
     for b in backends:
