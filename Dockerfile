@@ -114,15 +114,16 @@ LABEL org.opencontainers.image.title="xpulora" \
       org.opencontainers.image.licenses="Apache-2.0"
 # The server runs as uid 10001. Opening /dev/dri/renderD* needs the HOST's group id of that node, which no
 # image can know: `docker run --group-add "$(stat -c %g /dev/dri/renderD128)"` (docs/docker.md).
-# ~/.cache/xpulora keeps the tuned int4 dispatch's tables (docs/kernels.md): a volume there (`-v
-# xpulora-cache:/home/xpulora/.cache/xpulora`) spares later starts the timing; it exists here so that a new
-# named volume takes its owner.
+# ~/.cache/xpulora keeps the tuned int4 dispatch's tables, the compiled CUDA C module and (TRITON_CACHE_DIR)
+# Triton's compiled kernels (docs/kernels.md): a volume there (`-v xpulora-cache:/home/xpulora/.cache/xpulora`)
+# spares later starts the timing and the JIT; it exists here so that a new named volume takes its owner.
 RUN useradd --create-home --uid 10001 --user-group --shell /usr/sbin/nologin xpulora \
  && mkdir -p /models /adapters /home/xpulora/.cache/xpulora \
  && chown xpulora:xpulora /models /adapters /home/xpulora/.cache /home/xpulora/.cache/xpulora
 COPY --from=deps /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     HF_HOME=/home/xpulora/.cache/huggingface \
+    TRITON_CACHE_DIR=/home/xpulora/.cache/xpulora/triton \
     XPULORA_HOST=0.0.0.0 \
     XPULORA_DEMO_DIR=/opt/xpulora/demo
 # A regular install of the wheel (no source tree behind it), then an import check beside the driver libraries.

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import pathlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ __all__ = ["CUDA_MAX_ROWS", "CudaMmaConfig", "available", "cuda_config", "cuda_m
 
 CUDA_MAX_ROWS = 64
 CHUNK_K = 64
+COMPILE_LOCK = ".int4_cuda.lock"
 TOKEN_TILES = (1, 2, 4, 8)
 """Compiled token-tile counts (8 rows each): a launch takes the smallest that holds its rows."""
 SHAPES = ((16, 1, 1), (16, 2, 1), (8, 1, 1), (8, 2, 1), (4, 2, 1), (4, 1, 1), (16, 1, 2), (8, 1, 2), (4, 1, 2))
@@ -201,8 +203,8 @@ def _binary(index: int, names: list[str]) -> bytes:
     architecture, CUDA and torch) so that every later process of this machine loads it in milliseconds."""
     import hashlib
 
-    from engine.device import compile_cuda, cuda_build_key
-    from kernels.int4_tune import cache_dir  # here, not at the top: int4_tune imports this module
+    from engine.device import cuda_build_key
+    from kernels.int4_tune import cache_dir, cache_lock  # here, not at the top: int4_tune imports this module
 
     src = _source()
     key = hashlib.sha256(f"{src}|{cuda_build_key(index)}".encode()).hexdigest()[:24]
@@ -210,6 +212,15 @@ def _binary(index: int, names: list[str]) -> bytes:
     path = where / f"int4_cuda_{key}.bin" if where is not None else None
     if path is not None and path.is_file():
         return path.read_bytes()
+    with cache_lock(COMPILE_LOCK):  # one process compiles; the others wait and load its file
+        if path is not None and path.is_file():
+            return path.read_bytes()
+        return _compile_and_keep(src, names, index, path)
+
+
+def _compile_and_keep(src: str, names: list[str], index: int, path: pathlib.Path | None) -> bytes:
+    from engine.device import compile_cuda
+
     binary = compile_cuda(src, names[0], index)
     if path is not None:
         try:

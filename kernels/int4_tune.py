@@ -11,17 +11,23 @@ engine's times graph replays where the device has graphs: what decode steps run)
 in a JSON file keyed by device name, torch and triton versions, dtype, shape, group, zero-point kind and the
 candidate backends ($XPULORA_KERNEL_CACHE_DIR, else $XDG_CACHE_HOME/xpulora, else ~/.cache/xpulora;
 XPULORA_KERNEL_CACHE_DIR=off keeps nothing). The cache is never required: unreadable or unwritable means timing.
+Processes that start together time a shape once: the first holds that shape's lock file (cache_lock), the others
+wait and read its table.
 Only backends that passed the start-up check vs the reference (kernels.checks) are ever candidates, and each launch
 shape's output is checked against the fp32 reference (TOLERANCE) before it is timed: a wrong one is never picked.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import logging
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path as FsPath
 
@@ -352,6 +358,46 @@ def _write_cache(path: FsPath, key: str, table: TunedTable) -> None:
     os.replace(tmp, path)  # atomic: concurrent engines (TP ranks, test workers) never read half a file
 
 
+def _from_cache(file: FsPath, key: str, shape: Shape, backends: Sequence[str]) -> TunedTable | None:
+    if key not in (cached := _read_cache(file)):
+        return None
+    try:
+        table = _table_from_json(cached[key], shape)
+    except (ValueError, TypeError, IndexError) as e:
+        log.warning("int4 dispatch cache %s: entry for %s unreadable (%s); timing again", file, shape.key(), e)
+        return None
+    if not {p.backend for _, p in table.rows} <= set(backends):
+        return None
+    log.info("int4 dispatch %s (cached in %s): %s", shape.key(), file, table.describe())
+    return table
+
+
+@contextlib.contextmanager
+def cache_lock(name: str) -> Iterator[None]:
+    """An exclusive lock on the file `name` of the cache folder, for work that one process of this machine does
+    while the others wait and then read its result from the cache (the OS releases it if its holder dies; no
+    cache folder, no lock). Locks never nest the other way round: a shape's tuning (one lock file per shape) may
+    compile cuda_mma under its lock, never the reverse."""
+    folder = cache_dir()
+    try:
+        if folder is None:
+            raise OSError("XPULORA_KERNEL_CACHE_DIR=off")
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(folder / name, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:  # the cache is never required: work without the lock
+        log.info("kernel cache lock %s not taken (%s)", name, e)
+        yield
+        return
+    try:
+        t0 = time.perf_counter()
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        if (waited := time.perf_counter() - t0) > 0.5:
+            log.info("kernel cache: waited %.1f s for another process's %s", waited, name)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 _TABLES: dict[str, TunedTable] = {}
 """Tables of this process (each distinct layer shape is tuned or read once)."""
 
@@ -359,32 +405,37 @@ _TABLES: dict[str, TunedTable] = {}
 def tune(shape: Shape, backends: Sequence[str], timer: Timer, device: torch.device, device_name: str,
          use_cache: bool = True, release: Callable[[], None] | None = None) -> TunedTable:
     """The tuned table for this shape and these (checked) backends: from this process, the cache file, or
-    measured now (then logged and written to the cache; `release` is called after measuring, to give the
-    transient weight copies' memory back)."""
+    measured now under the cache folder's lock (then logged and written to the cache; `release` is called after
+    measuring, to give the transient weight copies' memory back)."""
     key = cache_key(shape, backends, device_name)
     if key in _TABLES:
         return _TABLES[key]
     folder = cache_dir() if use_cache else None
-    file = folder / CACHE_FILE if folder is not None else None
-    if file is not None and key in (cached := _read_cache(file)):
-        try:
-            table = _table_from_json(cached[key], shape)
-            if {p.backend for _, p in table.rows} <= set(backends):
-                log.info("int4 dispatch %s (cached in %s): %s", shape.key(), file, table.describe())
-                _TABLES[key] = table
-                return table
-        except (ValueError, TypeError, IndexError) as e:
-            log.warning("int4 dispatch cache %s: entry for %s unreadable (%s); timing again", file, shape.key(), e)
+    if folder is None:
+        table = _measure_logged(shape, backends, timer, device, device_name, release)
+    elif (table := _from_cache(folder / CACHE_FILE, key, shape, backends)) is None:
+        # One process times a shape while the others wait and read its table, instead of timing the same shape
+        # beside it (test workers, engines side by side, TP ranks with identical shards); other shapes go on.
+        with cache_lock(f".int4_dispatch.{hashlib.sha256(key.encode()).hexdigest()[:16]}.lock"):
+            # another process may have timed this shape while this one waited
+            if (table := _from_cache(folder / CACHE_FILE, key, shape, backends)) is None:
+                table = _measure_logged(shape, backends, timer, device, device_name, release)
+                try:
+                    _write_cache(folder / CACHE_FILE, key, table)
+                except OSError as e:
+                    log.warning("int4 dispatch cache %s not written (%s): the next start times again", folder, e)
+    _TABLES[key] = table
+    return table
+
+
+def _measure_logged(shape: Shape, backends: Sequence[str], timer: Timer, device: torch.device, device_name: str,
+                    release: Callable[[], None] | None) -> TunedTable:
+    t0 = time.perf_counter()
     table = measure(shape, backends, timer, device)
     if release is not None:
         release()
-    log.info("int4 dispatch %s on %s, measured: %s", shape.key(), device_name, table.describe())
+    log.info("int4 dispatch %s on %s, measured in %.1f s: %s", shape.key(), device_name, time.perf_counter() - t0,
+             table.describe())
     for m, times in table.timings:
         log.info("  int4 %s M=%d: %s", shape.key(), m, ", ".join(f"{n} {t}us" for n, t in times))
-    if file is not None:
-        try:
-            _write_cache(file, key, table)
-        except OSError as e:
-            log.warning("int4 dispatch cache %s not written (%s): the next start times again", file, e)
-    _TABLES[key] = table
     return table

@@ -113,6 +113,39 @@ CASES = [  # (M, K, N, group, zero_offset, symmetric, bias)
 ]
 
 
+def test_processes_compile_the_module_once_and_keep_it(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """On a fresh machine every engine and test worker asks for the module at once: one compiles it under the cache
+    folder's lock (two threads here: flock locks conflict between open files, in one process too), the other
+    waits and loads the file it wrote; a later process loads it without compiling. The NVRTC call itself is
+    replaced by a slow stand-in (the real one runs in the CUDA tests)."""
+    import threading
+    import time
+
+    import engine.device as device
+
+    compiled: list[str] = []
+
+    def slow_compile(source: str, first: str, index: int) -> bytes:
+        compiled.append(first)
+        time.sleep(0.3)
+        return b"binary of " + first.encode()
+
+    monkeypatch.setenv("XPULORA_KERNEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(device, "compile_cuda", slow_compile)
+    monkeypatch.setattr(device, "cuda_build_key", lambda index: "sm90|test")
+    names = ["w4a16_a", "w4a16_b"]
+    got: list[bytes] = []
+    threads = [threading.Thread(target=lambda: got.append(int4_cuda._binary(0, names))) for _ in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert compiled == ["w4a16_a"] and got == [b"binary of w4a16_a"] * 2
+    assert [p.name for p in tmp_path.glob("int4_cuda_*.bin")] != []
+    assert int4_cuda._binary(0, names) == b"binary of w4a16_a" and len(compiled) == 1
+
+
 @pytest.mark.skipif(not ON_CUDA, reason="the CUDA C kernel runs on CUDA only")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "m{}-k{}-n{}-g{}-zo{}-{}-{}".format(
     c[0], c[1], c[2], c[3], c[4], "sym" if c[5] else "asym", "bias" if c[6] else "nobias"))

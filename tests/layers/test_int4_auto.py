@@ -342,3 +342,45 @@ def test_a_cached_table_must_fit_its_shape() -> None:
                 [[1, "triton_gemv[128x16 s1 w4 st1 fold]"], [None, "dequant"]]):  # not a flag of this kernel
         with pytest.raises(ValueError):
             tu._table_from_json(bad, shape)
+
+
+RACE = r"""
+import os, sys, time
+import torch
+import kernels.int4_tune as tu
+from kernels.int4 import Int4Layout
+me, other = sys.argv[1], sys.argv[2]
+open(me, "w").close()
+while not os.path.exists(other):  # both processes reach tune() within milliseconds of each other
+    time.sleep(0.001)
+measured = []
+def timer(calls):
+    measured.append(len(calls))
+    time.sleep(0.05)  # 24 timings: the first process is still timing when the second asks for the table
+    return 1.0 + 0.001 * len(measured)
+shape = tu.Shape(Int4Layout(32, 1, 64, 32), torch.float32, sym=False)
+table = tu.tune(shape, ["native_cpu", "reference"], timer, torch.device("cpu"), "dev")
+print("measured" if measured else "read", table.describe())
+"""
+
+
+def test_processes_side_by_side_time_a_shape_once(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two engines starting together (test workers, engines beside each other on one GPU): one times the shape
+    under the cache folder's lock, the other waits and reads the table it wrote, instead of timing the same
+    shapes at the same time (each timing the other's contention)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "XPULORA_KERNEL_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    procs = [subprocess.Popen([sys.executable, "-c", RACE, me, other], cwd=repo, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for me, other in ((a, b), (b, a))]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    lines = sorted(o.strip().splitlines()[-1] for o, _ in outs)
+    assert [ln.split()[0] for ln in lines] == ["measured", "read"], lines
+    assert lines[0].split(" ", 1)[1] == lines[1].split(" ", 1)[1]  # the same table
