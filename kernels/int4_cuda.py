@@ -15,7 +15,9 @@ exactly its A fragments for 64 k (4 MMAs of 16): a nibble pair becomes a bf16 pa
 k (two 16-byte loads per 8 tokens); the repack applies the same order to the weights.
 A block is one to four 16-feature tiles (x read once for all of them); its warps split K (warp w takes the w-th
 run of UNROLL chunks of 64 k in each round of WARPS * UNROLL) and sum their partials through shared memory in
-warp order: the same bits on every run.
+warp order: the same bits on every run. With K also split over the grid (CudaMmaConfig.splits), each block does
+that for its share of K and parks fp32 sums in a workspace; the last block of a feature column adds them in split
+order (kernels.int4_triton's counters), so wide blocks still make a full grid.
 The CUDA backend is chosen by engine/device.py (tuned candidates on CUDA only); XPU keeps the Triton kernels.
 """
 
@@ -31,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.int4_cuda_src import SOURCE
+from kernels.int4_triton import _MAX_TILES, _counters
 
 log = logging.getLogger(__name__)
 
@@ -41,26 +44,30 @@ CHUNK_K = 64
 COMPILE_LOCK = ".int4_cuda.lock"
 TOKEN_TILES = (1, 2, 4, 8)
 """Compiled token-tile counts (8 rows each): a launch takes the smallest that holds its rows."""
-SHAPES = ((16, 1, 1), (16, 2, 1), (8, 1, 1), (8, 2, 1), (4, 2, 1), (4, 1, 1), (16, 1, 2), (8, 1, 2), (4, 1, 2))
+SHAPES = ((16, 1, 1), (16, 2, 1), (8, 1, 1), (8, 2, 1), (4, 2, 1), (4, 1, 1), (16, 1, 2), (8, 1, 2), (4, 1, 2),
+          (8, 1, 4), (4, 1, 4))
 """(warps, chunks per warp per round, feature tiles per block) compiled for each token-tile count whose registers
 allow it (_shapes_for): the shapes that won or came within 3 % at some M <= 32 on the four Qwen3-8B shapes on an
 H200 (docs/PERFORMANCE.md, sixteenth session; 4-chunk unrolls, 2-tile unrolls and 4-tile blocks never did), and
-(4, 1, 1), the one that fits K = 256 and won at M = 64."""
+(4, 1, 1), the one that fits K = 256 and won at M = 64; 4-tile blocks again for K split over the grid (SPLIT)."""
 
 
 @dataclass(frozen=True)
 class CudaMmaConfig:
-    """Launch shape: warps per block (each a share of K), chunks of 64 k each warp loads before it computes, and
-    tiles of 16 output features per block (each x fragment feeds that many MMAs)."""
+    """Launch shape: warps per block (each a share of its split of K), chunks of 64 k each warp loads before it
+    computes, tiles of 16 output features per block (each x fragment feeds that many MMAs), and splits of K over
+    the grid (blocks of one feature column sum through an fp32 workspace: more blocks when the columns are few)."""
 
     warps: int
     unroll: int
     tiles: int = 1
+    splits: int = 1
 
     def fits(self, m: int, k: int, n: int) -> bool:
-        mt = _token_tiles(m)
-        return (mt is not None and (self.warps, self.unroll, self.tiles) in _shapes_for(mt)
-                and (k // CHUNK_K) % (self.warps * self.unroll) == 0 and n % (16 * self.tiles) == 0)
+        mt, chunks = _token_tiles(m), k // CHUNK_K
+        return (mt is not None and (self.warps, self.unroll, self.tiles) in _shapes_for(mt) and self.splits >= 1
+                and chunks % self.splits == 0 and (chunks // self.splits) % (self.warps * self.unroll) == 0
+                and n % (16 * self.tiles) == 0)
 
 
 def _token_tiles(m: int) -> int | None:
@@ -97,22 +104,37 @@ TUNED: dict[int, tuple[tuple[int, int, int], ...]] = {
 that tile count on the four Qwen3-8B shapes (H200, docs/PERFORMANCE.md sixteenth session)."""
 
 
+SPLIT: dict[int, tuple[tuple[int, int, int], ...]] = {
+    2: ((8, 1, 2), (8, 1, 4), (4, 1, 4)),
+    4: ((8, 1, 2), (4, 1, 2), (4, 1, 4)),
+    8: ((4, 1, 1), (8, 1, 1)),
+}
+"""Per token-tile count from 9 rows, the launch shapes the tuner also times with K split in 2 and 4 over the grid:
+from 16 rows the kernel is bound by loading x, once per block for its 16-64 features, and wider blocks alone leave
+too few blocks (sixteenth session). Split, a block reads x for its share of K only, so wider blocks keep the grid
+full. Chosen from that analysis, not yet timed on a GPU (docs/PERFORMANCE.md, seventeenth session)."""
+SPLITS = (2, 4)
+
+
 def tuner_variants(m: int, k: int, n: int) -> list[CudaMmaConfig]:
-    """The launch shapes kernels.int4_tune times at m rows: TUNED's that fit, else the first compiled one that does
-    (every K the backend takes has one: (4, 1, 1))."""
+    """The launch shapes kernels.int4_tune times at m rows: TUNED's and SPLIT's that fit, else the first compiled
+    one that does (every K the backend takes has one: (4, 1, 1))."""
     mt = _token_tiles(m)
     if mt is None:
         return []
-    out = [CudaMmaConfig(*s) for s in TUNED[mt] if CudaMmaConfig(*s).fits(m, k, n)]
-    return out or variants(m, k, n)[:1]
+    out = [CudaMmaConfig(*s) for s in TUNED[mt]]
+    out += [CudaMmaConfig(*s, splits=sp) for s in SPLIT.get(mt, ()) for sp in SPLITS]
+    return [c for c in out if c.fits(m, k, n)] or variants(m, k, n)[:1]
 
 
 def variants(m: int, k: int, n: int) -> list[CudaMmaConfig]:
-    """Every compiled launch shape that fits m rows, K and N (benchmarks/bench_int4.py sweeps them all)."""
+    """Every compiled launch shape that fits m rows, K and N, whole and with K split in SPLITS (benchmarks/bench_int4.py
+    sweeps them all)."""
     mt = _token_tiles(m)
     if mt is None:
         return []
-    return [c for c in (CudaMmaConfig(*s) for s in _shapes_for(mt)) if c.fits(m, k, n)]
+    return [c for c in (CudaMmaConfig(*s, splits=sp) for sp in (1, *SPLITS) for s in _shapes_for(mt))
+            if c.fits(m, k, n)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -174,9 +196,10 @@ def _source() -> str:
         for w, u, nt in _shapes_for(mt):
             entries.append(
                 f'extern "C" __global__ void __launch_bounds__({32 * w}) {_kernel_name(mt, w, u, nt)}('
-                "const uint4* qw, const u32* meta, const u16* x, const u16* bias, u16* y, int M, int K, int N, "
-                f"int x_stride, int group_shift, int has_bias) {{ w4a16<{mt}, {nt}, {w}, {u}>(qw, meta, x, bias, y, "
-                "M, K, N, x_stride, group_shift, has_bias); }")
+                "const uint4* qw, const u32* meta, const u16* x, const u16* bias, u16* y, float* ws, int* cnt, "
+                "int M, int K, int N, int x_stride, int group_shift, int has_bias, int splits) { "
+                f"w4a16<{mt}, {nt}, {w}, {u}>(qw, meta, x, bias, y, ws, cnt, M, K, N, x_stride, group_shift, "
+                "has_bias, splits); }")
     return SOURCE + "\n".join(entries) + "\n"
 
 
@@ -275,6 +298,12 @@ def cuda_mm(x2: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: 
     assert x2.device.index is not None, "a GPU tensor's device has an index"
     kernel = _module(x2.device.index)[_kernel_name(mt, c.warps, c.unroll, c.tiles)]
     shift = (group_size // CHUNK_K).bit_length() - 1
-    kernel(grid=(nb // c.tiles, 1, 1), block=(32 * c.warps, 1, 1),
-           args=[qw, meta, x2, bias if bias is not None else y, y, m, k, n, x2.stride(0), shift, int(bias is not None)])
+    # splits > 1: fp32 partials in ws, summed in split order by each column's last block (kernels.int4_triton's
+    # counters: every launch leaves them at zero, and no two split launches run at once on the engine's one stream)
+    if c.splits > 1 and nb // c.tiles > _MAX_TILES:
+        raise ValueError(f"int4 cuda_mma: {nb // c.tiles} feature columns exceed the {_MAX_TILES} split-K counters")
+    ws = torch.empty((c.splits, m, n), dtype=torch.float32, device=x2.device) if c.splits > 1 else y
+    kernel(grid=(nb // c.tiles, c.splits, 1), block=(32 * c.warps, 1, 1),
+           args=[qw, meta, x2, bias if bias is not None else y, y, ws, _counters(x2.device), m, k, n, x2.stride(0),
+                 shift, int(bias is not None), c.splits])
     return y

@@ -1,7 +1,8 @@
 """The CUDA C of the cuda_mma int4 kernel (kernels.int4_cuda: its layout, launch shapes and binding).
 
 One template, w4a16<MT, NT, WARPS, U>; kernels.int4_cuda appends one extern "C" entry per compiled launch shape.
-No headers: the few intrinsics it needs are inline PTX, so NVRTC compiles it without a CUDA toolkit's include dir.
+No headers: the few intrinsics it needs are inline PTX or NVRTC built-ins (atomicAdd, __threadfence, __ldg), so NVRTC
+compiles it without a CUDA toolkit's include dir.
 """
 
 SOURCE = r"""
@@ -32,16 +33,23 @@ DEVI void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
                : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 DEVI u32 word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
+DEVI float ld_l2(const float* p) {  // another block's partial: from L2, never a stale L1 line
+  float v; asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p)); return v;
+}
 
 // qw [N/16, K/64, 32, 4]; meta [K/G, N] (fp16 scale | zq << 16); x [M, x_stride] bf16; y [M, N] bf16.
-// A block: NT tiles of 16 features (x fragments reused across them), MT tiles of 8 tokens, WARPS shares of K.
+// A block: NT tiles of 16 features (x fragments reused across them), MT tiles of 8 tokens, WARPS shares of its
+// split of K (blockIdx.y of `splits`). With splits > 1 each block parks its fp32 sums in ws [splits, M, N]; the
+// last of a column's blocks to finish (counted in cnt[blockIdx.x], left at zero) adds them in split order.
 template <int MT, int NT, int WARPS, int U>
 DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, const u16* __restrict__ x,
-                const u16* __restrict__ bias, u16* __restrict__ y, int M, int K, int N, int x_stride,
-                int group_shift, int has_bias) {
+                const u16* __restrict__ bias, u16* __restrict__ y, float* ws, int* cnt, int M, int K, int N,
+                int x_stride, int group_shift, int has_bias, int splits) {
   __shared__ float red[WARPS][NT * MT * 4][32];
+  __shared__ int last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-  const int chunks = K >> 6, b0 = blockIdx.x * NT;
+  const int chunks = K >> 6, b0 = blockIdx.x * NT, per_split = chunks / splits;
+  const int c_begin = blockIdx.y * per_split, c_end = c_begin + per_split;
   const uint4* wp = qw + (size_t)b0 * chunks * 32 + lane;
   float acc[NT][MT][4];
 #pragma unroll
@@ -50,7 +58,7 @@ DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, cons
     for (int mt = 0; mt < MT; ++mt) acc[i][mt][0] = acc[i][mt][1] = acc[i][mt][2] = acc[i][mt][3] = 0.f;
   const u32 ONE = 0x3F803F80u;  // bf16x2 (1, 1)
 
-  for (int c0 = warp * U; c0 < chunks; c0 += WARPS * U) {
+  for (int c0 = c_begin + warp * U; c0 < c_end; c0 += WARPS * U) {
     uint4 wv[U][NT], xv[U][MT][2];
     u32 m_lo[U][NT], m_hi[U][NT];
 #pragma unroll
@@ -122,9 +130,31 @@ DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, cons
       float s = 0.f;
 #pragma unroll
       for (int w = 0; w < WARPS; ++w) s += red[w][r][l];
+      if (splits > 1) {
+        ws[((size_t)blockIdx.y * M + tok) * N + n] = s;
+      } else {
+        if (has_bias) s += __uint_as_float(((u32)bias[n]) << 16);
+        y[(size_t)tok * N + n] = f2bf(s);
+      }
+    }
+  }
+  if (splits == 1) return;
+  __threadfence();  // this thread's partials reach L2 before the counter says so
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(cnt + blockIdx.x, 1) == splits - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int e = threadIdx.x; e < NT * MT * 4 * 32; e += WARPS * 32) {
+    const int r = e >> 5, l = e & 31, q = r & 3, mt = (r >> 2) % MT, i = (r >> 2) / MT;
+    const int tok = 8 * mt + 2 * (l & 3) + (q & 1), n = 16 * (b0 + i) + (l >> 2) + 8 * (q >> 1);
+    if (tok < M) {
+      float s = 0.f;
+      for (int sp = 0; sp < splits; ++sp) s += ld_l2(ws + ((size_t)sp * M + tok) * N + n);  // fixed order
       if (has_bias) s += __uint_as_float(((u32)bias[n]) << 16);
       y[(size_t)tok * N + n] = f2bf(s);
     }
   }
+  if (threadIdx.x == 0) cnt[blockIdx.x] = 0;  // ready for the next launch
 }
 """

@@ -63,7 +63,7 @@ LARGE_M = 1024
 DEQUANT = "dequant"
 CACHE_ENV = "XPULORA_KERNEL_CACHE_DIR"
 CACHE_FILE = "int4_dispatch.json"
-TABLE_VERSION = 5
+TABLE_VERSION = 6
 """Part of the cache key: bump it when the kernels or their candidates change, so that old tables are timed again."""
 TIMED_BYTES = 256 * 2**20
 """Weight copies timed in turn add up to at least this (several times a large GPU's last-level cache)."""
@@ -89,7 +89,8 @@ class Path:
     def name(self) -> str:
         if isinstance(self.config, CudaMmaConfig):
             c = self.config
-            return f"{self.backend}[w{c.warps} u{c.unroll} n{c.tiles}]"
+            split = f" k{c.splits}" if c.splits > 1 else ""
+            return f"{self.backend}[w{c.warps} u{c.unroll} n{c.tiles}{split}]"
         if isinstance(self.config, MmaConfig):
             c = self.config
             fold = " fold" if c.fold else ""
@@ -110,8 +111,11 @@ class Path:
         if not rest:
             return Path(backend)
         if backend == "cuda_mma":
-            warps, unroll, tiles = rest.rstrip("]").split(" ")
-            return Path(backend, CudaMmaConfig(int(warps[1:]), int(unroll[1:]), int(tiles[1:])))
+            warps, unroll, tiles, *split = rest.rstrip("]").split(" ")
+            if len(split) > 1 or (split and split[0][0] != "k"):
+                raise ValueError(f"int4 dispatch: unknown path {name!r}")
+            return Path(backend, CudaMmaConfig(int(warps[1:]), int(unroll[1:]), int(tiles[1:]),
+                                               int(split[0][1:]) if split else 1))
         tile, split, warps, stages, *flags = rest.rstrip("]").split(" ")
         if backend == "triton_gemv" and flags in ([], ["noprefetch"]):
             bn, bkw = (int(v) for v in tile.split("x"))
@@ -339,10 +343,13 @@ def _table_from_json(rows: list, shape: Shape) -> TunedTable:
     if not table.rows or table.rows[-1][0] is not None:
         raise ValueError("a tuned table must end with an open bucket")
     k, n, g = shape.layout.in_features, shape.layout.out_features, shape.layout.group_size
-    for _, p in table.rows:
+    for bound, p in table.rows:
         c = p.config
         if isinstance(c, (MmaConfig, GemvConfig)) and not c.fits(1, k, n, g):
             raise ValueError(f"{p.name} does not fit this shape")
+        # a launch shape of cuda_mma holds a fixed number of token tiles: its bucket's rows (<= 64) must fit it
+        if isinstance(c, CudaMmaConfig) and (bound is None or bound > CUDA_MAX_ROWS or not c.fits(bound, k, n)):
+            raise ValueError(f"{p.name} does not fit this shape and bucket")
         if isinstance(c, TritonInt4Config) and (g % c.block_k or k % (c.block_k * c.split_k) or c.block_k % 8):
             raise ValueError(f"{p.name} does not fit this shape")
     return table

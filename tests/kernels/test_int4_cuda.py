@@ -68,6 +68,13 @@ def test_launch_shapes_fit_the_rows_and_k() -> None:
             timed = tuner_variants(m, k, n)
             assert timed and all(c in variants(m, k, n) for c in timed), (m, k, n)
     assert variants(65, 4096, 64) == [] and cuda_config(65, 4096, 64) is None
+    # K split over the grid: each split a whole number of rounds of its warps' chunks
+    assert CudaMmaConfig(8, 1, 4, 4).fits(16, 4096, 6144) and not CudaMmaConfig(8, 1, 4, 4).fits(16, 1024, 6144)
+    assert not CudaMmaConfig(4, 1, 1, 3).fits(64, 4096, 64), "64 chunks do not split in 3"
+    assert not CudaMmaConfig(4, 1, 1, 0).fits(64, 4096, 64)
+    assert any(c.splits > 1 and c.tiles == 4 for c in tuner_variants(16, 4096, 6144))
+    assert any(c.splits > 1 for c in tuner_variants(64, 4096, 4096))
+    assert all(c.splits == 1 for c in tuner_variants(8, 4096, 4096)), "up to 8 rows the whole-K shapes won"
     assert not CudaMmaConfig(8, 2).fits(33, 4096, 64), "5 or more token tiles hold one chunk in flight per 8 rows"
     assert int4_cuda.supports_group(128) and int4_cuda.supports_group(64) and not int4_cuda.supports_group(192)
     assert not int4_cuda.supports_group(32)
@@ -110,6 +117,8 @@ CASES = [  # (M, K, N, group, zero_offset, symmetric, bias)
     (33, 1024, 32, 128, 1, True, False),
     (64, 4096, 48, 128, 1, False, True),
     (100, 1024, 32, 128, 1, False, True),  # above 64 rows: int4_mm runs 64 at a time
+    (16, 2048, 256, 128, 1, False, True),  # 4-tile blocks, whole and with K split over the grid
+    (32, 4096, 128, 128, 0, False, False),
 ]
 
 
@@ -171,6 +180,8 @@ def test_every_launch_shape_matches_reference(case: tuple) -> None:
 
 @pytest.mark.skipif(not ON_CUDA, reason="the CUDA C kernel runs on CUDA only")
 def test_unaligned_activations_and_graph_replay() -> None:
+    from dataclasses import replace
+
     m, k, n, gs = 4, 1024, 64, 128
     qw, qz, sc, x, b, ref = _case(m, k, n, gs, 1, False, True, seed=11)
     dev = torch.device("cuda")
@@ -188,6 +199,16 @@ def test_unaligned_activations_and_graph_replay() -> None:
     xs.copy_(x.to(dev))
     graph.replay()
     assert_close_rel(out.cpu(), ref, BF16_TOL, "graph replay")
+    # K split over the grid: its workspace comes from the graph's pool, its counters are back at zero each replay
+    split = replace(w, config=CudaMmaConfig(4, 1, 1, 4))
+    int4_mm(xs, split, bd)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = int4_mm(xs, split, bd)
+    for _ in range(3):
+        graph.replay()
+        assert_close_rel(out.cpu(), ref, BF16_TOL, "split graph replay")
+    assert torch.equal(out, int4_mm(xs, split, bd)), "replayed and eager: the same bits"
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="the CUDA C kernel runs on CUDA only")

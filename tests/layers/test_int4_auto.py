@@ -334,7 +334,19 @@ def test_a_cached_table_must_fit_its_shape() -> None:
     assert table.rows[1][1].config == TritonInt4Config(16, 64, 64, 2, 4, 3)
     assert [table.path_for(m).backend for m in (1, 4, 5, 64, 65, 10**6)] == ["triton_mma"] * 2 + ["triton"] * 2 + [
         "dequant"] * 2
-    for bad in ([[None, "triton_mma[64x16x128 s8 w4 st3]"]],  # K=512 does not split 8 ways into 128-deep tiles
+    from kernels.int4_cuda import CudaMmaConfig
+
+    rows = [[1, "cuda_mma[w4 u2 n1]"], [16, "cuda_mma[w4 u1 n2 k2]"], [32, "cuda_mma[w4 u1 n1 k2]"],
+            [None, "dequant"]]
+    table = tu._table_from_json(rows, shape)
+    assert [(b, p.name) for b, p in table.rows] == [tuple(r) for r in rows]
+    assert [p.config for _, p in table.rows[:3]] == [CudaMmaConfig(4, 2, 1), CudaMmaConfig(4, 1, 2, 2),
+                                                     CudaMmaConfig(4, 1, 1, 2)]
+    for bad in ([[1, "cuda_mma[w4 u2 n1 k2]"], [None, "dequant"]],  # 8 chunks: 2 splits of 4 leave no 2-chunk round
+                [[32, "cuda_mma[w4 u1 n2 k3]"], [None, "dequant"]],  # 8 chunks do not split in 3
+                [[16, "cuda_mma[w4 u1 n1 s2]"], [None, "dequant"]],  # not a field of this kernel's paths
+                [[None, "cuda_mma[w4 u1 n1]"]],  # a fixed launch shape cannot take every row count
+                [[None, "triton_mma[64x16x128 s8 w4 st3]"]],  # K=512 does not split 8 ways into 128-deep tiles
                 [[None, "triton_mma[64x16x48 s1 w4 st3]"]],  # 48 is not a multiple of the 32-deep block
                 [[4, "dequant"]],  # no open bucket
                 [[None, "triton_mma[64x16x128 s4 w4 st3 fast]"]],  # an unknown flag
