@@ -49,7 +49,7 @@ SHAPES = ((16, 1, 1), (16, 2, 1), (8, 1, 1), (8, 2, 1), (4, 2, 1), (4, 1, 1), (1
 """(warps, chunks per warp per round, feature tiles per block) compiled for each token-tile count whose registers
 allow it (_shapes_for): the shapes that won or came within 3 % at some M <= 32 on the four Qwen3-8B shapes on an
 H200 (docs/PERFORMANCE.md, sixteenth session; 4-chunk unrolls, 2-tile unrolls and 4-tile blocks never did), and
-(4, 1, 1), the one that fits K = 256 and won at M = 64; 4-tile blocks again for K split over the grid (SPLIT)."""
+(4, 1, 1), the one that fits K = 256 and won at M = 64; 4-tile blocks again for K split over the grid (SPLITS)."""
 
 
 @dataclass(frozen=True)
@@ -104,27 +104,21 @@ TUNED: dict[int, tuple[tuple[int, int, int], ...]] = {
 that tile count on the four Qwen3-8B shapes (H200, docs/PERFORMANCE.md sixteenth session)."""
 
 
-SPLIT: dict[int, tuple[tuple[int, int, int], ...]] = {
-    2: ((8, 1, 2), (8, 1, 4), (4, 1, 4)),
-    4: ((8, 1, 2), (4, 1, 2), (4, 1, 4)),
-    8: ((4, 1, 1), (8, 1, 1)),
-}
-"""Per token-tile count from 9 rows, the launch shapes the tuner also times with K split in 2 and 4 over the grid:
-from 16 rows the kernel is bound by loading x, once per block for its 16-64 features, and wider blocks alone leave
-too few blocks (sixteenth session). Split, a block reads x for its share of K only, so wider blocks keep the grid
-full. Chosen from that analysis, not yet timed on a GPU (docs/PERFORMANCE.md, seventeenth session)."""
 SPLITS = (2, 4)
+"""Splits of K over the grid compiled shapes are swept with (benchmarks/bench_int4.py, the CUDA tests): from 16 rows
+the kernel is bound by loading x, once per block for its 16-64 features, and wider blocks alone leave too few
+blocks (sixteenth session); split, a block reads x for its share of K only, so wider blocks keep the grid full.
+Not yet timed on a GPU, so not in TUNED: the tuner times only shapes that won there."""
 
 
 def tuner_variants(m: int, k: int, n: int) -> list[CudaMmaConfig]:
-    """The launch shapes kernels.int4_tune times at m rows: TUNED's and SPLIT's that fit, else the first compiled
-    one that does (every K the backend takes has one: (4, 1, 1))."""
+    """The launch shapes kernels.int4_tune times at m rows: TUNED's that fit, else the first compiled one that does
+    (every K the backend takes has one: (4, 1, 1))."""
     mt = _token_tiles(m)
     if mt is None:
         return []
-    out = [CudaMmaConfig(*s) for s in TUNED[mt]]
-    out += [CudaMmaConfig(*s, splits=sp) for s in SPLIT.get(mt, ()) for sp in SPLITS]
-    return [c for c in out if c.fits(m, k, n)] or variants(m, k, n)[:1]
+    out = [CudaMmaConfig(*s) for s in TUNED[mt] if CudaMmaConfig(*s).fits(m, k, n)]
+    return out or variants(m, k, n)[:1]
 
 
 def variants(m: int, k: int, n: int) -> list[CudaMmaConfig]:
