@@ -37,6 +37,14 @@ DEVI float ld_l2(const float* p) {  // another block's partial: from L2, never a
   float v; asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p)); return v;
 }
 
+// Row r of a block's partials (tile i, token tile mt, accumulator q) in lane l: its token and output feature.
+template <int MT>
+DEVI void out_at(int r, int l, int b0, int& tok, int& n) {
+  const int q = r & 3, mt = (r >> 2) % MT, i = (r >> 2) / MT;
+  tok = 8 * mt + 2 * (l & 3) + (q & 1);
+  n = 16 * (b0 + i) + (l >> 2) + 8 * (q >> 1);
+}
+
 // qw [N/16, K/64, 32, 4]; meta [K/G, N] (fp16 scale | zq << 16); x [M, x_stride] bf16; y [M, N] bf16.
 // A block: NT tiles of 16 features (x fragments reused across them), MT tiles of 8 tokens, WARPS shares of its
 // split of K (blockIdx.y of `splits`). With splits > 1 each block parks its fp32 sums in ws [splits, M, N]; the
@@ -124,8 +132,9 @@ DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, cons
       for (int q = 0; q < 4; ++q) red[warp][(i * MT + mt) * 4 + q][lane] = acc[i][mt][q];
   __syncthreads();
   for (int e = threadIdx.x; e < NT * MT * 4 * 32; e += WARPS * 32) {
-    const int r = e >> 5, l = e & 31, q = r & 3, mt = (r >> 2) % MT, i = (r >> 2) / MT;
-    const int tok = 8 * mt + 2 * (l & 3) + (q & 1), n = 16 * (b0 + i) + (l >> 2) + 8 * (q >> 1);
+    const int r = e >> 5, l = e & 31;
+    int tok, n;
+    out_at<MT>(r, l, b0, tok, n);
     if (tok < M) {
       float s = 0.f;
 #pragma unroll
@@ -146,8 +155,8 @@ DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, cons
   if (!last) return;
   __threadfence();
   for (int e = threadIdx.x; e < NT * MT * 4 * 32; e += WARPS * 32) {
-    const int r = e >> 5, l = e & 31, q = r & 3, mt = (r >> 2) % MT, i = (r >> 2) / MT;
-    const int tok = 8 * mt + 2 * (l & 3) + (q & 1), n = 16 * (b0 + i) + (l >> 2) + 8 * (q >> 1);
+    int tok, n;
+    out_at<MT>(e >> 5, e & 31, b0, tok, n);
     if (tok < M) {
       float s = 0.f;
       for (int sp = 0; sp < splits; ++sp) s += ld_l2(ws + ((size_t)sp * M + tok) * N + n);  // fixed order
