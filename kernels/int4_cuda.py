@@ -34,6 +34,7 @@ import torch
 
 from kernels.int4_cuda_src import SOURCE
 from kernels.int4_triton import _MAX_TILES, _counters
+from kernels.kernel_cache import cache_dir, cache_lock
 
 log = logging.getLogger(__name__)
 
@@ -216,12 +217,11 @@ def available() -> bool:
 
 
 def _binary(index: int, names: list[str]) -> bytes:
-    """The compiled module, kept beside the tuned int4 tables (kernels.int4_tune.cache_dir, keyed by source,
+    """The compiled module, kept beside the tuned int4 tables (kernels.kernel_cache.cache_dir, keyed by source,
     architecture, CUDA and torch) so that every later process of this machine loads it in milliseconds."""
     import hashlib
 
     from engine.device import cuda_build_key
-    from kernels.int4_tune import cache_dir, cache_lock  # here, not at the top: int4_tune imports this module
 
     src = _source()
     key = hashlib.sha256(f"{src}|{cuda_build_key(index)}".encode()).hexdigest()[:24]

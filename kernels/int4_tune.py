@@ -19,15 +19,10 @@ shape's output is checked against the fp32 reference (TOLERANCE) before it is ti
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
-import json
 import logging
-import os
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path as FsPath
 
@@ -50,6 +45,7 @@ from kernels.int4 import (
 from kernels.int4_cuda import CUDA_MAX_ROWS
 from kernels.int4_cuda import tuner_variants as cuda_variants
 from kernels.int4_mma import split_for
+from kernels.kernel_cache import cache_dir, cache_lock, read_json, update_json
 from kernels.reference import dequant_int4
 from kernels.registry import mismatch
 from kernels.triton_env import triton
@@ -61,7 +57,6 @@ BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 512)
 mixed-step graphs of 160 and 192 tokens (64 decodes and a prompt or two) are 3 token tiles of 64 but 4 at 256."""
 LARGE_M = 1024
 DEQUANT = "dequant"
-CACHE_ENV = "XPULORA_KERNEL_CACHE_DIR"
 CACHE_FILE = "int4_dispatch.json"
 TABLE_VERSION = 6
 """Part of the cache key: bump it when the kernels or their candidates change, so that old tables are timed again."""
@@ -315,27 +310,10 @@ def measure(shape: Shape, backends: Sequence[str], timer: Timer, device: torch.d
 # cache
 
 
-def cache_dir() -> FsPath | None:
-    """Where tuned tables are kept; None when XPULORA_KERNEL_CACHE_DIR=off."""
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return None if env.lower() == "off" else FsPath(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return FsPath(base) / "xpulora"
-
-
 def cache_key(shape: Shape, backends: Sequence[str], device_name: str) -> str:
     triton_version = getattr(triton, "__version__", "none")
     return (f"v{TABLE_VERSION} | {device_name} | torch {torch.__version__} | triton {triton_version} | {shape.key()} | "
             f"{','.join(backends)}")
-
-
-def _read_cache(path: FsPath) -> dict[str, list]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _table_from_json(rows: list, shape: Shape) -> TunedTable:
@@ -355,18 +333,8 @@ def _table_from_json(rows: list, shape: Shape) -> TunedTable:
     return table
 
 
-def _write_cache(path: FsPath, key: str, table: TunedTable) -> None:
-    data = _read_cache(path)
-    data[key] = [[b, p.name] for b, p in table.rows]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".int4_", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)  # atomic: concurrent engines (TP ranks, test workers) never read half a file
-
-
 def _from_cache(file: FsPath, key: str, shape: Shape, backends: Sequence[str]) -> TunedTable | None:
-    if key not in (cached := _read_cache(file)):
+    if key not in (cached := read_json(file)):
         return None
     try:
         table = _table_from_json(cached[key], shape)
@@ -377,33 +345,6 @@ def _from_cache(file: FsPath, key: str, shape: Shape, backends: Sequence[str]) -
         return None
     log.info("int4 dispatch %s (cached in %s): %s", shape.key(), file, table.describe())
     return table
-
-
-@contextlib.contextmanager
-def cache_lock(name: str) -> Iterator[None]:
-    """An exclusive lock on the file `name` of the cache folder, for work that one process of this machine does
-    while the others wait and then read its result from the cache (the OS releases it if its holder dies; no
-    cache folder, no lock). Locks never nest the other way round: a shape's tuning (one lock file per shape) may
-    compile cuda_mma under its lock, never the reverse."""
-    folder = cache_dir()
-    fd = None
-    if folder is not None:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd = os.open(folder / name, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:  # the cache is never required: work without the lock
-            log.info("kernel cache lock %s not taken (%s)", name, e)
-    if fd is None:
-        yield
-        return
-    try:
-        t0 = time.perf_counter()
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        if (waited := time.perf_counter() - t0) > 0.5:
-            log.info("kernel cache: waited %.1f s for another process's %s", waited, name)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 _TABLES: dict[str, TunedTable] = {}
@@ -429,7 +370,7 @@ def tune(shape: Shape, backends: Sequence[str], timer: Timer, device: torch.devi
             if (table := _from_cache(folder / CACHE_FILE, key, shape, backends)) is None:
                 table = _measure_logged(shape, backends, timer, device, device_name, release)
                 try:
-                    _write_cache(folder / CACHE_FILE, key, table)
+                    update_json(folder / CACHE_FILE, key, [[b, p.name] for b, p in table.rows])
                 except OSError as e:
                     log.warning("int4 dispatch cache %s not written (%s): the next start times again", folder, e)
     _TABLES[key] = table

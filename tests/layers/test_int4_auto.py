@@ -96,10 +96,11 @@ def test_measured_table_picks_the_fastest_path_per_bucket(tmp_path, monkeypatch)
     import torch
 
     import kernels.int4_tune as tu
+    import kernels.kernel_cache as kc
     from engine.device import Device
     from kernels.int4 import Int4Layout
 
-    monkeypatch.setenv(tu.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(kc.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(tu, "_TABLES", {})
     shape = tu.Shape(Int4Layout(32, 1, 64, 32), torch.float32, sym=False)
     dev = Device("cpu")
@@ -127,24 +128,25 @@ def test_cache_off_or_unusable_never_stops_the_engine(tmp_path, monkeypatch, cap
     import torch
 
     import kernels.int4_tune as tu
+    import kernels.kernel_cache as kc
     from kernels.int4 import Int4Layout
 
     shape = tu.Shape(Int4Layout(32, 1, 64, 32), torch.float32, sym=True)
     timer = lambda calls: float(len(calls))
-    monkeypatch.setenv(tu.CACHE_ENV, "off")
+    monkeypatch.setenv(kc.CACHE_ENV, "off")
     monkeypatch.setattr(tu, "_TABLES", {})
-    assert tu.cache_dir() is None
+    assert kc.cache_dir() is None
     tu.tune(shape, ["reference"], timer, torch.device("cpu"), "dev")
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
-    monkeypatch.setenv(tu.CACHE_ENV, str(blocked))  # a file where the folder should be: cannot be written
+    monkeypatch.setenv(kc.CACHE_ENV, str(blocked))  # a file where the folder should be: cannot be written
     monkeypatch.setattr(tu, "_TABLES", {})
     tu.tune(shape, ["reference"], timer, torch.device("cpu"), "dev")
     assert "not written" in caplog.text
     good = tmp_path / "cache"
     good.mkdir()
     (good / tu.CACHE_FILE).write_text("{ half a file")  # unreadable: timed again, then rewritten
-    monkeypatch.setenv(tu.CACHE_ENV, str(good))
+    monkeypatch.setenv(kc.CACHE_ENV, str(good))
     monkeypatch.setattr(tu, "_TABLES", {})
     tu.tune(shape, ["reference"], timer, torch.device("cpu"), "dev")
     assert len(__import__("json").loads((good / tu.CACHE_FILE).read_text())) == 1
@@ -154,6 +156,7 @@ TUNED = r"""
 import json, os, sys, tempfile
 import torch
 import kernels.int4_tune as tu
+import kernels.kernel_cache as kc
 from engine.device import Device
 from engine.layers.linear import RowParallelLinear
 from engine.layers.quant import Int4LinearMethod
@@ -166,7 +169,7 @@ native = f"native_{dev.type}"
 backends = [native, "triton_mma", "triton", "dequant"]
 for sym in (False, True):
     cache = tempfile.mkdtemp()
-    os.environ[tu.CACHE_ENV] = cache
+    os.environ[kc.CACHE_ENV] = cache
     # A table as a tuner on some device might have written it: every kind of path, in several buckets.
     rows = [[1, native], [4, "triton_mma[16x16x32 s2 w4 st2]"], [16, "triton[16x32x32 s2 w4 st2]"],
             [64, "dequant"], [256, "triton_mma"], [None, "dequant"]]
