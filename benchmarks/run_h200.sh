@@ -10,6 +10,16 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+# 36-layer decode at the given batches (no adapters, tuned int4) from .old (carry it: `git archive <commit before>`)
+# and from this tree, one after the other in one call
+decode_old_new() {
+  for side in old new; do
+    dir=$PWD; [ $side = old ] && dir=$PWD/.old
+    (cd "$dir" && PYTHONPATH=$dir:/tmp/site timeout 170 python3 benchmarks/bench_e2e.py --layers 36 --batches "$@" \
+      --adapters 0 --int4-kernel tuned --peer-cases "" --root /tmp/e2e36l 2>&1) \
+      | grep --line-buffered -E '"decode"|Error' | sed "s/^/$side /" | tee -a "$OUT/e2e_ab.txt" | cut -c1-330
+  done
+}
 case "${1:-}" in
   tests)
     nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/env.txt"
@@ -224,14 +234,18 @@ case "${1:-}" in
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     timeout 150 python3 benchmarks/bench_int4.py --shapes 8b --ms 16 32 --no-tuner > "$OUT/int4_ab.txt" 2>&1
     echo "bench rc=$?" >> "$OUT/int4_ab.txt"; sed -n '/K x N/,$p' "$OUT/int4_ab.txt" | cut -c1-200
-    for side in old new; do
-      dir=$PWD; [ $side = old ] && dir=$PWD/.old
-      (cd "$dir" && PYTHONPATH=$dir:/tmp/site timeout 170 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 \
-        --adapters 0 --int4-kernel tuned --peer-cases "" --root /tmp/e2e36l 2>&1) \
-        | grep --line-buffered -E '"decode"|Error' | sed "s/^/$side /" | tee -a "$OUT/e2e_ab.txt" | cut -c1-330
-    done
+    decode_old_new 1 32
     timeout 120 python3 benchmarks/bench_mixed.py --layers 36 --adapters 0 --batches 2 33 --prompts 0 --top 14 \
       --root /tmp/e2e36l 2>&1 | grep -v Warn | tail -40 | tee "$OUT/mixed_b1.txt" | cut -c1-200
+    ;;
+  split18)  # issue 18: cuda_mma with K split over the grid in the tuner's candidates (eighteenth session): the int4 table
+            # at M = 16 / 32 / 64 (every launch shape checked and timed, the tuner's tables), then 36-layer decode at
+            # batch 32 and 64 (no adapters, tuned) from .old (carry it: `git archive <commit before>`) and this tree
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    timeout 210 python3 benchmarks/bench_int4.py --shapes 8b --ms 16 32 64 > "$OUT/int4.txt" 2>&1
+    echo "bench rc=$?" >> "$OUT/int4.txt"; sed -n '/K x N/,$p' "$OUT/int4.txt" | cut -c1-300
+    grep -E '^\{' "$OUT/int4.txt" | python3 -c "import sys,json; [print(r['K'],r['N'],r['M'],'bf16',r['bf16_us'],'cuda',r.get('cuda_us'),sorted((v,k) for k,v in (r.get('cuda_sweep') or {}).items())[:4]) for r in map(json.loads,sys.stdin) if 'M' in r]"
+    decode_old_new 32 64
     ;;
   recheck18)  # issue 18: what the fifteenth session's `check` failed, after its fixes (cuda_mma needs K % 256, fewer
               # launch shapes, the compiled module cached on disk): the cuda_mma tests, the LoRA engine tests, and the
@@ -302,5 +316,5 @@ case "${1:-}" in
         | tee -a "$OUT/burst.txt"; date +%T
     done
     ;;
-  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18|prefill18|graphs4096"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18|prefill18|graphs4096|split18"; exit 2 ;;
 esac

@@ -95,21 +95,24 @@ def cuda_config(m: int, k: int, n: int) -> CudaMmaConfig | None:
     return None
 
 
-TUNED: dict[int, tuple[tuple[int, int, int], ...]] = {
+TUNED: dict[int, tuple[tuple[int, ...], ...]] = {
     1: ((16, 1, 1), (16, 2, 1), (8, 2, 1), (8, 1, 1), (4, 2, 1)),
-    2: ((16, 1, 1), (16, 2, 1), (8, 2, 1), (8, 1, 2), (4, 1, 2)),
-    4: ((8, 1, 1), (8, 2, 1), (16, 1, 1), (8, 1, 2), (4, 1, 2)),
-    8: ((4, 1, 1), (8, 1, 1)),
+    2: ((16, 1, 1), (16, 2, 1), (8, 2, 1), (8, 1, 2), (4, 1, 2), (8, 1, 4, 2), (4, 1, 4, 2), (8, 1, 4, 4),
+        (8, 1, 2, 2)),
+    4: ((8, 1, 1), (8, 2, 1), (16, 1, 1), (8, 1, 2), (4, 1, 2), (4, 1, 4, 2), (4, 1, 4, 4), (8, 1, 2, 2),
+        (4, 1, 2, 2)),
+    8: ((4, 1, 1), (8, 1, 1), (4, 1, 1, 2), (8, 1, 1, 2), (4, 1, 1, 4)),
 }
-"""Per token-tile count, the launch shapes the tuner times: each won, or came within 3 % of the best, at some M of
-that tile count on the four Qwen3-8B shapes (H200, docs/PERFORMANCE.md sixteenth session)."""
+"""Per token-tile count, the launch shapes (warps, unroll, tiles[, splits of K]) the tuner times: whole-K shapes that
+won, or came within 3 % of the best, at some M of that tile count on the four Qwen3-8B shapes (H200, sixteenth
+session); from 9 rows also split-K shapes with wider blocks, which the tuner takes only where they time faster on
+the machine it runs on (the eighteenth session's sweep, docs/PERFORMANCE.md)."""
 
 
 SPLITS = (2, 4)
-"""Splits of K over the grid compiled shapes are swept with (benchmarks/bench_int4.py, the CUDA tests): from 16 rows
-the kernel is bound by loading x, once per block for its 16-64 features, and wider blocks alone leave too few
-blocks (sixteenth session); split, a block reads x for its share of K only, so wider blocks keep the grid full.
-Not yet timed on a GPU, so not in TUNED: the tuner times only shapes that won there."""
+"""Splits of K over the grid the compiled shapes are swept with (benchmarks/bench_int4.py, the CUDA tests): from 16
+rows the kernel is bound by loading x, once per block for its 16-64 features, and wider blocks alone leave too few
+blocks (sixteenth session); split, a block reads x for its share of K only, so wider blocks keep the grid full."""
 
 
 def tuner_variants(m: int, k: int, n: int) -> list[CudaMmaConfig]:
