@@ -245,7 +245,8 @@ case "${1:-}" in
     timeout 200 python3 benchmarks/bench_int4.py --shapes 8b --ms 16 32 64 > "$OUT/int4.txt" 2>&1
     echo "bench rc=$?" >> "$OUT/int4.txt"; sed -n '/K x N/,$p' "$OUT/int4.txt" | cut -c1-300
     grep -E '^\{' "$OUT/int4.txt" | python3 -c "import sys,json; [print(r['K'],r['N'],r['M'],'bf16',r['bf16_us'],'cuda',r.get('cuda_us'),sorted((v,k) for k,v in (r.get('cuda_sweep') or {}).items())[:4]) for r in map(json.loads,sys.stdin) if 'M' in r]"
-    decode_old_new ${E2E_BATCHES:-32 64}  # shellcheck disable=SC2086
+    # shellcheck disable=SC2086  # E2E_BATCHES: one or more batch sizes, split into words on purpose
+    decode_old_new ${E2E_BATCHES:-32 64}
     ;;
   recheck18)  # issue 18: what the fifteenth session's `check` failed, after its fixes (cuda_mma needs K % 256, fewer
               # launch shapes, the compiled module cached on disk): the cuda_mma tests, the LoRA engine tests, and the

@@ -105,8 +105,8 @@ TUNED: dict[int, tuple[tuple[int, ...], ...]] = {
 }
 """Per token-tile count, the launch shapes (warps, unroll, tiles[, splits of K]) the tuner times: whole-K shapes that
 won, or came within 3 % of the best, at some M of that tile count on the four Qwen3-8B shapes (H200, sixteenth
-session); from 9 rows also split-K shapes with wider blocks, which the tuner takes only where they time faster on
-the machine it runs on (the eighteenth session's sweep, docs/PERFORMANCE.md)."""
+session); from 9 rows also split-K shapes with wider blocks (eighteenth session, not yet timed on a GPU: the tuner
+checks each against the reference and takes it only where it times fastest on the machine it runs on)."""
 
 
 SPLITS = (2, 4)

@@ -74,10 +74,10 @@ def test_launch_shapes_fit_the_rows_and_k() -> None:
     assert not CudaMmaConfig(4, 1, 1, 0).fits(64, 4096, 64)
     assert any(c.splits > 1 and c.tiles == 4 for c in variants(16, 4096, 6144)), "swept by the bench and the tests"
     assert all(c.splits == 1 for c in tuner_variants(1, 4096, 4096)), "one row: the grid is full without splits"
-    for m in (16, 32, 64):  # every TUNED entry is a compiled shape (a typo would silently drop out of the tuner)
-        assert {(c.warps, c.unroll, c.tiles) for c in tuner_variants(m, 4096, 4096)} <= set(
-            int4_cuda._shapes_for(int4_cuda._token_tiles(m))), m
-        assert any(c.splits > 1 for c in tuner_variants(m, 4096, 4096)), m
+    for mt, shapes in int4_cuda.TUNED.items():  # a typo or an uncompiled shape would drop out of the tuner silently
+        assert all(CudaMmaConfig(*s).fits(8 * mt, 4096, 6144) for s in shapes), mt
+    for m in (16, 32, 64):
+        assert any(c.splits > 1 for c in tuner_variants(m, 4096, 6144)), m
     assert not CudaMmaConfig(8, 2).fits(33, 4096, 64), "5 or more token tiles hold one chunk in flight per 8 rows"
     assert int4_cuda.supports_group(128) and int4_cuda.supports_group(64) and not int4_cuda.supports_group(192)
     assert not int4_cuda.supports_group(32)
