@@ -95,7 +95,7 @@ def cuda_config(m: int, k: int, n: int) -> CudaMmaConfig | None:
     return None
 
 
-TUNED: dict[int, tuple[tuple[int, ...], ...]] = {
+TUNED: dict[int, tuple[tuple[int, int, int] | tuple[int, int, int, int], ...]] = {
     1: ((16, 1, 1), (16, 2, 1), (8, 2, 1), (8, 1, 1), (4, 2, 1)),
     2: ((16, 1, 1), (16, 2, 1), (8, 2, 1), (8, 1, 2), (4, 1, 2), (8, 1, 4, 2), (4, 1, 4, 2), (8, 1, 4, 4),
         (8, 1, 2, 2)),
