@@ -248,35 +248,6 @@ case "${1:-}" in
     # shellcheck disable=SC2086  # E2E_BATCHES: one or more batch sizes, split into words on purpose
     decode_old_new ${E2E_BATCHES:-32 64}
     ;;
-  pdl18)  # issue 18: int4 cuda_mma as a programmatic dependent launch (weights prefetched to L2 while the kernel
-          # before ends): the CUDA kernel tests, then 36-layer decode at batch 1 and 32 (tuned, no adapters) with
-          # XPULORA_PDL = 1, 0, 1 in turn (one tuned table; only the launch differs), then the int4 table at M = 1-32
-    export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_int4_cuda.py > "$OUT/tests.txt" 2>&1
-    echo "pytest rc=$?" >> "$OUT/tests.txt"; tail -4 "$OUT/tests.txt" | cut -c1-300
-    # shellcheck disable=SC2086  # E2E_BATCHES: one or more batch sizes, split into words on purpose
-    for pdl in 1 0 1; do
-      XPULORA_PDL=$pdl timeout 150 python3 benchmarks/bench_e2e.py --layers 36 --batches ${E2E_BATCHES:-1 32} --adapters 0 \
-        --int4-kernel tuned --peer-cases "" --root /tmp/e2e36l 2>&1 | grep --line-buffered -E '"decode"|Error' \
-        | sed "s/^/pdl=$pdl /" | tee -a "$OUT/e2e_pdl.txt" | cut -c1-250
-    done
-    for pdl in 1 0; do
-      XPULORA_PDL=$pdl timeout 120 python3 benchmarks/bench_int4.py --shapes 8b --ms 1 16 32 > "$OUT/int4_pdl$pdl.txt" 2>&1
-      echo "pdl=$pdl bench rc=$?"; sed -n '/K x N/,/targets/p' "$OUT/int4_pdl$pdl.txt" | cut -c1-120
-    done
-    ;;
-  pdlmodes)  # issue 18 (experiment): XPULORA_PDL bit 0 = dependent launch + wait, bit 1 = L2 prefetch of the weights
-    export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    for pdl in 0 1 2 3; do
-      XPULORA_PDL=$pdl timeout 100 python3 benchmarks/bench_int4.py --shapes 8b --ms 1 16 > "$OUT/int4_pdl$pdl.txt" 2>&1
-      echo "pdl=$pdl bench rc=$?"; sed -n '/K x N/,/targets/p' "$OUT/int4_pdl$pdl.txt" | cut -c1-120
-    done
-    for pdl in 0 1 0 1; do
-      XPULORA_PDL=$pdl timeout 100 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 --adapters 0 \
-        --int4-kernel tuned --peer-cases "" --root /tmp/e2e36l 2>&1 | grep --line-buffered -E '"decode"|Error' \
-        | sed "s/^/pdl=$pdl /" | tee -a "$OUT/e2e_pdl.txt" | cut -c1-150
-    done
-    ;;
   recheck18)  # issue 18: what the fifteenth session's `check` failed, after its fixes (cuda_mma needs K % 256, fewer
               # launch shapes, the compiled module cached on disk): the cuda_mma tests, the LoRA engine tests, and the
               # dense engine check at batch 17, side by side (less than the whole `check`; the device time ran out)
@@ -346,5 +317,5 @@ case "${1:-}" in
         | tee -a "$OUT/burst.txt"; date +%T
     done
     ;;
-  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18|prefill18|graphs4096|split18|pdl18"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18|prefill18|graphs4096|split18"; exit 2 ;;
 esac

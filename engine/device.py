@@ -24,7 +24,6 @@ from engine.lazy import LazyModule
 if TYPE_CHECKING:
     import torch
 
-    from engine.device_cuda import CudaKernel
     from kernels import triton_env
 else:  # the API process reads the device names only (--device): torch loads with the first device use
     torch = LazyModule("torch")
@@ -324,20 +323,15 @@ def compile_cuda(source: str, first_kernel: str, index: int) -> bytes:
                               nvcc_options=["-std=c++17", "--use_fast_math"])[0]
 
 
-def load_cuda(binary: bytes, names: list[str], index: int) -> dict[str, CudaKernel]:
+def load_cuda(binary: bytes, names: list[str], index: int) -> dict[str, Callable[..., None]]:
     """The named kernels of a compiled module on device `index`; each is called as
-    kernel(grid=(x, y, z), block=(x, y, z), args=[tensors and ints], dependent=...) on the current stream
-    (graph-capturable; dependent: a programmatic dependent launch, only where cuda_dependent_launch says so)."""
-    from engine.device_cuda import load
+    kernel(grid=(x, y, z), block=(x, y, z), args=[tensors and ints]) on the current stream (graph-capturable)."""
+    from torch.cuda._utils import _cuda_load_module
 
-    return load(binary, names, index)
-
-
-def cuda_dependent_launch(index: int) -> int:
-    """Kernels of load_cuda may launch as programmatic dependents on CUDA device `index` (engine.device_cuda)."""
-    from engine.device_cuda import pdl_enabled
-
-    return pdl_enabled(index)
+    with torch.cuda.device(index):
+        kernels = _cuda_load_module(binary, names)
+    assert isinstance(kernels, dict)
+    return kernels  # type: ignore[return-value]
 
 
 def device_count(kind: DeviceKind) -> int | None:

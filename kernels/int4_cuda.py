@@ -27,17 +27,14 @@ import functools
 import logging
 import os
 import pathlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.int4_cuda_src import SOURCE
 from kernels.int4_triton import _MAX_TILES, _counters
 from kernels.kernel_cache import cache_dir, cache_lock
-
-if TYPE_CHECKING:
-    from engine.device_cuda import CudaKernel
 
 log = logging.getLogger(__name__)
 
@@ -198,9 +195,9 @@ def _source() -> str:
             entries.append(
                 f'extern "C" __global__ void __launch_bounds__({32 * w}) {_kernel_name(mt, w, u, nt)}('
                 "const uint4* qw, const u32* meta, const u16* x, const u16* bias, u16* y, float* ws, int* cnt, "
-                "int M, int K, int N, int x_stride, int group_shift, int has_bias, int splits, int dependent) { "
+                "int M, int K, int N, int x_stride, int group_shift, int has_bias, int splits) { "
                 f"w4a16<{mt}, {nt}, {w}, {u}>(qw, meta, x, bias, y, ws, cnt, M, K, N, x_stride, group_shift, "
-                "has_bias, splits, dependent); }")
+                "has_bias, splits); }")
     return SOURCE + "\n".join(entries) + "\n"
 
 
@@ -257,21 +254,12 @@ def _compile_and_keep(src: str, names: list[str], index: int, path: pathlib.Path
 
 
 @functools.cache
-def _module(index: int) -> dict[str, CudaKernel]:
+def _module(index: int) -> dict[str, Callable[..., None]]:
     """All launch shapes, compiled in one program and loaded once per process and device."""
     from engine.device import load_cuda
 
     names = _names()
     return load_cuda(_binary(index, names), names, index)
-
-
-@functools.cache
-def _dependent(index: int) -> int:
-    """Launch as a programmatic dependent (engine.device.cuda_dependent_launch): the weights' L2 prefetch overlaps
-    the end of the kernel before."""
-    from engine.device import cuda_dependent_launch
-
-    return cuda_dependent_launch(index)
 
 
 def compile_for(device: torch.device) -> None:
@@ -312,8 +300,7 @@ def cuda_mm(x2: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: 
     if c.splits > 1 and nb // c.tiles > _MAX_TILES:
         raise ValueError(f"int4 cuda_mma: {nb // c.tiles} feature columns exceed the {_MAX_TILES} split-K counters")
     ws = torch.empty((c.splits, m, n), dtype=torch.float32, device=x2.device) if c.splits > 1 else y
-    flags = _dependent(x2.device.index)
     kernel(grid=(nb // c.tiles, c.splits, 1), block=(32 * c.warps, 1, 1),
            args=[qw, meta, x2, bias if bias is not None else y, y, ws, _counters(x2.device), m, k, n, x2.stride(0),
-                 shift, int(bias is not None), c.splits, flags], dependent=bool(flags & 1))
+                 shift, int(bias is not None), c.splits])
     return y

@@ -52,23 +52,13 @@ DEVI void out_at(int r, int l, int b0, int& tok, int& n) {
 template <int MT, int NT, int WARPS, int U>
 DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, const u16* __restrict__ x,
                 const u16* __restrict__ bias, u16* __restrict__ y, float* ws, int* cnt, int M, int K, int N,
-                int x_stride, int group_shift, int has_bias, int splits, int dependent) {
+                int x_stride, int group_shift, int has_bias, int splits) {
   __shared__ float red[WARPS][NT * MT * 4][32];
   __shared__ int last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
   const int chunks = K >> 6, b0 = blockIdx.x * NT, per_split = chunks / splits;
   const int c_begin = blockIdx.y * per_split, c_end = c_begin + per_split;
   const uint4* wp = qw + (size_t)b0 * chunks * 32 + lane;
-#if __CUDA_ARCH__ >= 900
-  // dependent bit 0: a programmatic dependent launch (engine/device_cuda.py), the previous kernel may still be
-  // finishing: x, ws and cnt are read only once it has ended and its writes are visible. Bit 1: first start each
-  // tile's share of the weights (constants) on its way to L2.
-  if ((dependent & 2) && threadIdx.x < NT) {
-    const uint4* p = qw + ((size_t)(b0 + threadIdx.x) * chunks + c_begin) * 32;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" : : "l"(p), "r"(per_split * 512) : "memory");
-  }
-  if (dependent & 1) asm volatile("griddepcontrol.wait;" : : : "memory");
-#endif
   float acc[NT][MT][4];
 #pragma unroll
   for (int i = 0; i < NT; ++i)

@@ -215,49 +215,6 @@ def test_unaligned_activations_and_graph_replay() -> None:
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="the CUDA C kernel runs on CUDA only")
-def test_dependent_launch_reads_what_the_kernel_before_wrote(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """On sm_90+ the kernel launches as a programmatic dependent (engine/device_cuda.py): it may start while the
-    kernel before it ends and must wait for that kernel's writes before it reads x. A graph chains six GEMMs, each
-    after a reduction kernel that writes its x (slow: 16 M elements) and after the GEMM before; every output must
-    be its own x's, bit for bit the plain launch's."""
-    from kernels.int4_cuda import _dependent, cuda_mm
-
-    m, k, n, gs = 4, 1024, 64, 128
-    qw, qz, sc, _, b, _ = _case(m, k, n, gs, 1, False, True, seed=5)
-    dev = torch.device("cuda")
-    assert _dependent(dev.index or 0) == (torch.cuda.get_device_capability() >= (9, 0))
-    w = prepare_int4(qw.to(dev), qz.to(dev), sc.to(dev), Int4Layout(gs, 1, k, n), "cuda_mma", dtype=torch.bfloat16)
-    assert w.scales_and_zeros is not None
-    bd = b.to(dev)
-    g = torch.Generator(device=dev).manual_seed(3)
-    srcs = [torch.randn(m, k, 16, generator=g, device=dev, dtype=torch.bfloat16) for _ in range(6)]
-    xs = torch.zeros(m, k, dtype=torch.bfloat16, device=dev)
-    outs: list[torch.Tensor] = []
-
-    def chain() -> None:
-        outs.clear()
-        for src in srcs:
-            torch.sum(src, dim=-1, out=xs)
-            outs.append(cuda_mm(xs, w.weight, w.scales_and_zeros, gs, bd))
-
-    chain()  # eager, then captured and replayed; the oracle: plain launches
-    with monkeypatch.context() as plain:
-        plain.setattr(int4_cuda, "_dependent", lambda index: False)
-        want = [cuda_mm(src.sum(-1), w.weight, w.scales_and_zeros, gs, bd) for src in srcs]
-    assert_close_rel(want[0].cpu(), int4_matmul(srcs[0].sum(-1).cpu(), qw, qz, sc, gs, 1, b), BF16_TOL, "oracle")
-    for got, ref in zip(outs, want, strict=True):
-        assert torch.equal(got, ref)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain()
-    for _ in range(3):
-        xs.zero_()
-        graph.replay()
-        for i, (got, ref) in enumerate(zip(outs, want, strict=True)):
-            assert torch.equal(got, ref), f"GEMM {i} of the replayed chain read another x"
-
-
-@pytest.mark.skipif(not ON_CUDA, reason="the CUDA C kernel runs on CUDA only")
 def test_cuda_mm_rejects_what_it_cannot_run() -> None:
     from kernels.int4_cuda import cuda_mm
 
