@@ -76,8 +76,7 @@ def test_launch_shapes_fit_the_rows_and_k() -> None:
     assert all(c.splits == 1 for c in tuner_variants(1, 4096, 4096)), "one row: the grid is full without splits"
     for mt, shapes in int4_cuda.TUNED.items():  # a typo or an uncompiled shape would drop out of the tuner silently
         assert all(CudaMmaConfig(*s).fits(8 * mt, 4096, 6144) for s in shapes), mt
-    for m in (16, 32, 64):
-        assert any(c.splits > 1 for c in tuner_variants(m, 4096, 6144)), m
+    assert any(c.splits > 1 for c in tuner_variants(32, 12288, 4096)), "the one split shape that won is timed"
     assert not CudaMmaConfig(8, 2).fits(33, 4096, 64), "5 or more token tiles hold one chunk in flight per 8 rows"
     assert int4_cuda.supports_group(128) and int4_cuda.supports_group(64) and not int4_cuda.supports_group(192)
     assert not int4_cuda.supports_group(32)
