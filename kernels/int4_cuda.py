@@ -103,7 +103,7 @@ TUNED: dict[int, tuple[tuple[int, int, int] | tuple[int, int, int, int], ...]] =
 }
 """Per token-tile count, the launch shapes (warps, unroll, tiles[, splits of K]) the tuner times: those that won, or
 came within 3 % of the best, at some M of that tile count on the four Qwen3-8B shapes (H200, sixteenth session).
-K split over the grid won once in the eighteenth session's sweep of every compiled shape (H200, `run_h200.sh
+K split over the grid won once in the nineteenth session's sweep of every compiled shape (H200, `run_h200.sh
 split18`): 2-tile blocks with K in 2 on 12288 x 4096 at M = 32, 20.7 us against 24.7; at M = 16 and 64 no split
 shape came within 3 %, so only that one is timed."""
 
