@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_e2e import emit, engine_config, model_args, write_model
+from benchmarks.bench_e2e import emit, engine_config, model_args, release, write_model
 from benchmarks.timing import profile_by_name, top
 from engine import LLMEngine, SamplingParams
 
@@ -85,10 +85,14 @@ def main() -> None:
                 # call's (a Triton specialization of a new token count, say).
                 runs = [burst(e, c, names, s.vocab, 2000 + 100 * r + c) for r in range(a.repeats)]
                 mixed = e.runner.mixed
+                largest = mixed.sizes[-1] if mixed is not None else None
+                del mixed  # the graphs' memory goes with the engine (release below)
                 emit(case="burst", budget=e.config.scheduler.max_num_batched_tokens, concurrency=c,
-                     largest_mixed_graph=mixed.sizes[-1] if mixed is not None else None, adapters=n,
+                     largest_mixed_graph=largest, adapters=n,
                      lora_config=os.environ.get("XPULORA_LORA_CONFIG", ""), **runs[-1],
                      earlier_runs=runs[:-1], **kernels(e, c, names, s.vocab, 3000 + c, a.top))
+        del e
+        release(device)
 
 
 if __name__ == "__main__":

@@ -185,9 +185,21 @@ def peer(s: Shape, layers: int, adapters: list[str], batch: int, n_adapters: int
         device_sync(device)()
     dt = time.perf_counter() - t0
     del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release(device)
     return {"peer_tokens_per_s": batch * new_tokens / dt}
+
+
+def release(device: torch.device | str) -> None:
+    """Give the device memory of a closed engine (or the peer's model) back before the next one loads: an engine
+    sizes its KV cache from the free memory. The caller first drops its last reference (`del e` after the `with`:
+    the name would hold the engine until rebound, which happens only once the next engine is built; on an 80 GB
+    card the fp8 engine after a bf16 one ran out of memory so, nineteenth session)."""
+    gc.collect()
+    kind = torch.device(device).type
+    if kind == "cuda":
+        torch.cuda.empty_cache()
+    elif kind == "xpu":
+        torch.xpu.empty_cache()
 
 
 def model_args(ap: argparse.ArgumentParser, batches: list[int], adapters: list[int], root: str) -> None:
@@ -256,13 +268,8 @@ def main() -> None:
                         added = r["ms_per_step"] - base_ms[b]
                         row.update(lora_added_ms=added, added_over_bytes=added / byte_ms)
                 rows.append(row)
-        # The next engine sizes its KV cache from the free memory, and the peer loads its model: free this engine
-        # first (the name `e` would hold it until rebound; the fp8 engine after a bf16 one ran out of memory on an
-        # 80 GB card, nineteenth session).
         del e
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release(device)
         for row in rows:  # the peer runs after our engine has freed the device
             b = row["batch"]
             if (b, n) in peer_cases and row.get("lora_dtype", "auto") == a.lora_dtypes[0]:

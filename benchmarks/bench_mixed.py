@@ -21,7 +21,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_e2e import emit, engine_config, model_args, requests, write_model
+from benchmarks.bench_e2e import emit, engine_config, model_args, release, requests, write_model
 from benchmarks.timing import profile_by_name, top
 from engine import LLMEngine, SamplingParams
 
@@ -91,6 +91,8 @@ def main() -> None:
                     e.abort(rid)
                 while e.has_unfinished():
                     e.step()
+        del e
+        release(device)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_e2e import emit, write_adapter
+from benchmarks.bench_e2e import emit, release, write_adapter
 from engine import CacheConfig, EngineConfig, LLMEngine, LoRAConfig, ModelConfig, SamplingParams, SchedulerConfig
 from engine.config import ParallelConfig
 from engine.scheduler import SchedulerOutput
@@ -134,6 +134,8 @@ def main() -> None:
             e.reset_prefix_cache()
             results["burst"][caching] = run(e, workload(a, 0), params, counter, alone=False)
             results["single"][caching] = run(e, workload(a, 1), params, counter, alone=True)
+        del e, counter  # the counter wraps the engine's executor
+        release(a.device)
     for case, by in results.items():
         (off, off_ids), (on, on_ids) = by[False], by[True]
         same = sum(x == y for x, y in zip(off_ids, on_ids)) / len(off_ids)

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.bench_e2e import emit, write_adapter
+from benchmarks.bench_e2e import emit, release, write_adapter
 from engine import EngineConfig, LLMEngine, LoRAConfig, ModelConfig, ParallelConfig, SamplingParams, SchedulerConfig
 from tools.random_int4 import Shape
 
@@ -105,6 +105,8 @@ def main() -> None:
                            for k, v in stats.stats.items()), reverse=True)  # type: ignore[attr-defined]
             emit(case="host", adapters=n_ad, steps=steps,
                  top_self_ms_per_step=[[round(s, 4), round(c, 4), f] for s, c, f in rows[:a.top]])
+        del e
+        release(a.device)
 
 
 if __name__ == "__main__":
