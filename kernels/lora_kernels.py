@@ -1,9 +1,22 @@
-"""The Triton kernels of batched multi-LoRA (bindings, shape checks and launch sizes: kernels.lora_triton).
+"""The Triton kernels of batched multi-LoRA (bindings, shape checks and launch sizes: kernels.lora_triton; the
+opt-in one-launch fused kernel: kernels.lora_fused).
 
 Each program reads its M-block's slot, true rank and token run from the step's TokenGroups meta tensor (see
 kernels.lora_triton) and touches only rank columns below the slot's rank; masked loads past it fetch
 nothing, so a small rank's padding is never read. fp8 e4m3 weights arrive as bytes and are decoded in
 registers (`_e4m3_as_f16`), their per-row float32 scales applied to the fp32 accumulators.
+
+A decode step gives each program little work (one token of one adapter: an 8 KB tile of B), so a program's time
+is its chain of dependent memory round trips. The programs issue their loads in three rounds: what needs only the
+program id (slot, token run, slice, table row), then what needs those (rank, token ids, the slice's pointers), then
+the data; the next M-tile's token ids are loaded while the current tile computes.
+
+The chained kernel runs a layer's shrink and expand in one launch: programs take tickets from an atomic counter,
+so a program only ever waits on programs holding lower tickets, which are running or done (no assumption on the
+order the hardware starts programs); tickets below the number of shrink programs do the shrink and count their
+(M-block, slice) done with a release; the rest expand, fetching their B tile before they wait (acquire) for their
+block's count. Counters and the ticket are reset by the last user in the launch, so the next launch on the stream
+finds them zero (launches on one device must not run concurrently on two streams; the engine uses one).
 """
 
 from __future__ import annotations
@@ -21,16 +34,215 @@ if triton is not None:
         return (((u & 0x80) << 8) | ((u & 0x7F) << 7)).to(tl.float16, bitcast=True)
 
     @triton.jit
-    def _slice_of(pid_n, slot, b_table_ptr, ranks_ptr, stride_rs, stride_rt, R_MAX: tl.constexpr,
-                  NUM_SLICES: tl.constexpr):
-        """(table row, slice, the slot's rank in it) of a program's column group: table row s = (ptr, stride0,
-        n_s, offset_s, first group of s, rank stride of s when B is stored rank-major, fp8 scale ptr, its slot
-        stride)."""
+    def _slice_index(pid_n, b_table_ptr, NUM_SLICES: tl.constexpr):
+        """The slice whose column groups hold column group pid_n: table row s = (ptr, stride0, n_s, offset_s, first
+        group of s, rank stride of s when B is stored rank-major, fp8 scale ptr, its slot stride)."""
         s = 0
         for i in tl.static_range(1, NUM_SLICES):
             s += (pid_n >= tl.load(b_table_ptr + i * 8 + 4)).to(tl.int32)
-        rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot * stride_rt), R_MAX)
-        return b_table_ptr + s * 8, s, rank
+        return s
+
+    @triton.jit
+    def _split_sum(ptrs, mask, stride_k, SPLIT_K: tl.constexpr):
+        """sum_ks buf[ks] over the shrink's K splits, in a fixed order (deterministic)."""
+        t = tl.load(ptrs, mask=mask, other=0.0)
+        for kk in tl.static_range(1, SPLIT_K):
+            t += tl.load(ptrs + kk * stride_k, mask=mask, other=0.0)
+        return t
+
+    @triton.jit
+    def _expand_dot(bt, wt, out_dtype: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr):
+        """bt [BM, BR] float32 @ wt [BR, BN] (B's dtype, or fp8 bytes) -> float32."""
+        if FP8:
+            wt = _e4m3_as_f16(wt)
+        if FP32_DOT:
+            acc = tl.dot(bt, wt.to(tl.float32), input_precision="ieee")
+        elif FP8:
+            acc = tl.dot(bt.to(out_dtype), wt.to(out_dtype))
+        else:
+            acc = tl.dot(bt.to(wt.dtype), wt)  # shrink result rounded to B's 16-bit dtype, fp32 accumulate
+        return acc
+
+    @triton.jit
+    def _shrink_program(
+        pid_b, pid_sr, pid_k, x_ptr, a_table_ptr, a0_ptr, buf_ptr, ranks_ptr, meta_ptr,
+        sorted_off, blocks_off, num_blocks, chunk,
+        K, K_PER_SPLIT, R_MAX, num_slots,
+        stride_xm, stride_xk, stride_a0, stride_a1, stride_s0, stride_s1,
+        stride_bk, stride_bs, stride_bm, stride_rs, stride_rt,
+        NUM_RB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+        EVEN_K: tl.constexpr, ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr,
+    ):  # fmt: skip
+        """buf[ks, s, t, r] = sum_{k in split ks} x[t, k] * A_s[slot[t], r, k] * (fp8: scale_s[slot[t], r]);
+        slot[t] >= 0, r < rank[s, slot[t]]. Returns the block's slot (num_slots: an unused block)."""
+        s = pid_sr // NUM_RB
+        r0 = (pid_sr % NUM_RB) * BLOCK_R
+        # round 1: what needs only the program id
+        slot = tl.load(meta_ptr + blocks_off + pid_b)
+        m_lo = tl.load(meta_ptr + blocks_off + num_blocks + pid_b)
+        m_end = tl.load(meta_ptr + blocks_off + 2 * num_blocks + pid_b)
+        a_ptr = tl.load(a_table_ptr + 2 * s).to(tl.pointer_type(a0_ptr.dtype.element_ty))
+        if FP8:
+            sc_ptr = tl.load(a_table_ptr + 2 * s + 1).to(tl.pointer_type(tl.float32))
+        # round 2: the slot's rank (an unused block, slot == num_slots, reads the last slot's and stops) and the
+        # run's first token ids
+        slot64 = tl.minimum(slot, num_slots - 1).to(tl.int64)
+        rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot64 * stride_rt), R_MAX)
+        m_hi = tl.minimum(m_end, m_lo + chunk)
+        rows = m_lo + tl.arange(0, BLOCK_M)
+        mask_m = rows < m_hi
+        tok = tl.load(meta_ptr + sorted_off + rows, mask=mask_m, other=0).to(tl.int64)
+        if (slot < num_slots) & (r0 < rank):  # no work on rank padding
+            if ALIGNED:  # the host checked: 16-byte aligned bases (lets the loads vectorise)
+                a_ptr = tl.multiple_of(a_ptr, 16)
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            mask_r = offs_r < rank
+            k_lo = pid_k * K_PER_SPLIT  # K_PER_SPLIT is a multiple of BLOCK_K
+            k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
+            if FP8:  # per rank row; 256 undoes _e4m3_as_f16's 2^-8
+                scale = tl.load(sc_ptr + slot64 * stride_s0 + offs_r * stride_s1, mask=mask_r, other=0.0) * 256.0
+            offs_k = k_lo + tl.arange(0, BLOCK_K)
+            a_tile = a_ptr + slot64 * stride_a0 + offs_r[None, :] * stride_a1 + offs_k[:, None]  # [BK, BR]
+            # The run's tokens in BLOCK_M tiles; the slot's A tile comes from DRAM once, then from the cache.
+            for _m0 in range(m_lo, m_hi, BLOCK_M):
+                x_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :] * stride_xk
+                a_ptrs = a_tile
+                acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                for k0 in range(k_lo, k_hi, BLOCK_K):
+                    if EVEN_K:
+                        xt = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+                        at = tl.load(a_ptrs, mask=mask_r[None, :], other=0)
+                    else:
+                        mask_k = (k0 - k_lo + offs_k) < K
+                        xt = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                        at = tl.load(a_ptrs, mask=mask_r[None, :] & mask_k[:, None], other=0)
+                    if FP8:
+                        at = _e4m3_as_f16(at)
+                    if FP32_DOT:
+                        acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
+                    else:
+                        acc += tl.dot(xt, at.to(xt.dtype))  # 16-bit inputs, fp32 accumulate
+                    x_ptrs += BLOCK_K * stride_xk
+                    a_ptrs += BLOCK_K
+                if FP8:
+                    acc = acc * scale[None, :]
+                out = buf_ptr + pid_k * stride_bk + s * stride_bs + tok[:, None] * stride_bm + offs_r[None, :]
+                tl.store(out, acc, mask=mask_m[:, None] & mask_r[None, :])
+                rows += BLOCK_M  # the next tile's token ids
+                mask_m = rows < m_hi
+                tok = tl.load(meta_ptr + sorted_off + rows, mask=mask_m, other=0).to(tl.int64)
+        return slot
+
+    @triton.jit
+    def _wait_and_count(cnt_ptr, target, users):
+        """Wait until *cnt_ptr >= target (the block's shrink programs are done; acquire: their partials are
+        visible), then count this program in; the last of `users` resets the counter for the next launch."""
+        seen = tl.atomic_add(cnt_ptr, 0, sem="acquire")
+        while seen < target:
+            seen = tl.atomic_add(cnt_ptr, 0, sem="acquire")
+        if tl.atomic_add(cnt_ptr, 1, sem="relaxed") == target + users - 1:
+            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
+
+    @triton.jit
+    def _expand_program(
+        pid_b, pid_n, y_ptr, buf_ptr, b_table_ptr, b0_ptr, ranks_ptr, meta_ptr, sync_ptr,
+        sorted_off, blocks_off, num_blocks, chunk,
+        R_MAX, num_slots, total_groups, wait_target,
+        stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_bn, stride_rs, stride_rt,
+        NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, ADD_INPUTS: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, BLOCK_R: tl.constexpr, B_RANK_MAJOR: tl.constexpr,
+        ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr, ONE_CHUNK: tl.constexpr,
+        CHAINED: tl.constexpr,
+    ):  # fmt: skip
+        """y[t, off_s + n] (+)= sum_{r < rank[s, slot[t]]} sum_ks buf[ks, s, t, r] * B_s[slot[t], n, r]
+        * (fp8: scale_s[slot[t], n]); slot[t] >= 0. CHAINED: buf is written by the same launch's shrink programs
+        (wait for sync_ptr[1 + block * NUM_SLICES + s] to reach wait_target first). ONE_CHUNK: BLOCK_R >= R_MAX,
+        the whole rank in one tile (the shrink result is loaded once per M-tile, B's first tile before any wait)."""
+        # round 1: what needs only the program id
+        slot = tl.load(meta_ptr + blocks_off + pid_b)
+        m_lo = tl.load(meta_ptr + blocks_off + num_blocks + pid_b)
+        m_end = tl.load(meta_ptr + blocks_off + 2 * num_blocks + pid_b)
+        s = _slice_index(pid_n, b_table_ptr, NUM_SLICES)
+        # round 2: the slice's row of the table, the slot's rank, the run's first token ids
+        tab = b_table_ptr + s * 8
+        b_ptr = tl.load(tab).to(tl.pointer_type(b0_ptr.dtype.element_ty))
+        stride_b0 = tl.load(tab + 1)
+        n_s = tl.load(tab + 2).to(tl.int32)
+        y_off = tl.load(tab + 3).to(tl.int32)
+        first = tl.load(tab + 4).to(tl.int32)
+        if B_RANK_MAJOR:  # B_s[slot] stored [r_max, n_s] (n contiguous): rank rows are read whole, padding never
+            stride_r = tl.load(tab + 5)
+        else:  # [n_s, r_max] (r contiguous)
+            stride_r = 1
+        if FP8:
+            sc_base = tl.load(tab + 6).to(tl.pointer_type(tl.float32))
+            sc_stride = tl.load(tab + 7)
+        slot64 = tl.minimum(slot, num_slots - 1).to(tl.int64)
+        rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot64 * stride_rt), R_MAX)
+        m_hi = tl.minimum(m_end, m_lo + chunk)
+        rows = m_lo + tl.arange(0, BLOCK_M)
+        mask_m = rows < m_hi
+        tok = tl.load(meta_ptr + sorted_off + rows, mask=mask_m, other=0).to(tl.int64)
+        if slot < num_slots:
+            if ALIGNED:  # the host checked: 16-byte aligned bases, sizes, offsets and strides multiples of 8
+                b_ptr = tl.multiple_of(b_ptr, 16)
+                stride_b0 = tl.multiple_of(stride_b0, 8)
+                n_s = tl.multiple_of(n_s, 8)
+                y_off = tl.multiple_of(y_off, 8)
+                if B_RANK_MAJOR:
+                    stride_r = tl.multiple_of(stride_r, 8)
+            n_first = (pid_n - first) * (BLOCK_N * N_ITERS)
+            offs_r = tl.arange(0, BLOCK_R)
+            b_slot = b_ptr + slot64 * stride_b0 + offs_r[:, None] * stride_r  # [BR, 1]
+            if FP8:
+                sc_ptr = sc_base + slot64 * sc_stride
+            if ONE_CHUNK:  # round 3 starts with the first column block of B: it needs no token
+                mask_r = offs_r < rank
+                offs_n0 = n_first + tl.arange(0, BLOCK_N)
+                wt0 = tl.load(b_slot + offs_n0[None, :] * stride_bn, mask=mask_r[:, None] & (offs_n0 < n_s)[None, :],
+                              other=0)
+            if CHAINED:
+                s_next = tl.minimum(s + 1, NUM_SLICES - 1)
+                last = tl.where(s + 1 < NUM_SLICES, tl.load(b_table_ptr + s_next * 8 + 4).to(tl.int32), total_groups)
+                _wait_and_count(sync_ptr + 1 + pid_b * NUM_SLICES + s, wait_target, last - first)
+            if (not ADD_INPUTS) or rank > 0:  # a rank-0 add adds nothing (a replace still writes its zeros)
+                for _m0 in range(m_lo, m_hi, BLOCK_M):  # the run's tokens in tiles
+                    buf_rows = buf_ptr + s * stride_bs + tok[:, None] * stride_bm + offs_r[None, :]  # [BM, BR]
+                    y_rows = y_ptr + tok[:, None] * stride_ym
+                    if ONE_CHUNK:
+                        bt = _split_sum(buf_rows, mask_m[:, None] & mask_r[None, :], stride_bk, SPLIT_K)
+                    for j in tl.static_range(N_ITERS):  # column blocks: the slot and token lookups are paid once
+                        offs_n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)
+                        mask_n = offs_n < n_s
+                        y_ptrs = y_rows + (y_off + offs_n)[None, :] * stride_yn
+                        mask = mask_m[:, None] & mask_n[None, :]
+                        if ADD_INPUTS:
+                            y_in = tl.load(y_ptrs, mask=mask, other=0.0)
+                        if ONE_CHUNK:
+                            if j == 0:
+                                wt = wt0
+                            else:
+                                wt = tl.load(b_slot + offs_n[None, :] * stride_bn,
+                                             mask=mask_r[:, None] & mask_n[None, :], other=0)
+                            acc = _expand_dot(bt, wt, y_ptr.dtype.element_ty, FP32_DOT, FP8)
+                        else:
+                            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                            for r0 in range(0, rank, BLOCK_R):  # only the slot's true rank
+                                mask_rr = (r0 + offs_r) < rank
+                                bt_r = _split_sum(buf_rows + r0, mask_m[:, None] & mask_rr[None, :], stride_bk,
+                                                  SPLIT_K)
+                                wt_r = tl.load(b_slot + r0 * stride_r + offs_n[None, :] * stride_bn,
+                                               mask=mask_rr[:, None] & mask_n[None, :], other=0)  # [BR, BN]
+                                acc += _expand_dot(bt_r, wt_r, y_ptr.dtype.element_ty, FP32_DOT, FP8)
+                        if FP8:  # per output row of B; 256 undoes _e4m3_as_f16's 2^-8
+                            acc = acc * (tl.load(sc_ptr + offs_n, mask=mask_n, other=0.0) * 256.0)[None, :]
+                        out = acc.to(y_ptr.dtype.element_ty)
+                        if ADD_INPUTS:  # like torch's y += out.to(y.dtype): add in fp32, round once
+                            out = (y_in.to(tl.float32) + out.to(tl.float32)).to(out.dtype)
+                        tl.store(y_ptrs, out, mask=mask)
+                    rows += BLOCK_M  # the next tile's token ids
+                    mask_m = rows < m_hi
+                    tok = tl.load(meta_ptr + sorted_off + rows, mask=mask_m, other=0).to(tl.int64)
 
     @triton.jit
     def _lora_shrink_kernel(
@@ -42,61 +254,13 @@ if triton is not None:
         NUM_RB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
         EVEN_K: tl.constexpr, ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr,
     ):  # fmt: skip
-        """buf[ks, s, t, r] = sum_{k in split ks} x[t, k] * A_s[slot[t], r, k] * (fp8: scale_s[slot[t], r]);
-        slot[t] >= 0, r < rank[s, slot[t]]."""
-        pid_b = tl.program_id(0)
-        pid_sr = tl.program_id(1)
-        pid_k = tl.program_id(2)
-        s = pid_sr // NUM_RB
-        r0 = (pid_sr % NUM_RB) * BLOCK_R
-        slot = tl.load(meta_ptr + blocks_off + pid_b)
-        if slot >= num_slots:  # an unused block of the upper-bound grid
-            return
-        rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot * stride_rt), R_MAX)
-        if r0 >= rank:  # no work on rank padding
-            return
-        # This program's tokens: a run of one slot's tokens (up to `chunk`), in BLOCK_M tiles; the slot's A
-        # tile comes from DRAM once and from the cache for the following tiles.
-        m_lo = tl.load(meta_ptr + blocks_off + num_blocks + pid_b)
-        m_hi = tl.minimum(tl.load(meta_ptr + blocks_off + 2 * num_blocks + pid_b), m_lo + chunk)
-        a_ptr = tl.load(a_table_ptr + 2 * s).to(tl.pointer_type(a0_ptr.dtype.element_ty))
-        if ALIGNED:  # the host checked: 16-byte aligned bases (lets the loads vectorise)
-            a_ptr = tl.multiple_of(a_ptr, 16)
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        mask_r = offs_r < rank
-        k_lo = pid_k * K_PER_SPLIT  # K_PER_SPLIT is a multiple of BLOCK_K
-        k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-        if FP8:  # per rank row; 256 undoes _e4m3_as_f16's 2^-8
-            sc_ptr = tl.load(a_table_ptr + 2 * s + 1).to(tl.pointer_type(tl.float32))
-            scale = tl.load(sc_ptr + slot.to(tl.int64) * stride_s0 + offs_r * stride_s1, mask=mask_r, other=0.0) * 256.0
-        for m0 in range(m_lo, m_hi, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            mask_m = rows < m_hi
-            tok = tl.load(meta_ptr + sorted_off + rows, mask=mask_m, other=0).to(tl.int64)
-            offs_k = k_lo + tl.arange(0, BLOCK_K)
-            x_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :] * stride_xk
-            a_ptrs = a_ptr + slot.to(tl.int64) * stride_a0 + offs_r[None, :] * stride_a1 + offs_k[:, None]  # [BK, BR]
-            acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                if EVEN_K:
-                    xt = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-                    at = tl.load(a_ptrs, mask=mask_r[None, :], other=0)
-                else:
-                    mask_k = (k0 - k_lo + offs_k) < K
-                    xt = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                    at = tl.load(a_ptrs, mask=mask_r[None, :] & mask_k[:, None], other=0)
-                if FP8:
-                    at = _e4m3_as_f16(at)
-                if FP32_DOT:
-                    acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
-                else:
-                    acc += tl.dot(xt, at.to(xt.dtype))  # 16-bit inputs, fp32 accumulate
-                x_ptrs += BLOCK_K * stride_xk
-                a_ptrs += BLOCK_K
-            if FP8:
-                acc = acc * scale[None, :]
-            out = buf_ptr + pid_k * stride_bk + s * stride_bs + tok[:, None] * stride_bm + offs_r[None, :]
-            tl.store(out, acc, mask=mask_m[:, None] & mask_r[None, :])
+        """Program (M-block, slice x rank chunk, K split) of _shrink_program."""
+        _shrink_program(
+            tl.program_id(0), tl.program_id(1), tl.program_id(2), x_ptr, a_table_ptr, a0_ptr, buf_ptr, ranks_ptr,
+            meta_ptr, sorted_off, blocks_off, num_blocks, chunk, K, K_PER_SPLIT, R_MAX, num_slots,
+            stride_xm, stride_xk, stride_a0, stride_a1, stride_s0, stride_s1,
+            stride_bk, stride_bs, stride_bm, stride_rs, stride_rt,
+            NUM_RB, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, ALIGNED, FP32_DOT, FP8)  # fmt: skip
 
     @triton.jit
     def _lora_expand_kernel(
@@ -106,173 +270,55 @@ if triton is not None:
         stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_bn, stride_rs, stride_rt,
         NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, ADD_INPUTS: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, BLOCK_R: tl.constexpr, B_RANK_MAJOR: tl.constexpr,
-        ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr,
+        ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr, ONE_CHUNK: tl.constexpr,
     ):  # fmt: skip
-        """y[t, off_s + n] (+)= sum_{r < rank[s, slot[t]]} sum_ks buf[ks, s, t, r] * B_s[slot[t], n, r]
-        * (fp8: scale_s[slot[t], n]); slot[t] >= 0."""
-        pid_b = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        slot = tl.load(meta_ptr + blocks_off + pid_b)
-        if slot >= num_slots:
-            return
-        tab, s, rank = _slice_of(pid_n, slot, b_table_ptr, ranks_ptr, stride_rs, stride_rt, R_MAX, NUM_SLICES)
-        if ADD_INPUTS and rank == 0:  # adds nothing (a replace still writes its zeros)
-            return
-        b_ptr = tl.load(tab).to(tl.pointer_type(b0_ptr.dtype.element_ty))
-        stride_b0 = tl.load(tab + 1)
-        n_s = tl.load(tab + 2).to(tl.int32)
-        y_off = tl.load(tab + 3).to(tl.int32)
-        if B_RANK_MAJOR:  # B_s[slot] stored [r_max, n_s] (n contiguous): rank rows are read whole, padding never
-            stride_r = tl.load(tab + 5)
-        else:  # [n_s, r_max] (r contiguous)
-            stride_r = 1
-        if ALIGNED:  # the host checked: 16-byte aligned bases, sizes, offsets and strides multiples of 8
-            b_ptr = tl.multiple_of(b_ptr, 16)
-            stride_b0 = tl.multiple_of(stride_b0, 8)
-            n_s = tl.multiple_of(n_s, 8)
-            y_off = tl.multiple_of(y_off, 8)
-            if B_RANK_MAJOR:
-                stride_r = tl.multiple_of(stride_r, 8)
-        n_first = (pid_n - tl.load(tab + 4).to(tl.int32)) * (BLOCK_N * N_ITERS)
-        if FP8:
-            sc_ptr = tl.load(tab + 6).to(tl.pointer_type(tl.float32)) + slot.to(tl.int64) * tl.load(tab + 7)
-        m_lo = tl.load(meta_ptr + blocks_off + num_blocks + pid_b)
-        m_hi = tl.minimum(tl.load(meta_ptr + blocks_off + 2 * num_blocks + pid_b), m_lo + chunk)
-        offs_r = tl.arange(0, BLOCK_R)
-        b_slot = b_ptr + slot.to(tl.int64) * stride_b0 + offs_r[:, None] * stride_r  # [BR, 1]
-        for m0 in range(m_lo, m_hi, BLOCK_M):  # the run's tokens in tiles; B tiles come from the cache after the first
-            rows = m0 + tl.arange(0, BLOCK_M)
-            mask_m = rows < m_hi
-            tok = tl.load(meta_ptr + sorted_off + rows, mask=mask_m, other=0).to(tl.int64)
-            buf_rows = buf_ptr + s * stride_bs + tok[:, None] * stride_bm + offs_r[None, :]  # [BM, BR]
-            y_rows = y_ptr + tok[:, None] * stride_ym
-            for j in range(N_ITERS):  # several column blocks per program: the slot/token lookups are paid once
-                offs_n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)
-                mask_n = offs_n < n_s
-                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-                for r0 in range(0, rank, BLOCK_R):  # only the slot's true rank
-                    mask_r = (r0 + offs_r) < rank
-                    bt = tl.load(buf_rows + r0, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-                    for kk in tl.static_range(1, SPLIT_K):  # the shrink's K splits, summed in a fixed order
-                        bt += tl.load(buf_rows + kk * stride_bk + r0, mask=mask_m[:, None] & mask_r[None, :],
-                                      other=0.0)
-                    wt = tl.load(b_slot + r0 * stride_r + offs_n[None, :] * stride_bn,
-                                 mask=mask_r[:, None] & mask_n[None, :], other=0)  # [BR, BN]
-                    if FP8:
-                        wt = _e4m3_as_f16(wt)
-                    if FP32_DOT:
-                        acc += tl.dot(bt, wt.to(tl.float32), input_precision="ieee")
-                    elif FP8:
-                        acc += tl.dot(bt.to(y_ptr.dtype.element_ty), wt.to(y_ptr.dtype.element_ty))
-                    else:
-                        acc += tl.dot(bt.to(wt.dtype), wt)  # shrink result rounded to B's 16-bit dtype, fp32 accumulate
-                if FP8:  # per output row of B; 256 undoes _e4m3_as_f16's 2^-8
-                    acc = acc * (tl.load(sc_ptr + offs_n, mask=mask_n, other=0.0) * 256.0)[None, :]
-                y_ptrs = y_rows + (y_off + offs_n)[None, :] * stride_yn
-                mask = mask_m[:, None] & mask_n[None, :]
-                out = acc.to(y_ptr.dtype.element_ty)
-                if ADD_INPUTS:  # like torch's y += out.to(y.dtype): add in fp32, round once
-                    out = (tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32) + out.to(tl.float32)).to(out.dtype)
-                tl.store(y_ptrs, out, mask=mask)
+        """Program (M-block, column group) of _expand_program."""
+        _expand_program(
+            tl.program_id(0), tl.program_id(1), y_ptr, buf_ptr, b_table_ptr, b0_ptr, ranks_ptr, meta_ptr, meta_ptr,
+            sorted_off, blocks_off, num_blocks, chunk, R_MAX, num_slots, 0, 0,
+            stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_bn, stride_rs, stride_rt,
+            NUM_SLICES, SPLIT_K, ADD_INPUTS, BLOCK_M, BLOCK_N, N_ITERS, BLOCK_R, B_RANK_MAJOR, ALIGNED, FP32_DOT, FP8,
+            ONE_CHUNK, False)  # fmt: skip
 
     @triton.jit
-    def _lora_fused_kernel(
-        y_ptr, x_ptr, a_table_ptr, a0_ptr, b_table_ptr, b0_ptr, ranks_ptr, meta_ptr,
+    def _lora_chain_kernel(
+        y_ptr, x_ptr, a_table_ptr, a0_ptr, buf_ptr, b_table_ptr, b0_ptr, ranks_ptr, meta_ptr, sync_ptr,
         sorted_off, blocks_off, num_blocks, chunk,
-        K, R_MAX, num_slots,
+        K, K_PER_SPLIT, R_MAX, num_slots, n_sr, n_shrink, n_programs, total_groups,
         stride_xm, stride_xk, stride_a0, stride_a1, stride_s0, stride_s1,
-        stride_ym, stride_yn, stride_bn, stride_rs, stride_rt,
-        NUM_SLICES: tl.constexpr, ADD_INPUTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        N_ITERS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-        B_RANK_MAJOR: tl.constexpr, ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr,
+        stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_bn, stride_rs, stride_rt,
+        NUM_SLICES: tl.constexpr, NUM_RB: tl.constexpr, SPLIT_K: tl.constexpr, ADD_INPUTS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+        N_ITERS: tl.constexpr, EVEN_K: tl.constexpr, B_RANK_MAJOR: tl.constexpr, A_ALIGNED: tl.constexpr,
+        B_ALIGNED: tl.constexpr, FP32_DOT_A: tl.constexpr, FP32_DOT_B: tl.constexpr, FP8: tl.constexpr,
     ):  # fmt: skip
-        """y[t, off_s + n] (+)= sum_{r < rank} (sum_k x[t, k] A_s[slot, r, k]) B_s[slot, n, r] (fp8: both scaled);
-        one launch per layer: each program computes its tokens' whole shrink (all of K, rank <= BLOCK_R) and
-        expands it into its N_ITERS column blocks of one slice."""
-        pid_b = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        slot = tl.load(meta_ptr + blocks_off + pid_b)
-        if slot >= num_slots:
-            return
-        tab, s, rank = _slice_of(pid_n, slot, b_table_ptr, ranks_ptr, stride_rs, stride_rt, R_MAX, NUM_SLICES)
-        if ADD_INPUTS and rank == 0:
-            return
-        a_ptr = tl.load(a_table_ptr + 2 * s).to(tl.pointer_type(a0_ptr.dtype.element_ty))
-        b_ptr = tl.load(tab).to(tl.pointer_type(b0_ptr.dtype.element_ty))
-        stride_b0 = tl.load(tab + 1)
-        n_s = tl.load(tab + 2).to(tl.int32)
-        y_off = tl.load(tab + 3).to(tl.int32)
-        if B_RANK_MAJOR:
-            stride_r = tl.load(tab + 5)
+        """A layer's shrink and expand in one launch: tickets [0, n_shrink) run shrink programs (M-block fastest,
+        then slice x rank chunk, then K split), the rest expand programs (M-block fastest, then column group).
+        sync_ptr: int32 [1 + num_blocks * NUM_SLICES] zero at launch: the ticket, then one counter per (M-block,
+        slice); zero again when the launch ends. The rank fits one tile (BLOCK_R >= R_MAX)."""
+        wid = tl.atomic_add(sync_ptr, 1, sem="relaxed")
+        if wid == n_programs - 1:  # every ticket is taken: reset for the next launch
+            tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
+        if wid < n_shrink:
+            pid_b = wid % num_blocks
+            pid_sr = (wid // num_blocks) % n_sr
+            slot = _shrink_program(
+                pid_b, pid_sr, wid // (num_blocks * n_sr), x_ptr, a_table_ptr, a0_ptr, buf_ptr, ranks_ptr, meta_ptr,
+                sorted_off, blocks_off, num_blocks, chunk, K, K_PER_SPLIT, R_MAX, num_slots,
+                stride_xm, stride_xk, stride_a0, stride_a1, stride_s0, stride_s1,
+                stride_bk, stride_bs, stride_bm, stride_rs, stride_rt,
+                NUM_RB, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, A_ALIGNED, FP32_DOT_A, FP8)  # fmt: skip
+            if slot < num_slots:
+                tl.debug_barrier()  # every thread's partials are stored before the release below
+                tl.atomic_add(sync_ptr + 1 + pid_b * NUM_SLICES + pid_sr // NUM_RB, 1, sem="release")
         else:
-            stride_r = 1
-        if ALIGNED:
-            a_ptr = tl.multiple_of(a_ptr, 16)
-            b_ptr = tl.multiple_of(b_ptr, 16)
-            stride_b0 = tl.multiple_of(stride_b0, 8)
-            n_s = tl.multiple_of(n_s, 8)
-            y_off = tl.multiple_of(y_off, 8)
-            if B_RANK_MAJOR:
-                stride_r = tl.multiple_of(stride_r, 8)
-        n_first = (pid_n - tl.load(tab + 4).to(tl.int32)) * (BLOCK_N * N_ITERS)
-        offs_r = tl.arange(0, BLOCK_R)
-        mask_r = offs_r < rank
-        slot64 = slot.to(tl.int64)
-        if FP8:
-            a_sc = tl.load(a_table_ptr + 2 * s + 1).to(tl.pointer_type(tl.float32))
-            a_scale = tl.load(a_sc + slot64 * stride_s0 + offs_r * stride_s1, mask=mask_r, other=0.0) * 256.0
-            b_sc = tl.load(tab + 6).to(tl.pointer_type(tl.float32)) + slot64 * tl.load(tab + 7)
-        a_rows = a_ptr + slot64 * stride_a0 + offs_r[None, :] * stride_a1  # [1, BR]
-        b_slot = b_ptr + slot64 * stride_b0 + offs_r[:, None] * stride_r  # [BR, 1]
-        m_lo = tl.load(meta_ptr + blocks_off + num_blocks + pid_b)
-        m_hi = tl.minimum(tl.load(meta_ptr + blocks_off + 2 * num_blocks + pid_b), m_lo + chunk)
-        for m0 in range(m_lo, m_hi, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            mask_m = rows < m_hi
-            tok = tl.load(meta_ptr + sorted_off + rows, mask=mask_m, other=0).to(tl.int64)
-            offs_k = tl.arange(0, BLOCK_K)
-            x_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :] * stride_xk
-            a_ptrs = a_rows + offs_k[:, None]  # [BK, BR]
-            h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)  # the shrink result of these tokens
-            for k0 in range(0, K, BLOCK_K):
-                if EVEN_K:
-                    xt = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-                    at = tl.load(a_ptrs, mask=mask_r[None, :], other=0)
-                else:
-                    mask_k = offs_k < K - k0
-                    xt = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                    at = tl.load(a_ptrs, mask=mask_r[None, :] & mask_k[:, None], other=0)
-                if FP8:
-                    at = _e4m3_as_f16(at)
-                if FP32_DOT:
-                    h += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
-                else:
-                    h += tl.dot(xt, at.to(xt.dtype))
-                x_ptrs += BLOCK_K * stride_xk
-                a_ptrs += BLOCK_K
-            if FP8:
-                h = h * a_scale[None, :]
-            y_rows = y_ptr + tok[:, None] * stride_ym
-            for j in range(N_ITERS):
-                offs_n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)
-                mask_n = offs_n < n_s
-                wt = tl.load(b_slot + offs_n[None, :] * stride_bn, mask=mask_r[:, None] & mask_n[None, :], other=0)
-                if FP8:
-                    wt = _e4m3_as_f16(wt)
-                if FP32_DOT:
-                    acc = tl.dot(h, wt.to(tl.float32), input_precision="ieee")
-                elif FP8:
-                    acc = tl.dot(h.to(y_ptr.dtype.element_ty), wt.to(y_ptr.dtype.element_ty))
-                else:
-                    acc = tl.dot(h.to(wt.dtype), wt)  # the shrink result rounded to B's 16-bit dtype, as the split path
-                if FP8:
-                    acc = acc * (tl.load(b_sc + offs_n, mask=mask_n, other=0.0) * 256.0)[None, :]
-                y_ptrs = y_rows + (y_off + offs_n)[None, :] * stride_yn
-                mask = mask_m[:, None] & mask_n[None, :]
-                out = acc.to(y_ptr.dtype.element_ty)
-                if ADD_INPUTS:
-                    out = (tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32) + out.to(tl.float32)).to(out.dtype)
-                tl.store(y_ptrs, out, mask=mask)
+            e = wid - n_shrink
+            _expand_program(
+                e % num_blocks, e // num_blocks, y_ptr, buf_ptr, b_table_ptr, b0_ptr, ranks_ptr, meta_ptr, sync_ptr,
+                sorted_off, blocks_off, num_blocks, chunk, R_MAX, num_slots, total_groups, NUM_RB * SPLIT_K,
+                stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_bn, stride_rs, stride_rt,
+                NUM_SLICES, SPLIT_K, ADD_INPUTS, BLOCK_M, BLOCK_N, N_ITERS, BLOCK_R, B_RANK_MAJOR, B_ALIGNED,
+                FP32_DOT_B, FP8, True, True)  # fmt: skip
 
 else:  # pragma: no cover - without triton the bindings refuse to launch (kernels.lora_triton._require_triton)
-    _lora_shrink_kernel = _lora_expand_kernel = _lora_fused_kernel = None
+    _lora_shrink_kernel = _lora_expand_kernel = _lora_chain_kernel = None
