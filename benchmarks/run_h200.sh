@@ -172,26 +172,17 @@ case "${1:-}" in
     grep -E "targets|correctness|PASS|FAIL|rc=" "$OUT/int4.txt" | tail -40; tail -3 "$OUT/int4_tests.txt"
     grep -E '^\{' "$OUT/lora_kernels.txt" | tail -30; tail -1 "$OUT/lora_kernels.txt"
     ;;
-  chain20)  # issue 18: the LoRA kernels' loads in three rounds (split) and the chained one-launch variant: their CUDA
-            # tests, then the per-layer table from .old (carry it) and from this tree, decode, 32 tokens
+  lora-ab)  # issue 18: the LoRA kernels' CUDA tests, then the per-layer table (decode, 32 tokens, 1 and 32 adapters)
+            # from .old (carry it: `git archive <commit before>`) and from this tree, one after the other
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     timeout 220 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_lora_triton.py \
       tests/layers/test_lora_triton_wrappers.py > "$OUT/lora_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/lora_tests.txt"
     tail -4 "$OUT/lora_tests.txt"
     for side in old new; do
-      dir=$PWD; variants="split"; [ $side = old ] && dir=$PWD/.old; [ $side = new ] && variants="split chain"
+      dir=$PWD; [ $side = old ] && dir=$PWD/.old
       (cd "$dir" && PYTHONPATH=$dir:/tmp/site timeout 150 python3 benchmarks/bench_lora.py --tokens 32 --adapters 1 32 \
-        --no-peers --lora-dtypes model --variants $variants 2>&1) | grep --line-buffered -E '^\{|Error' \
+        --no-peers --lora-dtypes model --variants split 2>&1) | grep --line-buffered -E '^\{|Error' \
         | sed "s/^/$side /" | tee -a "$OUT/lora_ab.txt" | grep -E '"step"|Error'
-    done
-    ;;
-  chain20e2e)  # issue 18: 36 layers, batch 32, 32 adapters: .old, this tree split, this tree chained (and no adapters)
-    for side in old split chain; do
-      dir=$PWD; cfg=""; ads="32"; [ $side = old ] && dir=$PWD/.old; [ $side = chain ] && cfg="chain=1"
-      [ $side = split ] && ads="0 32"
-      (cd "$dir" && XPULORA_LORA_CONFIG=$cfg PYTHONPATH=$dir:/tmp/site timeout 170 python3 benchmarks/bench_e2e.py \
-        --layers 36 --batches 32 --adapters $ads --int4-kernel tuned --peer-cases "" --root /tmp/e2e36l 2>&1) \
-        | grep --line-buffered -E '"decode"|Error' | sed "s/^/$side /" | tee -a "$OUT/e2e_chain.txt" | cut -c1-400
     done
     ;;
   epi18)  # issue 18: the LoRA expand inside the int4 mma store (XPULORA_LORA_CONFIG=epilogue=1) against the split
@@ -339,5 +330,5 @@ case "${1:-}" in
         | tee -a "$OUT/burst.txt"; date +%T
     done
     ;;
-  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18|prefill18|graphs4096|split18|chain20|chain20e2e"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18|prefill18|graphs4096|split18|lora-ab"; exit 2 ;;
 esac

@@ -10,13 +10,6 @@ A decode step gives each program little work (one token of one adapter: an 8 KB 
 is its chain of dependent memory round trips. The programs issue their loads in three rounds: what needs only the
 program id (slot, token run, slice, table row), then what needs those (rank, token ids, the slice's pointers), then
 the data; the next M-tile's token ids are loaded while the current tile computes.
-
-The chained kernel runs a layer's shrink and expand in one launch: programs take tickets from an atomic counter,
-so a program only ever waits on programs holding lower tickets, which are running or done (no assumption on the
-order the hardware starts programs); tickets below the number of shrink programs do the shrink and count their
-(M-block, slice) done with a release; the rest expand, fetching their B tile before they wait (acquire) for their
-block's count. Counters and the ticket are reset by the last user in the launch, so the next launch on the stream
-finds them zero (launches on one device must not run concurrently on two streams; the engine uses one).
 """
 
 from __future__ import annotations
@@ -64,8 +57,8 @@ if triton is not None:
         return acc
 
     @triton.jit
-    def _shrink_program(
-        pid_b, pid_sr, pid_k, x_ptr, a_table_ptr, a0_ptr, buf_ptr, ranks_ptr, meta_ptr,
+    def _lora_shrink_kernel(
+        x_ptr, a_table_ptr, a0_ptr, buf_ptr, ranks_ptr, meta_ptr,
         sorted_off, blocks_off, num_blocks, chunk,
         K, K_PER_SPLIT, R_MAX, num_slots,
         stride_xm, stride_xk, stride_a0, stride_a1, stride_s0, stride_s1,
@@ -74,7 +67,10 @@ if triton is not None:
         EVEN_K: tl.constexpr, ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr,
     ):  # fmt: skip
         """buf[ks, s, t, r] = sum_{k in split ks} x[t, k] * A_s[slot[t], r, k] * (fp8: scale_s[slot[t], r]);
-        slot[t] >= 0, r < rank[s, slot[t]]. Returns the block's slot (num_slots: an unused block)."""
+        slot[t] >= 0, r < rank[s, slot[t]]. Program (M-block, slice x rank chunk, K split)."""
+        pid_b = tl.program_id(0)
+        pid_sr = tl.program_id(1)
+        pid_k = tl.program_id(2)
         s = pid_sr // NUM_RB
         r0 = (pid_sr % NUM_RB) * BLOCK_R
         # round 1: what needs only the program id
@@ -131,33 +127,22 @@ if triton is not None:
                 rows += BLOCK_M  # the next tile's token ids
                 mask_m = rows < m_hi
                 tok = tl.load(meta_ptr + sorted_off + rows, mask=mask_m, other=0).to(tl.int64)
-        return slot
 
     @triton.jit
-    def _wait_and_count(cnt_ptr, target, users):
-        """Wait until *cnt_ptr >= target (the block's shrink programs are done; acquire: their partials are
-        visible), then count this program in; the last of `users` resets the counter for the next launch."""
-        seen = tl.atomic_add(cnt_ptr, 0, sem="acquire")
-        while seen < target:
-            seen = tl.atomic_add(cnt_ptr, 0, sem="acquire")
-        if tl.atomic_add(cnt_ptr, 1, sem="relaxed") == target + users - 1:
-            tl.atomic_xchg(cnt_ptr, 0, sem="relaxed")
-
-    @triton.jit
-    def _expand_program(
-        pid_b, pid_n, y_ptr, buf_ptr, b_table_ptr, b0_ptr, ranks_ptr, meta_ptr, sync_ptr,
-        sorted_off, blocks_off, num_blocks, chunk,
-        R_MAX, num_slots, total_groups, wait_target,
+    def _lora_expand_kernel(
+        y_ptr, buf_ptr, b_table_ptr, b0_ptr, ranks_ptr, meta_ptr,
+        sorted_off, blocks_off, num_blocks, chunk, R_MAX, num_slots,
         stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_bn, stride_rs, stride_rt,
         NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, ADD_INPUTS: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, BLOCK_R: tl.constexpr, B_RANK_MAJOR: tl.constexpr,
         ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr, ONE_CHUNK: tl.constexpr,
-        CHAINED: tl.constexpr,
     ):  # fmt: skip
         """y[t, off_s + n] (+)= sum_{r < rank[s, slot[t]]} sum_ks buf[ks, s, t, r] * B_s[slot[t], n, r]
-        * (fp8: scale_s[slot[t], n]); slot[t] >= 0. CHAINED: buf is written by the same launch's shrink programs
-        (wait for sync_ptr[1 + block * NUM_SLICES + s] to reach wait_target first). ONE_CHUNK: BLOCK_R >= R_MAX,
-        the whole rank in one tile (the shrink result is loaded once per M-tile, B's first tile before any wait)."""
+        * (fp8: scale_s[slot[t], n]); slot[t] >= 0. ONE_CHUNK: BLOCK_R >= R_MAX, the whole rank in one tile (the
+        shrink result is loaded once per M-tile, B's first tile before the token ids arrive). Program (M-block,
+        column group)."""
+        pid_b = tl.program_id(0)
+        pid_n = tl.program_id(1)
         # round 1: what needs only the program id
         slot = tl.load(meta_ptr + blocks_off + pid_b)
         m_lo = tl.load(meta_ptr + blocks_off + num_blocks + pid_b)
@@ -201,10 +186,6 @@ if triton is not None:
                 offs_n0 = n_first + tl.arange(0, BLOCK_N)
                 wt0 = tl.load(b_slot + offs_n0[None, :] * stride_bn, mask=mask_r[:, None] & (offs_n0 < n_s)[None, :],
                               other=0)
-            if CHAINED:
-                s_next = tl.minimum(s + 1, NUM_SLICES - 1)
-                last = tl.where(s + 1 < NUM_SLICES, tl.load(b_table_ptr + s_next * 8 + 4).to(tl.int32), total_groups)
-                _wait_and_count(sync_ptr + 1 + pid_b * NUM_SLICES + s, wait_target, last - first)
             if (not ADD_INPUTS) or rank > 0:  # a rank-0 add adds nothing (a replace still writes its zeros)
                 for _m0 in range(m_lo, m_hi, BLOCK_M):  # the run's tokens in tiles
                     buf_rows = buf_ptr + s * stride_bs + tok[:, None] * stride_bm + offs_r[None, :]  # [BM, BR]
@@ -244,81 +225,5 @@ if triton is not None:
                     mask_m = rows < m_hi
                     tok = tl.load(meta_ptr + sorted_off + rows, mask=mask_m, other=0).to(tl.int64)
 
-    @triton.jit
-    def _lora_shrink_kernel(
-        x_ptr, a_table_ptr, a0_ptr, buf_ptr, ranks_ptr, meta_ptr,
-        sorted_off, blocks_off, num_blocks, chunk,
-        K, K_PER_SPLIT, R_MAX, num_slots,
-        stride_xm, stride_xk, stride_a0, stride_a1, stride_s0, stride_s1,
-        stride_bk, stride_bs, stride_bm, stride_rs, stride_rt,
-        NUM_RB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-        EVEN_K: tl.constexpr, ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr,
-    ):  # fmt: skip
-        """Program (M-block, slice x rank chunk, K split) of _shrink_program."""
-        _shrink_program(
-            tl.program_id(0), tl.program_id(1), tl.program_id(2), x_ptr, a_table_ptr, a0_ptr, buf_ptr, ranks_ptr,
-            meta_ptr, sorted_off, blocks_off, num_blocks, chunk, K, K_PER_SPLIT, R_MAX, num_slots,
-            stride_xm, stride_xk, stride_a0, stride_a1, stride_s0, stride_s1,
-            stride_bk, stride_bs, stride_bm, stride_rs, stride_rt,
-            NUM_RB, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, ALIGNED, FP32_DOT, FP8)  # fmt: skip
-
-    @triton.jit
-    def _lora_expand_kernel(
-        y_ptr, buf_ptr, b_table_ptr, b0_ptr, ranks_ptr, meta_ptr,
-        sorted_off, blocks_off, num_blocks, chunk,
-        R_MAX, num_slots,
-        stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_bn, stride_rs, stride_rt,
-        NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, ADD_INPUTS: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, N_ITERS: tl.constexpr, BLOCK_R: tl.constexpr, B_RANK_MAJOR: tl.constexpr,
-        ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    ):  # fmt: skip
-        """Program (M-block, column group) of _expand_program."""
-        _expand_program(
-            tl.program_id(0), tl.program_id(1), y_ptr, buf_ptr, b_table_ptr, b0_ptr, ranks_ptr, meta_ptr, meta_ptr,
-            sorted_off, blocks_off, num_blocks, chunk, R_MAX, num_slots, 0, 0,
-            stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_bn, stride_rs, stride_rt,
-            NUM_SLICES, SPLIT_K, ADD_INPUTS, BLOCK_M, BLOCK_N, N_ITERS, BLOCK_R, B_RANK_MAJOR, ALIGNED, FP32_DOT, FP8,
-            ONE_CHUNK, False)  # fmt: skip
-
-    @triton.jit
-    def _lora_chain_kernel(
-        y_ptr, x_ptr, a_table_ptr, a0_ptr, buf_ptr, b_table_ptr, b0_ptr, ranks_ptr, meta_ptr, sync_ptr,
-        sorted_off, blocks_off, num_blocks, chunk,
-        K, K_PER_SPLIT, R_MAX, num_slots, n_sr, n_shrink, n_programs, total_groups,
-        stride_xm, stride_xk, stride_a0, stride_a1, stride_s0, stride_s1,
-        stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_bn, stride_rs, stride_rt,
-        NUM_SLICES: tl.constexpr, NUM_RB: tl.constexpr, SPLIT_K: tl.constexpr, ADD_INPUTS: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-        N_ITERS: tl.constexpr, EVEN_K: tl.constexpr, B_RANK_MAJOR: tl.constexpr, A_ALIGNED: tl.constexpr,
-        B_ALIGNED: tl.constexpr, FP32_DOT_A: tl.constexpr, FP32_DOT_B: tl.constexpr, FP8: tl.constexpr,
-    ):  # fmt: skip
-        """A layer's shrink and expand in one launch: tickets [0, n_shrink) run shrink programs (M-block fastest,
-        then slice x rank chunk, then K split), the rest expand programs (M-block fastest, then column group).
-        sync_ptr: int32 [1 + num_blocks * NUM_SLICES] zero at launch: the ticket, then one counter per (M-block,
-        slice); zero again when the launch ends. The rank fits one tile (BLOCK_R >= R_MAX)."""
-        wid = tl.atomic_add(sync_ptr, 1, sem="relaxed")
-        if wid == n_programs - 1:  # every ticket is taken: reset for the next launch
-            tl.atomic_xchg(sync_ptr, 0, sem="relaxed")
-        if wid < n_shrink:
-            pid_b = wid % num_blocks
-            pid_sr = (wid // num_blocks) % n_sr
-            slot = _shrink_program(
-                pid_b, pid_sr, wid // (num_blocks * n_sr), x_ptr, a_table_ptr, a0_ptr, buf_ptr, ranks_ptr, meta_ptr,
-                sorted_off, blocks_off, num_blocks, chunk, K, K_PER_SPLIT, R_MAX, num_slots,
-                stride_xm, stride_xk, stride_a0, stride_a1, stride_s0, stride_s1,
-                stride_bk, stride_bs, stride_bm, stride_rs, stride_rt,
-                NUM_RB, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, A_ALIGNED, FP32_DOT_A, FP8)  # fmt: skip
-            if slot < num_slots:
-                tl.debug_barrier()  # every thread's partials are stored before the release below
-                tl.atomic_add(sync_ptr + 1 + pid_b * NUM_SLICES + pid_sr // NUM_RB, 1, sem="release")
-        else:
-            e = wid - n_shrink
-            _expand_program(
-                e % num_blocks, e // num_blocks, y_ptr, buf_ptr, b_table_ptr, b0_ptr, ranks_ptr, meta_ptr, sync_ptr,
-                sorted_off, blocks_off, num_blocks, chunk, R_MAX, num_slots, total_groups, NUM_RB * SPLIT_K,
-                stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_bn, stride_rs, stride_rt,
-                NUM_SLICES, SPLIT_K, ADD_INPUTS, BLOCK_M, BLOCK_N, N_ITERS, BLOCK_R, B_RANK_MAJOR, B_ALIGNED,
-                FP32_DOT_B, FP8, True, True)  # fmt: skip
-
 else:  # pragma: no cover - without triton the bindings refuse to launch (kernels.lora_triton._require_triton)
-    _lora_shrink_kernel = _lora_expand_kernel = _lora_chain_kernel = None
+    _lora_shrink_kernel = _lora_expand_kernel = None

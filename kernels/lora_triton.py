@@ -6,8 +6,7 @@ The launchers read the step's tokens grouped by adapter slot (`TokenGroups`, bui
 engine.lora.punica from the host slot list, rewritten in place for graph replay) and each layer's true
 ranks as an int32 device tensor [n_slices, S] (any strides); a wrapped layer runs two launches whatever its
 number of slices: add_lora = lora_shrink (K-split partials) + lora_expand: y[:, off_s:off_s+n_s] (+)= ...,
-or one with the fused variant (use_fused: each program computes its tokens' whole shrink, then expands it) or
-the chained one (use_chain: the shrink's programs hand their results to the expand's inside one launch).
+or one with the fused variant (use_fused: each program computes its tokens' whole shrink, then expands it).
 
 Layouts: A_s [S, r_max, K] (K contiguous; the engine's slices are column ranges of one [S, r_max, n*K]
 store). B_s [S, n_s, r_max] either r-contiguous or, ~2x faster for small ranks (measured on an H200), a
@@ -33,7 +32,7 @@ import torch
 
 from kernels.lora_checks import b_rank_major, check_expand, check_ranks, check_shrink
 from kernels.lora_fused import _lora_fused_kernel
-from kernels.lora_kernels import _lora_chain_kernel, _lora_expand_kernel, _lora_shrink_kernel
+from kernels.lora_kernels import _lora_expand_kernel, _lora_shrink_kernel
 from kernels.triton_env import interpreting, triton
 
 __all__ = ["TokenGroups", "add_lora", "expand_partials", "lora_expand", "lora_shrink", "max_blocks",
@@ -93,7 +92,7 @@ Their number is bounded by wrapped layers x launch shapes."""
 # ----------------------------------------------------------------------------------------------------
 # launch configuration (sizes chosen by measurement on an H200; `CONFIG_OVERRIDES` is for tuning runs)
 
-CONFIG_KEYS = ("fused", "chain", "epilogue", "run_m", "block_m", "shrink_block_k", "shrink_split_k", "shrink_block_r",
+CONFIG_KEYS = ("fused", "epilogue", "run_m", "block_m", "shrink_block_k", "shrink_split_k", "shrink_block_r",
                "shrink_warps", "shrink_stages", "expand_block_n", "expand_n_iters", "expand_warps", "expand_stages",
                "fused_block_k", "fused_block_n", "fused_n_iters", "fused_warps", "fused_stages")
 
@@ -110,8 +109,7 @@ def _env_overrides(text: str) -> dict[str, int]:
 
 
 CONFIG_OVERRIDES: dict[str, int] = _env_overrides(os.environ.get("XPULORA_LORA_CONFIG", ""))
-"""Force a launch parameter (CONFIG_KEYS): fused (add_lora in one launch), chain (add_lora in one launch whose
-shrink programs hand their results to its expand programs, see use_chain), epilogue (the expand inside an int4
+"""Force a launch parameter (CONFIG_KEYS): fused (add_lora in one launch), epilogue (the expand inside an int4
 triton_mma base GEMM's store, see use_epilogue), run_m (tokens of one slot per
 program: TokenGroups.block_m, set by engine.lora.token_groups.group_tokens), block_m (the token tile a program steps
 through its run in), the split kernels' shrink_* / expand_* and the fused kernel's fused_* sizes. For tuning
@@ -152,13 +150,6 @@ def use_fused(r_max: int) -> bool:
     """add_lora in one launch (each program computes its tokens' whole shrink, then expands its columns) instead
     of two (a K-split shrink, then the expand); ranks up to 64 only (one rank chunk held in registers)."""
     return bool(CONFIG_OVERRIDES.get("fused", 0)) and r_max <= 64
-
-
-def use_chain(r_max: int) -> bool:
-    """add_lora in one launch whose first programs run the K-split shrink and whose others expand, each waiting on
-    its M-block's shrink (kernels.lora_kernels._lora_chain_kernel): one launch less per wrapped layer, and B is
-    fetched while the shrink runs. Ranks up to 64 (one rank tile); opt-in until measured on a device."""
-    return bool(CONFIG_OVERRIDES.get("chain", 0)) and r_max <= 64 and not use_fused(r_max)
 
 
 def _fused_config(k: int, n_max: int) -> dict[str, int]:
@@ -208,17 +199,6 @@ def _raw(w: torch.Tensor) -> torch.Tensor:
     return w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
 
 
-def _fp32_dot_a(a: torch.Tensor, x: torch.Tensor) -> bool:
-    """The shrink multiplies in fp32 (ieee): under the interpreter, for fp32 inputs, or where A's 16-bit dtype is
-    not x's (fp8 A is decoded to x's dtype)."""
-    return interpreting() or x.dtype == torch.float32 or (a.dtype != torch.uint8 and x.dtype != a.dtype)
-
-
-def _fp32_dot_b(b: torch.Tensor, y: torch.Tensor) -> bool:
-    """The expand multiplies in fp32 (ieee): under the interpreter, for fp32 B, or fp8 B into an fp32 y."""
-    return interpreting() or b.dtype == torch.float32 or (b.dtype == torch.uint8 and y.dtype == torch.float32)
-
-
 def _launch_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGroups, r: torch.Tensor,
                    buf: torch.Tensor, cfg: dict[str, int], a_scales: Sequence[torch.Tensor] | None) -> None:
     """buf [split_k, n_slices, T, r_max] float32 (last dim contiguous) <- per-split partial shrink results."""
@@ -239,7 +219,8 @@ def _launch_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenG
         buf.stride(0), buf.stride(1), buf.stride(2), r.stride(0), r.stride(1),
         NUM_RB=num_rb, BLOCK_M=_block_m(info), BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
         EVEN_K=k % cfg["block_k"] == 0, ALIGNED=all(a.data_ptr() % 16 == 0 for a in lora_a),
-        FP32_DOT=_fp32_dot_a(a0, x), FP8=fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        FP32_DOT=interpreting() or x.dtype == torch.float32 or (not fp8 and x.dtype != a0.dtype), FP8=fp8,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 
@@ -308,7 +289,8 @@ def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Te
         y.stride(0), y.stride(1), buf.stride(0), buf.stride(1), buf.stride(2), b0.stride(1), r.stride(0), r.stride(1),
         NUM_SLICES=len(lora_b), SPLIT_K=buf.size(0), ADD_INPUTS=bool(add_inputs), BLOCK_M=_block_m(info),
         BLOCK_N=block_n, N_ITERS=n_iters, BLOCK_R=_block_r(b0.size(-1)), B_RANK_MAJOR=rank_major, ALIGNED=aligned,
-        FP32_DOT=_fp32_dot_b(b0, y), FP8=fp8, ONE_CHUNK=_block_r(b0.size(-1)) >= b0.size(-1),
+        FP32_DOT=interpreting() or b0.dtype == torch.float32 or (fp8 and y.dtype == torch.float32), FP8=fp8,
+        ONE_CHUNK=_block_r(b0.size(-1)) >= b0.size(-1),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
@@ -342,55 +324,6 @@ def _launch_fused(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tenso
     )  # fmt: skip
 
 
-_sync_cache: dict[tuple[str, int], torch.Tensor] = {}
-"""The chained kernel's ticket and counters, one zeroed buffer per (device, size), never freed (captured graphs
-read them by address); every launch leaves its buffer zero again."""
-
-
-def _sync_buffer(n: int, device: torch.device) -> torch.Tensor:
-    key = (str(device), n)
-    hit = _sync_cache.get(key)
-    if hit is None:
-        hit = _sync_cache[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return hit
-
-
-def _launch_chain(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], lora_b: Sequence[torch.Tensor],
-                  info: TokenGroups, offsets: Sequence[int], r: torch.Tensor, add_inputs: bool,
-                  a_scales: Sequence[torch.Tensor] | None, b_scales: Sequence[torch.Tensor] | None) -> None:
-    """Shrink and expand in one launch (r_max <= 64): see kernels.lora_kernels._lora_chain_kernel."""
-    fp8 = lora_a[0].dtype == torch.float8_e4m3fn
-    a0, b0 = _raw(lora_a[0]), _raw(lora_b[0])
-    num_slots, r_max, k = a0.shape
-    n_slices = len(lora_a)
-    scfg = _shrink_config(k, r_max)
-    ecfg = _expand_config(max(b.size(1) for b in lora_b), y.size(0))
-    block_n, n_iters = ecfg["block_n"], ecfg["n_iters"]
-    sc_a = a_scales if a_scales is not None else lora_a
-    a_table = _ptr_table([[a.data_ptr(), sc.data_ptr()] for a, sc in zip(lora_a, sc_a)], x.device)
-    b_table, groups, b_aligned, rank_major = _b_table(lora_b, offsets, b_scales, block_n * n_iters, y.device)
-    sorted_off, blocks_off, nb = _meta_offsets(info)
-    n_sr = n_slices * triton.cdiv(r_max, scfg["block_r"])
-    n_shrink = nb * n_sr * scfg["split_k"]
-    n_programs = n_shrink + nb * groups
-    buf = torch.empty(scfg["split_k"], n_slices, x.size(0), r_max, dtype=torch.float32, device=x.device)
-    sync = _sync_buffer(1 + nb * n_slices, x.device)
-    s0 = sc_a[0]
-    _lora_chain_kernel[(n_programs,)](
-        y, x, a_table, a0, buf, b_table, b0, r, info.meta, sync,
-        sorted_off, blocks_off, nb, info.block_m,
-        k, scfg["k_per_split"], r_max, num_slots, n_sr, n_shrink, n_programs, groups,
-        x.stride(0), x.stride(1), a0.stride(0), a0.stride(1), s0.stride(0), s0.stride(1),
-        y.stride(0), y.stride(1), buf.stride(0), buf.stride(1), buf.stride(2), b0.stride(1), r.stride(0), r.stride(1),
-        NUM_SLICES=n_slices, NUM_RB=triton.cdiv(r_max, scfg["block_r"]), SPLIT_K=scfg["split_k"],
-        ADD_INPUTS=bool(add_inputs), BLOCK_M=_block_m(info), BLOCK_R=scfg["block_r"], BLOCK_K=scfg["block_k"],
-        BLOCK_N=block_n, N_ITERS=n_iters, EVEN_K=k % scfg["block_k"] == 0, B_RANK_MAJOR=rank_major,
-        A_ALIGNED=all(a.data_ptr() % 16 == 0 for a in lora_a), B_ALIGNED=b_aligned,
-        FP32_DOT_A=_fp32_dot_a(a0, x), FP32_DOT_B=_fp32_dot_b(b0, y), FP8=fp8,
-        num_warps=scfg["num_warps"], num_stages=scfg["num_stages"],
-    )  # fmt: skip
-
-
 def lora_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: TokenGroups,
                 offsets: Sequence[int], ranks: torch.Tensor, add_inputs: bool = True,
                 b_scales: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
@@ -414,8 +347,7 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], l
              a_scales: Sequence[torch.Tensor] | None = None,
              b_scales: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """y[:, off_s:off_s+n_s] (+)= (x @ A_s[slot].T)[:, :r] @ B_s[slot][:, :r].T per slice: one launch (the fused
-    or the chained kernel, see use_fused / use_chain) or two (shrink, expand) in all, none when info.has_lora is
-    False. fp8 A and B take
+    kernel, see use_fused) or two (shrink, expand) in all, none when info.has_lora is False. fp8 A and B take
     their scales (see lora_shrink / lora_expand). Returns y (in place)."""
     _require_triton()
     if len(lora_a) != len(lora_b):
@@ -426,11 +358,10 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], l
     n_slices, r_max = len(lora_a), lora_a[0].size(1)
     if lora_b[0].size(-1) != r_max:
         raise ValueError(f"add_lora: A rank dim {r_max} != B rank dim {lora_b[0].size(-1)}")
-    if use_fused(r_max) or use_chain(r_max):
+    if use_fused(r_max):
         check_expand(y, None, lora_b, info, offsets, b_scales)
         r = check_ranks(ranks, n_slices, info.num_slots, x.device)
-        launch = _launch_fused if use_fused(r_max) else _launch_chain
-        launch(y, x, lora_a, lora_b, info, offsets, r, add_inputs, a_scales, b_scales)
+        _launch_fused(y, x, lora_a, lora_b, info, offsets, r, add_inputs, a_scales, b_scales)
         return y
     check_expand(y, None, lora_b, info, offsets, b_scales)  # the buffer below is made to fit
     r = check_ranks(ranks, n_slices, info.num_slots, x.device)

@@ -78,13 +78,12 @@ def _ranks(ranks: list[list[int]], dev: torch.device) -> torch.Tensor:
     return torch.tensor(ranks, dtype=torch.int32, device=dev)
 
 
-@pytest.fixture(params=["split", "fused", "chain"])
+@pytest.fixture(params=["split", "fused"])
 def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """add_lora as two launches (K-split shrink, expand) or one (the fused kernel, or the chained one)."""
+    """add_lora as two launches (K-split shrink, expand) or one (the fused kernel)."""
     from kernels import lora_triton
 
     monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "fused", int(request.param == "fused"))
-    monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "chain", int(request.param == "chain"))
     return request.param
 
 
@@ -192,33 +191,6 @@ def test_shrink_split_k_sums_in_order(monkeypatch: pytest.MonkeyPatch, block_k: 
     buf = lora_triton.lora_shrink(d["x"], d["a"], info, rt)
     for i in range(2):
         _assert_close(buf[i], reference.lora_shrink(p["x"], p["a"][i], p["slots"], p["ranks"][i]), torch.float32)
-
-
-@needs_kernels
-def test_chained_launch_resets_its_counters(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The chained kernel (shrink and expand in one launch, handing over through counters) leaves its ticket and
-    counters zero, so launch after launch with new mappings (K split in 3, unused blocks, rank-0 slices) keeps
-    matching the reference, bit for bit when repeated."""
-    from kernels import lora_triton
-
-    assert DEV is not None
-    monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "chain", 1)
-    monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "shrink_block_k", 32)
-    monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "shrink_split_k", 3)
-    p = _problem(5, [40, 8, 24], torch.bfloat16, num_tokens=30)
-    d = _to(p, DEV)
-    rt = _ranks(p["ranks"], DEV)
-    first = None
-    for shift in (0, 11, 0):
-        slots = p["slots"].roll(shift)
-        info = group_tokens(slots.tolist(), p["num_slots"], device=DEV)
-        out = lora_triton.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt)
-        _assert_close(out, _reference(dict(p, slots=slots), True), torch.bfloat16, f"chained, shift {shift}")
-        sync = lora_triton._sync_cache[(str(DEV), 1 + info.num_blocks * 3)]
-        assert int(sync.abs().sum()) == 0, f"counters left non-zero: {sync.tolist()}"
-        if first is None:
-            first = out
-    assert torch.equal(out, first), "the chained kernel is not deterministic"
 
 
 @needs_kernels
