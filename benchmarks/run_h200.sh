@@ -185,23 +185,6 @@ case "${1:-}" in
         | sed "s/^/$side /" | tee -a "$OUT/lora_ab.txt" | grep -E '"step"|Error'
     done
     ;;
-  overlap20)  # issue 18: the LoRA shrink on a side stream beside the base GEMM: its CUDA tests and the quick engine check
-    export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    (timeout 200 python3 -m pytest -q -p no:cacheprovider tests/layers/test_lora_overlap.py tests/kernels/test_lora_triton.py \
-      > "$OUT/ov_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/ov_tests.txt") &
-    (timeout 200 python3 benchmarks/gpu_engine_check.py --quick --device cuda > "$OUT/engine_quick.txt" 2>&1
-     echo "check rc=$?" >> "$OUT/engine_quick.txt") &
-    wait
-    tail -3 "$OUT/ov_tests.txt"; grep -E 'PASS|FAIL|Error' "$OUT/engine_quick.txt" | tail -4; tail -1 "$OUT/engine_quick.txt"
-    ;;
-  overlap20e2e)  # issue 18: 36-layer decode at batch 32, no adapters and 32: .old, this tree serial (overlap=0), overlapped
-    for side in old serial overlap; do
-      dir=$PWD; cfg=""; [ $side = old ] && dir=$PWD/.old; [ $side = serial ] && cfg="overlap=0"
-      (cd "$dir" && XPULORA_LORA_CONFIG=$cfg PYTHONPATH=$dir:/tmp/site timeout 180 python3 benchmarks/bench_e2e.py \
-        --layers 36 --batches 32 --adapters 0 32 --int4-kernel tuned --peer-cases "" --root /tmp/e2e36l 2>&1) \
-        | grep --line-buffered -E '"decode"|Error' | sed "s/^/$side /" | tee -a "$OUT/e2e_ov.txt" | cut -c1-300
-    done
-    ;;
   epi18)  # issue 18: the LoRA expand inside the int4 mma store (XPULORA_LORA_CONFIG=epilogue=1) against the split
           # kernels, 36 layers, 32 adapters, batch 32 and 64, one checkpoint; then its CUDA kernel test (`check` runs the
           # engine check's epilogue case)
@@ -347,5 +330,5 @@ case "${1:-}" in
         | tee -a "$OUT/burst.txt"; date +%T
     done
     ;;
-  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18|prefill18|graphs4096|split18|lora-ab|overlap20|overlap20e2e"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18|prefill18|graphs4096|split18|lora-ab"; exit 2 ;;
 esac

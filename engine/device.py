@@ -297,41 +297,6 @@ class Device:
         return ["triton", "reference"]
 
 
-class SideStream:
-    """A second queue on one device, for work that may overlap the current queue's (the LoRA shrink beside the
-    base GEMM). Work queued under fork() starts once everything queued so far on the current stream is done;
-    join() makes the current stream wait for it. Inside a graph capture the forked work becomes a parallel
-    branch of the graph. Tensors the forked work writes are allocated on the current stream before fork(), so
-    that the caching allocator ties their lifetime to the stream that joins."""
-
-    def __init__(self, stream: torch.cuda.Stream) -> None:
-        self._stream = stream
-
-    @contextlib.contextmanager
-    def fork(self) -> Iterator[None]:
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
-            yield
-
-    def join(self) -> None:
-        torch.cuda.current_stream().wait_stream(self._stream)
-
-
-_side_streams: dict[int, SideStream] = {}
-
-
-def side_stream(dev: torch.device) -> SideStream | None:
-    """dev's side stream (one per device and process, made on first use), or None: the CPU runs one queue, and
-    on XPU, forked streams inside graph captures are not validated yet (no Intel GPU to check them on)."""
-    if dev.type != "cuda":
-        return None
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    hit = _side_streams.get(index)
-    if hit is None:
-        hit = _side_streams[index] = SideStream(torch.cuda.Stream(index))
-    return hit
-
-
 def cuda_compiler_available() -> bool:
     """CUDA C can be compiled at run time here (NVRTC through torch, kernels.int4_cuda): CUDA, not ROCm, sm_80+."""
     if not torch.cuda.is_available() or torch.version.hip is not None or torch.cuda.get_device_capability() < (8, 0):

@@ -36,7 +36,7 @@ from kernels.lora_kernels import _lora_expand_kernel, _lora_shrink_kernel
 from kernels.triton_env import interpreting, triton
 
 __all__ = ["TokenGroups", "add_lora", "expand_partials", "lora_expand", "lora_shrink", "max_blocks",
-           "new_partials", "shrink_partials", "use_epilogue", "use_overlap"]
+           "shrink_partials", "use_epilogue"]
 
 _BLOCK_R = 16  # rank chunk: tl.dot needs every dim >= 16; ranks below 16 run one masked chunk
 
@@ -92,7 +92,7 @@ Their number is bounded by wrapped layers x launch shapes."""
 # ----------------------------------------------------------------------------------------------------
 # launch configuration (sizes chosen by measurement on an H200; `CONFIG_OVERRIDES` is for tuning runs)
 
-CONFIG_KEYS = ("fused", "overlap", "epilogue", "run_m", "block_m", "shrink_block_k", "shrink_split_k", "shrink_block_r",
+CONFIG_KEYS = ("fused", "epilogue", "run_m", "block_m", "shrink_block_k", "shrink_split_k", "shrink_block_r",
                "shrink_warps", "shrink_stages", "expand_block_n", "expand_n_iters", "expand_warps", "expand_stages",
                "fused_block_k", "fused_block_n", "fused_n_iters", "fused_warps", "fused_stages")
 
@@ -109,8 +109,7 @@ def _env_overrides(text: str) -> dict[str, int]:
 
 
 CONFIG_OVERRIDES: dict[str, int] = _env_overrides(os.environ.get("XPULORA_LORA_CONFIG", ""))
-"""Force a launch parameter (CONFIG_KEYS): fused (add_lora in one launch), overlap (0: no shrink on a side stream
-beside the base GEMM, see use_overlap), epilogue (the expand inside an int4
+"""Force a launch parameter (CONFIG_KEYS): fused (add_lora in one launch), epilogue (the expand inside an int4
 triton_mma base GEMM's store, see use_epilogue), run_m (tokens of one slot per
 program: TokenGroups.block_m, set by engine.lora.token_groups.group_tokens), block_m (the token tile a program steps
 through its run in), the split kernels' shrink_* / expand_* and the fused kernel's fused_* sizes. For tuning
@@ -145,12 +144,6 @@ def use_epilogue() -> bool:
     GEMM's store instead of launching it (the shrink still runs first): opt-in (XPULORA_LORA_CONFIG=epilogue=1)
     until measured against the split kernels on a device."""
     return bool(CONFIG_OVERRIDES.get("epilogue", 0))
-
-
-def use_overlap() -> bool:
-    """Whether wrapped layers run their shrink on a side stream while the base GEMM runs (engine.lora.punica.
-    TritonLoRABatch.add_lora_over; where the device has a side stream): on unless XPULORA_LORA_CONFIG=overlap=0."""
-    return bool(CONFIG_OVERRIDES.get("overlap", 1))
 
 
 def use_fused(r_max: int) -> bool:
@@ -376,38 +369,24 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], l
     return y
 
 
-def _partials_shape(x: torch.Tensor, lora_a: Sequence[torch.Tensor]) -> tuple[int, int, int, int]:
-    _, r_max, k = lora_a[0].shape
-    return _shrink_config(k, r_max)["split_k"], len(lora_a), x.size(0), r_max
-
-
-def new_partials(x: torch.Tensor, lora_a: Sequence[torch.Tensor]) -> torch.Tensor:
-    """An uninitialised buffer for shrink_partials(x, lora_a, ...): float32 [split_k, n_slices, T, r_max]."""
-    return torch.empty(_partials_shape(x, lora_a), dtype=torch.float32, device=x.device)
-
-
 def _shrink_partials(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGroups, r: torch.Tensor,
-                     a_scales: Sequence[torch.Tensor] | None, out: torch.Tensor | None = None) -> torch.Tensor:
+                     a_scales: Sequence[torch.Tensor] | None) -> torch.Tensor:
     """shrink_partials on checked inputs (r: check_ranks' view)."""
     _, r_max, k = lora_a[0].shape
-    buf = new_partials(x, lora_a) if out is None else out
-    _launch_shrink(x, lora_a, info, r, buf, _shrink_config(k, r_max), a_scales)
+    cfg = _shrink_config(k, r_max)
+    buf = torch.empty(cfg["split_k"], len(lora_a), x.size(0), r_max, dtype=torch.float32, device=x.device)
+    _launch_shrink(x, lora_a, info, r, buf, cfg, a_scales)
     return buf
 
 
 def shrink_partials(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGroups, ranks: torch.Tensor,
-                    a_scales: Sequence[torch.Tensor] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    a_scales: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """buf[ks, s, t, :r] = the K split ks of x[t] @ A_s[slot[t], :r].T: float32 [split_k, n_slices, T, r_max],
     written only where computed (rows with an adapter, columns below their slot's rank; the rest is garbage,
-    never read by expand_partials or the int4 LoRA epilogue), into `out` (from new_partials) when given. The
-    caller checks that there is work to do."""
+    never read by expand_partials or the int4 LoRA epilogue). The caller checks that there is work to do."""
     _require_triton()
     check_shrink(x, lora_a, info, a_scales)
-    if out is not None and (out.shape != _partials_shape(x, lora_a) or out.dtype != torch.float32
-                            or not out.is_contiguous()):
-        raise ValueError(f"shrink_partials: out {tuple(out.shape)} {out.dtype} is not new_partials' buffer")
-    return _shrink_partials(x, lora_a, info, check_ranks(ranks, len(lora_a), info.num_slots, x.device), a_scales,
-                            out)
+    return _shrink_partials(x, lora_a, info, check_ranks(ranks, len(lora_a), info.num_slots, x.device), a_scales)
 
 
 def expand_partials(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: TokenGroups,

@@ -280,7 +280,7 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
             if epi is not None:  # the expand inside the base GEMM's store where its kernel takes it
                 y = self.base.forward_with_lora(x, epi)
                 return y if y is not None else mapping.finish_epilogue(self.base(x), epi, self.lora_b, self.offsets)
-            return mapping.add_lora_over(self.base, x, self.lora_a, self.lora_b, ranks, self.offsets, self.scales)
+            return mapping.add_lora(self.base(x), x, self.lora_a, self.lora_b, ranks, self.offsets, scales=self.scales)
         y = self.base(x)
         ranks, a_ranks = self.slot_ranks(), self.slot_ranks(a_side=True)
         for i, off in enumerate(self.offsets):
@@ -320,22 +320,22 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mapping = get_context().lora
-        if mapping is None:
-            return self.base.reduce(self.base.partial(x))
-        if not self.fully_sharded:  # each rank's partial shrink times B sums right
+        if mapping is not None and not self.fully_sharded:  # each rank's partial shrink times B sums right
             epi = mapping.lora_epilogue(x, self.lora_a, self.b_store, self.slot_ranks(), (0,), self.scales)
-            if epi is None:
-                y = mapping.add_lora_over(self.base.partial, x, self.lora_a, self.lora_b, self.slot_ranks(), [0],
-                                          self.scales)
-            else:
+            if epi is not None:
                 y = self.base.partial_with_lora(x, epi)
                 if y is None:
                     y = mapping.finish_epilogue(self.base.partial(x), epi, self.lora_b, [0])
-            return self.base.reduce(y)
+                return self.base.reduce(y)
         y = self.base.partial(x)
-        sa, sb = (self.scales.a[0], self.scales.b[0]) if self.scales is not None else (None, None)
-        buf = all_reduce(mapping.shrink(x, self.lora_a[0], self.slot_ranks(a_side=True), sa))  # full x A^T
-        mapping.expand(y, buf, self.lora_b[0], self.slot_ranks(), self.tp_rank * self.b_sizes()[0], b_scale=sb)
+        if mapping is not None:
+            ranks = self.slot_ranks()
+            if self.fully_sharded:
+                sa, sb = (self.scales.a[0], self.scales.b[0]) if self.scales is not None else (None, None)
+                buf = all_reduce(mapping.shrink(x, self.lora_a[0], self.slot_ranks(a_side=True), sa))  # full x A^T
+                mapping.expand(y, buf, self.lora_b[0], ranks, self.tp_rank * self.b_sizes()[0], b_scale=sb)
+            else:
+                mapping.add_lora(y, x, self.lora_a, self.lora_b, ranks, [0], scales=self.scales)
         return self.base.reduce(y)
 
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 import torch
 
-from engine.device import side_stream
 from engine.lora.token_groups import check_slots, copy_into, group_tokens, to_device
 from kernels import lora_triton, reference
 from kernels.int4_lora import LoRAEpilogue
@@ -84,24 +83,8 @@ class LoRABatch(ABC):
 
         x [T, in]; lora_a[s] [S, r_max, in]; lora_b[s] [S, n_s, r_max]; scales: fp8 A and B's (see Scales).
         Returns y (updated in place)."""
-        if x.size(0) != y.size(0):
-            raise ValueError(f"add_lora: x {tuple(x.shape)}, y {tuple(y.shape)} disagree")
-        self._check_add(x, lora_a, lora_b, ranks, offsets, scales)
-        self._add(y, x, lora_a, lora_b, ranks, offsets, add_inputs, scales)
-        return y
-
-    def add_lora_over(self, base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, lora_a: list[torch.Tensor],
-                      lora_b: list[torch.Tensor], ranks: SlotRanks, offsets: list[int],
-                      scales: Scales | None = None) -> torch.Tensor:
-        """add_lora onto the base layer's output: y = base(x), then y[:, offsets[s]:+n_s] += the slices' LoRA.
-        An implementation may run its shrink while base(x) runs (TritonLoRABatch: on the device's side stream)."""
-        self._check_add(x, lora_a, lora_b, ranks, offsets, scales)
-        return self.add_lora(base(x), x, lora_a, lora_b, ranks, offsets, True, scales)
-
-    def _check_add(self, x: torch.Tensor, lora_a: list[torch.Tensor], lora_b: list[torch.Tensor], ranks: SlotRanks,
-                   offsets: list[int], scales: Scales | None) -> None:
-        if self.num_tokens != x.size(0):
-            raise ValueError(f"add_lora: x {tuple(x.shape)} and {self.num_tokens} slots disagree")
+        if x.size(0) != y.size(0) or self.num_tokens != x.size(0):
+            raise ValueError(f"add_lora: x {tuple(x.shape)}, y {tuple(y.shape)}, {self.num_tokens} slots disagree")
         if not (len(lora_a) == len(lora_b) == len(ranks.host) == len(offsets)):
             raise ValueError("add_lora: one A, B, ranks and offset per slice")
         for a, b in zip(lora_a, lora_b):
@@ -111,6 +94,8 @@ class LoRABatch(ABC):
                 raise ValueError(f"add_lora: A rank dim {a.size(1)} != B rank dim {b.size(-1)}")
         if (scales is not None) != (lora_a[0].dtype == torch.float8_e4m3fn):
             raise ValueError(f"add_lora: scales go with fp8 A and B (A is {lora_a[0].dtype})")
+        self._add(y, x, lora_a, lora_b, ranks, offsets, add_inputs, scales)
+        return y
 
     def lora_epilogue(self, x: torch.Tensor, lora_a: list[torch.Tensor], b_store: torch.Tensor, ranks: SlotRanks,
                       starts: tuple[int, ...], scales: Scales | None) -> LoRAEpilogue | None:
@@ -315,24 +300,6 @@ class TritonLoRABatch(LoRABatch):
              ranks: SlotRanks, offsets: list[int], add_inputs: bool, scales: Scales | None) -> None:
         lora_triton.add_lora(y, x, lora_a, lora_b, self.groups, offsets, ranks.device, add_inputs,
                              scales.a if scales is not None else None, scales.b if scales is not None else None)
-
-    def add_lora_over(self, base: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, lora_a: list[torch.Tensor],
-                      lora_b: list[torch.Tensor], ranks: SlotRanks, offsets: list[int],
-                      scales: Scales | None = None) -> torch.Tensor:
-        # The shrink reads x only, the base GEMM too: where the device has a side stream, the shrink runs there
-        # beside the GEMM (a parallel branch in a captured graph) and the expand adds into the GEMM's output once
-        # both are done. The expand must follow the GEMM, so only the shrink can overlap.
-        side = side_stream(x.device) if lora_triton.use_overlap() else None
-        if side is None or lora_triton.nothing_to_do(self.groups) or lora_triton.use_fused(lora_a[0].size(1)):
-            return super().add_lora_over(base, x, lora_a, lora_b, ranks, offsets, scales)
-        self._check_add(x, lora_a, lora_b, ranks, offsets, scales)
-        buf = lora_triton.new_partials(x, lora_a)  # on the current stream: it outlives the side stream's use
-        with side.fork():
-            lora_triton.shrink_partials(x, lora_a, self.groups, ranks.device, scales.a if scales else None, buf)
-        y = base(x)
-        side.join()
-        return lora_triton.expand_partials(y, buf, lora_b, self.groups, offsets, ranks.device, True,
-                                           scales.b if scales else None)
 
     def lora_epilogue(self, x: torch.Tensor, lora_a: list[torch.Tensor], b_store: torch.Tensor, ranks: SlotRanks,
                       starts: tuple[int, ...], scales: Scales | None) -> LoRAEpilogue | None:
