@@ -139,8 +139,8 @@ if triton is not None:
     ):  # fmt: skip
         """y[t, off_s + n] (+)= sum_{r < rank[s, slot[t]]} sum_ks buf[ks, s, t, r] * B_s[slot[t], n, r]
         * (fp8: scale_s[slot[t], n]); slot[t] >= 0. ONE_CHUNK: BLOCK_R >= R_MAX, the whole rank in one tile (the
-        shrink result is loaded once per M-tile, B's first tile before the token ids arrive). Program (M-block,
-        column group)."""
+        shrink result is loaded once per M-tile, B's first tile ahead of the token loop, which it does not need).
+        Program (M-block, column group)."""
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
         # round 1: what needs only the program id
