@@ -9,7 +9,7 @@ from __future__ import annotations
 from kernels.triton_env import tl, triton
 
 if triton is not None:
-    from kernels.lora_kernels import _e4m3_as_f16, _slice_index
+    from kernels.lora_kernels import _b_row, _e4m3_as_f16, _shrink_tile, _slice_index
 
     @triton.jit
     def _lora_fused_kernel(
@@ -36,23 +36,10 @@ if triton is not None:
         if ADD_INPUTS and rank == 0:
             return
         a_ptr = tl.load(a_table_ptr + 2 * s).to(tl.pointer_type(a0_ptr.dtype.element_ty))
-        b_ptr = tl.load(tab).to(tl.pointer_type(b0_ptr.dtype.element_ty))
-        stride_b0 = tl.load(tab + 1)
-        n_s = tl.load(tab + 2).to(tl.int32)
-        y_off = tl.load(tab + 3).to(tl.int32)
-        if B_RANK_MAJOR:
-            stride_r = tl.load(tab + 5)
-        else:
-            stride_r = 1
+        b_ptr, stride_b0, n_s, y_off, first, stride_r = _b_row(tab, b0_ptr, B_RANK_MAJOR, ALIGNED)
         if ALIGNED:
             a_ptr = tl.multiple_of(a_ptr, 16)
-            b_ptr = tl.multiple_of(b_ptr, 16)
-            stride_b0 = tl.multiple_of(stride_b0, 8)
-            n_s = tl.multiple_of(n_s, 8)
-            y_off = tl.multiple_of(y_off, 8)
-            if B_RANK_MAJOR:
-                stride_r = tl.multiple_of(stride_r, 8)
-        n_first = (pid_n - tl.load(tab + 4).to(tl.int32)) * (BLOCK_N * N_ITERS)
+        n_first = (pid_n - first) * (BLOCK_N * N_ITERS)
         offs_r = tl.arange(0, BLOCK_R)
         mask_r = offs_r < rank
         slot64 = slot.to(tl.int64)
@@ -70,24 +57,9 @@ if triton is not None:
             tok = tl.load(meta_ptr + sorted_off + rows, mask=mask_m, other=0).to(tl.int64)
             offs_k = tl.arange(0, BLOCK_K)
             x_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :] * stride_xk
-            a_ptrs = a_rows + offs_k[:, None]  # [BK, BR]
-            h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)  # the shrink result of these tokens
-            for k0 in range(0, K, BLOCK_K):
-                if EVEN_K:
-                    xt = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-                    at = tl.load(a_ptrs, mask=mask_r[None, :], other=0)
-                else:
-                    mask_k = offs_k < K - k0
-                    xt = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                    at = tl.load(a_ptrs, mask=mask_r[None, :] & mask_k[:, None], other=0)
-                if FP8:
-                    at = _e4m3_as_f16(at)
-                if FP32_DOT:
-                    h += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
-                else:
-                    h += tl.dot(xt, at.to(xt.dtype))
-                x_ptrs += BLOCK_K * stride_xk
-                a_ptrs += BLOCK_K
+            # the shrink result of these tokens
+            h = _shrink_tile(x_ptrs, a_rows + offs_k[:, None], mask_m, mask_r, 0, K, K, stride_xk, BLOCK_M, BLOCK_R,
+                             BLOCK_K, EVEN_K, FP32_DOT, FP8)
             if FP8:
                 h = h * a_scale[None, :]
             y_rows = y_ptr + tok[:, None] * stride_ym

@@ -36,12 +36,82 @@ if triton is not None:
         return s
 
     @triton.jit
+    def _b_row(tab, b0_ptr, B_RANK_MAJOR: tl.constexpr, ALIGNED: tl.constexpr):
+        """A slice's row of the B table (see _slice_index): (B base, slot stride, n_s, y offset, first column group,
+        rank stride), with what the host checked as hints when ALIGNED (16-byte bases; sizes, offsets and strides
+        multiples of 8)."""
+        b_ptr = tl.load(tab).to(tl.pointer_type(b0_ptr.dtype.element_ty))
+        stride_b0 = tl.load(tab + 1)
+        n_s = tl.load(tab + 2).to(tl.int32)
+        y_off = tl.load(tab + 3).to(tl.int32)
+        first = tl.load(tab + 4).to(tl.int32)
+        if B_RANK_MAJOR:  # B_s[slot] stored [r_max, n_s] (n contiguous): rank rows are read whole, padding never
+            stride_r = tl.load(tab + 5)
+        else:  # [n_s, r_max] (r contiguous)
+            stride_r = 1
+        if ALIGNED:
+            b_ptr = tl.multiple_of(b_ptr, 16)
+            stride_b0 = tl.multiple_of(stride_b0, 8)
+            n_s = tl.multiple_of(n_s, 8)
+            y_off = tl.multiple_of(y_off, 8)
+            if B_RANK_MAJOR:
+                stride_r = tl.multiple_of(stride_r, 8)
+        return b_ptr, stride_b0, n_s, y_off, first, stride_r
+
+    @triton.jit
     def _split_sum(ptrs, mask, stride_k, SPLIT_K: tl.constexpr):
         """sum_ks buf[ks] over the shrink's K splits, in a fixed order (deterministic)."""
         t = tl.load(ptrs, mask=mask, other=0.0)
         for kk in tl.static_range(1, SPLIT_K):
             t += tl.load(ptrs + kk * stride_k, mask=mask, other=0.0)
         return t
+
+    @triton.jit
+    def _block_of(meta_ptr, blocks_off, num_blocks, pid_b):
+        """A program's M-block: (slot, first row, end row) in the slot-sorted tokens (round 1 of its loads)."""
+        slot = tl.load(meta_ptr + blocks_off + pid_b)
+        m_lo = tl.load(meta_ptr + blocks_off + num_blocks + pid_b)
+        m_end = tl.load(meta_ptr + blocks_off + 2 * num_blocks + pid_b)
+        return slot, m_lo, m_end
+
+    @triton.jit
+    def _rank_and_tokens(ranks_ptr, s, slot, num_slots, stride_rs, stride_rt, R_MAX, meta_ptr, sorted_off, m_lo, m_end,
+                         chunk, BLOCK_M: tl.constexpr):
+        """Round 2: the slot's rank in slice s (an unused block, slot == num_slots, reads the last slot's and
+        stops), and the run's first BLOCK_M rows and token ids. Returns (slot64, rank, m_hi, rows, mask_m, tok)."""
+        slot64 = tl.minimum(slot, num_slots - 1).to(tl.int64)
+        rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot64 * stride_rt), R_MAX)
+        m_hi = tl.minimum(m_end, m_lo + chunk)
+        rows = m_lo + tl.arange(0, BLOCK_M)
+        mask_m = rows < m_hi
+        tok = tl.load(meta_ptr + sorted_off + rows, mask=mask_m, other=0).to(tl.int64)
+        return slot64, rank, m_hi, rows, mask_m, tok
+
+    @triton.jit
+    def _shrink_tile(x_ptrs, a_ptrs, mask_m, mask_r, k_lo, k_hi, K, stride_xk, BLOCK_M: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr,
+                     FP8: tl.constexpr):
+        """sum_{k in [k_lo, k_hi)} x[rows, k] * A[r, k] -> [BM, BR] float32 (fp8 A decoded, its scales left to the
+        caller); x_ptrs [BM, BK] and a_ptrs [BK, BR] point at k_lo."""
+        offs_k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            if EVEN_K:
+                xt = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+                at = tl.load(a_ptrs, mask=mask_r[None, :], other=0)
+            else:
+                mask_k = (k0 + offs_k) < K
+                xt = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+                at = tl.load(a_ptrs, mask=mask_r[None, :] & mask_k[:, None], other=0)
+            if FP8:
+                at = _e4m3_as_f16(at)
+            if FP32_DOT:
+                acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(xt, at.to(xt.dtype))  # 16-bit inputs, fp32 accumulate
+            x_ptrs += BLOCK_K * stride_xk
+            a_ptrs += BLOCK_K
+        return acc
 
     @triton.jit
     def _expand_dot(bt, wt, out_dtype: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr):
@@ -73,21 +143,13 @@ if triton is not None:
         pid_k = tl.program_id(2)
         s = pid_sr // NUM_RB
         r0 = (pid_sr % NUM_RB) * BLOCK_R
-        # round 1: what needs only the program id
-        slot = tl.load(meta_ptr + blocks_off + pid_b)
-        m_lo = tl.load(meta_ptr + blocks_off + num_blocks + pid_b)
-        m_end = tl.load(meta_ptr + blocks_off + 2 * num_blocks + pid_b)
+        slot, m_lo, m_end = _block_of(meta_ptr, blocks_off, num_blocks, pid_b)  # round 1, with the table row
         a_ptr = tl.load(a_table_ptr + 2 * s).to(tl.pointer_type(a0_ptr.dtype.element_ty))
         if FP8:
             sc_ptr = tl.load(a_table_ptr + 2 * s + 1).to(tl.pointer_type(tl.float32))
-        # round 2: the slot's rank (an unused block, slot == num_slots, reads the last slot's and stops) and the
-        # run's first token ids
-        slot64 = tl.minimum(slot, num_slots - 1).to(tl.int64)
-        rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot64 * stride_rt), R_MAX)
-        m_hi = tl.minimum(m_end, m_lo + chunk)
-        rows = m_lo + tl.arange(0, BLOCK_M)
-        mask_m = rows < m_hi
-        tok = tl.load(meta_ptr + sorted_off + rows, mask=mask_m, other=0).to(tl.int64)
+        slot64, rank, m_hi, rows, mask_m, tok = _rank_and_tokens(ranks_ptr, s, slot, num_slots, stride_rs, stride_rt,
+                                                                 R_MAX, meta_ptr, sorted_off, m_lo, m_end, chunk,
+                                                                 BLOCK_M)
         if (slot < num_slots) & (r0 < rank):  # no work on rank padding
             if ALIGNED:  # the host checked: 16-byte aligned bases (lets the loads vectorise)
                 a_ptr = tl.multiple_of(a_ptr, 16)
@@ -102,24 +164,8 @@ if triton is not None:
             # The run's tokens in BLOCK_M tiles; the slot's A tile comes from DRAM once, then from the cache.
             for _m0 in range(m_lo, m_hi, BLOCK_M):
                 x_ptrs = x_ptr + tok[:, None] * stride_xm + offs_k[None, :] * stride_xk
-                a_ptrs = a_tile
-                acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                for k0 in range(k_lo, k_hi, BLOCK_K):
-                    if EVEN_K:
-                        xt = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-                        at = tl.load(a_ptrs, mask=mask_r[None, :], other=0)
-                    else:
-                        mask_k = (k0 - k_lo + offs_k) < K
-                        xt = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-                        at = tl.load(a_ptrs, mask=mask_r[None, :] & mask_k[:, None], other=0)
-                    if FP8:
-                        at = _e4m3_as_f16(at)
-                    if FP32_DOT:
-                        acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
-                    else:
-                        acc += tl.dot(xt, at.to(xt.dtype))  # 16-bit inputs, fp32 accumulate
-                    x_ptrs += BLOCK_K * stride_xk
-                    a_ptrs += BLOCK_K
+                acc = _shrink_tile(x_ptrs, a_tile, mask_m, mask_r, k_lo, k_hi, K, stride_xk, BLOCK_M, BLOCK_R, BLOCK_K,
+                                   EVEN_K, FP32_DOT, FP8)
                 if FP8:
                     acc = acc * scale[None, :]
                 out = buf_ptr + pid_k * stride_bk + s * stride_bs + tok[:, None] * stride_bm + offs_r[None, :]
@@ -143,39 +189,18 @@ if triton is not None:
         Program (M-block, column group)."""
         pid_b = tl.program_id(0)
         pid_n = tl.program_id(1)
-        # round 1: what needs only the program id
-        slot = tl.load(meta_ptr + blocks_off + pid_b)
-        m_lo = tl.load(meta_ptr + blocks_off + num_blocks + pid_b)
-        m_end = tl.load(meta_ptr + blocks_off + 2 * num_blocks + pid_b)
+        slot, m_lo, m_end = _block_of(meta_ptr, blocks_off, num_blocks, pid_b)  # round 1, with the slice
         s = _slice_index(pid_n, b_table_ptr, NUM_SLICES)
         # round 2: the slice's row of the table, the slot's rank, the run's first token ids
         tab = b_table_ptr + s * 8
-        b_ptr = tl.load(tab).to(tl.pointer_type(b0_ptr.dtype.element_ty))
-        stride_b0 = tl.load(tab + 1)
-        n_s = tl.load(tab + 2).to(tl.int32)
-        y_off = tl.load(tab + 3).to(tl.int32)
-        first = tl.load(tab + 4).to(tl.int32)
-        if B_RANK_MAJOR:  # B_s[slot] stored [r_max, n_s] (n contiguous): rank rows are read whole, padding never
-            stride_r = tl.load(tab + 5)
-        else:  # [n_s, r_max] (r contiguous)
-            stride_r = 1
+        b_ptr, stride_b0, n_s, y_off, first, stride_r = _b_row(tab, b0_ptr, B_RANK_MAJOR, ALIGNED)
         if FP8:
             sc_base = tl.load(tab + 6).to(tl.pointer_type(tl.float32))
             sc_stride = tl.load(tab + 7)
-        slot64 = tl.minimum(slot, num_slots - 1).to(tl.int64)
-        rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + slot64 * stride_rt), R_MAX)
-        m_hi = tl.minimum(m_end, m_lo + chunk)
-        rows = m_lo + tl.arange(0, BLOCK_M)
-        mask_m = rows < m_hi
-        tok = tl.load(meta_ptr + sorted_off + rows, mask=mask_m, other=0).to(tl.int64)
+        slot64, rank, m_hi, rows, mask_m, tok = _rank_and_tokens(ranks_ptr, s, slot, num_slots, stride_rs, stride_rt,
+                                                                 R_MAX, meta_ptr, sorted_off, m_lo, m_end, chunk,
+                                                                 BLOCK_M)
         if slot < num_slots:
-            if ALIGNED:  # the host checked: 16-byte aligned bases, sizes, offsets and strides multiples of 8
-                b_ptr = tl.multiple_of(b_ptr, 16)
-                stride_b0 = tl.multiple_of(stride_b0, 8)
-                n_s = tl.multiple_of(n_s, 8)
-                y_off = tl.multiple_of(y_off, 8)
-                if B_RANK_MAJOR:
-                    stride_r = tl.multiple_of(stride_r, 8)
             n_first = (pid_n - first) * (BLOCK_N * N_ITERS)
             offs_r = tl.arange(0, BLOCK_R)
             b_slot = b_ptr + slot64 * stride_b0 + offs_r[:, None] * stride_r  # [BR, 1]
