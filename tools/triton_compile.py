@@ -1,0 +1,156 @@
+"""Compile Triton kernels for an NVIDIA GPU on a machine without one.
+
+Inside `compile_only(arch)` the kernels' own launchers run on CPU tensors as they would on a device, but every
+kernel launch only compiles (triton's compiler, then the ptxas its wheel ships) and nothing runs: a stub driver
+reports the target and JITFunction.run is told to warm up instead of launching. Outputs are left unwritten.
+
+What it checks: that each kernel a launcher picks compiles for that target with the launcher's real arguments,
+constexprs and launch options, which the interpreter cannot see (types, constexpr misuse, what the compiler or
+ptxas refuses). Results are the interpreter tests' and the GPU checks' business. Used by
+tests/kernels/test_compile_cuda.py; `python -m tools.triton_compile` prints what the engine's start-up checks and
+the LoRA kernels compile to.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from kernels import triton_env
+from kernels.triton_env import interpreting, triton
+
+
+@dataclass
+class Compiled:
+    """What a compile_only block compiled: (kernel, its PTX size in bytes), and (kernel, error) for failures."""
+
+    kernels: list[tuple[str, int]] = field(default_factory=list)
+    errors: list[tuple[str, str]] = field(default_factory=list)
+
+    def names(self) -> set[str]:
+        return {name for name, _ in self.kernels}
+
+
+class _TargetOnly:
+    """The parts of a triton driver that compilation asks for: the target, and a device and stream number."""
+
+    def __init__(self, arch: int) -> None:
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self) -> object:
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+
+def ptxas_available() -> bool:
+    """The triton wheel's NVIDIA backend and its ptxas are installed (PyPI's triton ships both)."""
+    if triton is None or interpreting():
+        return False
+    backend = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    return os.access(backend, os.X_OK)
+
+
+@contextlib.contextmanager
+def compile_only(arch: int = 90) -> Iterator[Compiled]:
+    """Kernel launches inside compile for sm_<arch> and run nothing (see the module docstring). Not thread-safe:
+    it swaps triton's active driver and JITFunction.run for the block's duration."""
+    if not ptxas_available():
+        raise RuntimeError("compile_only needs triton with its NVIDIA backend (ptxas), outside the interpreter")
+    from triton.runtime.jit import JITFunction
+
+    done = Compiled()
+    launch = JITFunction.run
+
+    def compile_instead(self: JITFunction, *args: object, grid: object, warmup: bool, **kwargs: object) -> object:
+        name = self.fn.__name__
+        try:
+            kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
+        except Exception as e:  # recorded, then raised as the launch would have
+            done.errors.append((name, f"{type(e).__name__}: {str(e)[:2000]}"))
+            raise
+        done.kernels.append((name, len(kernel.asm["ptx"])))
+        return kernel
+
+    drivers = triton.runtime.driver
+    before = drivers._active
+    drivers.set_active(_TargetOnly(arch))  # type: ignore[arg-type]
+    JITFunction.run = compile_instead  # type: ignore[method-assign]
+    try:
+        yield done
+    finally:
+        JITFunction.run = launch  # type: ignore[method-assign]
+        drivers._active = before
+        triton_env.usable_on.cache_clear()  # it may have cached an answer for the stub's target
+
+
+def run_all() -> None:
+    """Launch every Triton kernel of the project through its launcher on small CPU problems (inside
+    compile_only): the engine's start-up checks of the fused ops, paged attention (a split decode with its merge
+    too) and int4 (each Triton backend, the dequantization), in bfloat16 and float32; the LoRA kernels split,
+    fused, with fp8 weights and with ranks above one rank tile."""
+    import torch
+
+    from engine.lora.token_groups import group_tokens
+    from kernels import checks, lora_triton
+    from kernels.attention_triton import paged_attention_decode
+    from kernels.int4 import dequant_triton
+
+    cpu = torch.device("cpu")
+    shapes = checks.CheckShapes(hidden=256, intermediate=512, num_heads=4, num_kv_heads=2, head_dim=64,
+                                rotary_dim=64, zero_centered=False, qk_norm=True, block_size=16, int4_group=128)
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.bfloat16, torch.float32):
+        checks.check_fused("triton", shapes, dt, cpu)
+        checks.check_attention("triton", shapes, dt, cpu)
+        checks.check_int4("tuned:triton,triton_mma,triton_gemv,reference", shapes, dt, cpu)
+        q = torch.randn(2, 4, 64, generator=g).to(dt)
+        kc = vc = torch.zeros(8, 16, 2, 64, dtype=dt)
+        tables = torch.arange(8, dtype=torch.int32).reshape(2, 4)
+        paged_attention_decode(q, kc, vc, tables, torch.tensor([0, 1, 2], dtype=torch.int32),
+                               torch.tensor([64, 50], dtype=torch.int32), 0.125, num_splits=2)
+        qw = torch.zeros(32, 64, dtype=torch.int32)
+        dequant_triton(qw, torch.zeros(2, 8, dtype=torch.int32), torch.ones(2, 64, dtype=torch.float16), 128, 1, dt)
+    t, slots_n, k = 8, 4, 256
+    info = group_tokens([0, 1, 2, 3, -1, 0, 1, 2], slots_n)
+    x = torch.randn(t, k, generator=g).to(torch.bfloat16)
+    for r_max, fp8, fused in ((16, False, False), (16, True, False), (16, False, True), (128, False, False)):
+        wd = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        a = [torch.randn(slots_n, r_max, k, generator=g).to(wd) for _ in range(3)]
+        b = [torch.randn(slots_n, r_max, n, generator=g).to(wd).transpose(1, 2) for n in (256, 64, 64)]
+        sa = [torch.ones(slots_n, r_max) for _ in a] if fp8 else None
+        sb = [torch.ones(slots_n, bb.size(1)) for bb in b] if fp8 else None
+        ranks = torch.full((3, slots_n), min(r_max, 70), dtype=torch.int32)
+        y = torch.zeros(t, 384, dtype=torch.bfloat16)
+        before = dict(lora_triton.CONFIG_OVERRIDES)
+        lora_triton.CONFIG_OVERRIDES["fused"] = int(fused)
+        try:
+            lora_triton.add_lora(y, x, a, b, info, [0, 256, 320], ranks, True, sa, sb)
+        finally:
+            lora_triton.CONFIG_OVERRIDES.clear()
+            lora_triton.CONFIG_OVERRIDES.update(before)
+
+
+def main() -> int:
+    failed = 0
+    for arch in (90, 80):
+        with compile_only(arch) as done:
+            run_all()
+        print(json.dumps({"arch": f"sm_{arch}", "kernels": sorted(done.names()), "launches": len(done.kernels),
+                          "errors": done.errors}))
+        failed += len(done.errors)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
