@@ -1,6 +1,6 @@
 """Batched multi-LoRA shrink / expand in Triton (CUDA through `triton`, Intel GPUs through triton-xpu,
 the CPU under TRITON_INTERPRET=1). Same semantics as kernels.reference.lora_shrink / lora_expand. The
-kernels themselves are in kernels.lora_kernels; this module checks shapes, sizes grids and launches.
+kernels themselves are in kernels.lora_kernels (and lora_fused); this module checks shapes, sizes grids and launches.
 
 The launchers read the step's tokens grouped by adapter slot (`TokenGroups`, built once per step by
 engine.lora.punica from the host slot list, rewritten in place for graph replay) and each layer's true
@@ -290,8 +290,7 @@ def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Te
         NUM_SLICES=len(lora_b), SPLIT_K=buf.size(0), ADD_INPUTS=bool(add_inputs), BLOCK_M=_block_m(info),
         BLOCK_N=block_n, N_ITERS=n_iters, BLOCK_R=_block_r(b0.size(-1)), B_RANK_MAJOR=rank_major, ALIGNED=aligned,
         FP32_DOT=interpreting() or b0.dtype == torch.float32 or (fp8 and y.dtype == torch.float32), FP8=fp8,
-        ONE_CHUNK=_block_r(b0.size(-1)) >= b0.size(-1),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        ONE_CHUNK=_block_r(b0.size(-1)) >= b0.size(-1), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 
