@@ -16,9 +16,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from kernels import triton_env
 from kernels.triton_env import interpreting, triton
@@ -26,9 +30,10 @@ from kernels.triton_env import interpreting, triton
 
 @dataclass
 class Compiled:
-    """What a compile_only block compiled: (kernel, its PTX size in bytes), and (kernel, error) for failures."""
+    """What a compile_only block compiled: (kernel name, triton's compiled kernel) per launch, and (kernel name,
+    error) for failures."""
 
-    kernels: list[tuple[str, int]] = field(default_factory=list)
+    kernels: list[tuple[str, Any]] = field(default_factory=list)
     errors: list[tuple[str, str]] = field(default_factory=list)
 
     def names(self) -> set[str]:
@@ -53,12 +58,31 @@ class _TargetOnly:
         return 0
 
 
+def _nvidia_tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
 def ptxas_available() -> bool:
     """The triton wheel's NVIDIA backend and its ptxas are installed (PyPI's triton ships both)."""
     if triton is None or interpreting():
         return False
-    backend = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    return os.access(backend, os.X_OK)
+    return os.access(_nvidia_tool("ptxas"), os.X_OK)
+
+
+def usage(kernel: Any) -> dict[str, int]:
+    """A compiled kernel's launch resources, from its cubin (the wheel's cuobjdump): registers per thread, local
+    memory per thread (spills and stack), static and dynamic shared memory per program, warps, pipeline stages.
+    What bounds its programs per SM, without a GPU."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        out = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
+                             check=True).stdout
+    fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", out))
+    return {"registers": int(fields.get("REG", 0)), "local_bytes": int(fields.get("LOCAL", 0)),
+            "stack_bytes": int(fields.get("STACK", 0)), "static_shared": int(fields.get("SHARED", 0)),
+            "dynamic_shared": int(kernel.metadata.shared), "warps": int(kernel.metadata.num_warps),
+            "stages": int(kernel.metadata.num_stages)}
 
 
 @contextlib.contextmanager
@@ -79,7 +103,7 @@ def compile_only(arch: int = 90) -> Iterator[Compiled]:
         except Exception as e:  # recorded, then raised as the launch would have
             done.errors.append((name, f"{type(e).__name__}: {str(e)[:2000]}"))
             raise
-        done.kernels.append((name, len(kernel.asm["ptx"])))
+        done.kernels.append((name, kernel))
         return kernel
 
     drivers = triton.runtime.driver
@@ -142,10 +166,17 @@ def run_all() -> None:
 
 
 def main() -> int:
+    """One JSON line per distinct compiled variant (kernel, resources) and one summary line per target."""
     failed = 0
     for arch in (90, 80):
         with compile_only(arch) as done:
             run_all()
+        seen: set[str] = set()
+        for name, kernel in done.kernels:
+            line = json.dumps({"arch": f"sm_{arch}", "kernel": name, **usage(kernel)})
+            if line not in seen:
+                seen.add(line)
+                print(line)
         print(json.dumps({"arch": f"sm_{arch}", "kernels": sorted(done.names()), "launches": len(done.kernels),
                           "errors": done.errors}))
         failed += len(done.errors)

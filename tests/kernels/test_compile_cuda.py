@@ -11,7 +11,7 @@ import pkgutil
 import pytest
 
 import kernels
-from tools.triton_compile import compile_only, ptxas_available, run_all
+from tools.triton_compile import compile_only, ptxas_available, run_all, usage
 
 
 def _project_kernels() -> set[str]:
@@ -34,6 +34,9 @@ def test_every_triton_kernel_compiles(arch: int) -> None:
     want = _project_kernels()
     assert len(want) >= 14, f"found only {sorted(want)}"
     assert done.names() == want, f"not launched by run_all: {sorted(want - done.names())}"
+    shrink = next(kernel for name, kernel in done.kernels if name == "_lora_shrink_kernel")
+    res = usage(shrink)  # read from the cubin: what bounds the kernel's programs per SM
+    assert 0 < res["registers"] <= 255 and res["warps"] == 4 and res["dynamic_shared"] > 0, res
 
 
 @pytest.mark.skipif(not ptxas_available(), reason="needs triton with its NVIDIA backend, outside the interpreter")
