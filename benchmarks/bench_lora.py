@@ -45,7 +45,7 @@ LAYERS = {"qkv": (4096, [4096, 1024, 1024]), "o": (4096, [4096]), "gate_up": (40
 QUICK = {"qkv": (64, [64, 16, 16]), "o": (64, [64]), "gate_up": (64, [96, 96]), "down": (96, [64])}
 SWEEP = {"split": {"shrink_split_k": [2, 4, 8, 16], "shrink_block_k": [64, 256, 512], "shrink_warps": [8],
                    "shrink_stages": [2, 4], "expand_block_n": [128, 512], "expand_n_iters": [2, 4],
-                   "expand_warps": [8], "expand_stages": [3], "run_m": [32, 64]},
+                   "expand_warps": [8], "expand_stages": [3], "run_m": [1, 32, 64]},
          "fused": {"fused_block_k": [64, 256, 512], "fused_block_n": [128, 512], "fused_n_iters": [1, 2, 4, 16],
                    "fused_warps": [8], "fused_stages": [2, 4], "run_m": [32, 64]}}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from kernels.triton_env import tl, triton
 
 if triton is not None:
-    from kernels.lora_kernels import _b_row, _e4m3_as_f16, _shrink_tile, _slice_index
+    from kernels.lora_kernels import _b_row, _expand_dot, _shrink_tile, _slice_index
 
     @triton.jit
     def _lora_fused_kernel(
@@ -67,14 +67,7 @@ if triton is not None:
                 offs_n = n_first + j * BLOCK_N + tl.arange(0, BLOCK_N)
                 mask_n = offs_n < n_s
                 wt = tl.load(b_slot + offs_n[None, :] * stride_bn, mask=mask_r[:, None] & mask_n[None, :], other=0)
-                if FP8:
-                    wt = _e4m3_as_f16(wt)
-                if FP32_DOT:
-                    acc = tl.dot(h, wt.to(tl.float32), input_precision="ieee")
-                elif FP8:
-                    acc = tl.dot(h.to(y_ptr.dtype.element_ty), wt.to(y_ptr.dtype.element_ty))
-                else:
-                    acc = tl.dot(h.to(wt.dtype), wt)  # the shrink result rounded to B's 16-bit dtype, as the split path
+                acc = _expand_dot(h, wt, y_ptr.dtype.element_ty, FP32_DOT, FP8, BLOCK_M == 1)  # as the split path
                 if FP8:
                     acc = acc * (tl.load(b_sc + offs_n, mask=mask_n, other=0.0) * 256.0)[None, :]
                 y_ptrs = y_rows + (y_off + offs_n)[None, :] * stride_yn

@@ -106,24 +106,35 @@ if triton is not None:
             if FP8:
                 at = _e4m3_as_f16(at)
             if FP32_DOT:
-                acc += tl.dot(xt.to(tl.float32), at.to(tl.float32), input_precision="ieee")
+                acc += _mm(xt, at, BLOCK_M == 1, True)
             else:
-                acc += tl.dot(xt, at.to(xt.dtype))  # 16-bit inputs, fp32 accumulate
+                acc += _mm(xt, at.to(xt.dtype), BLOCK_M == 1, False)  # 16-bit inputs, fp32 accumulate
             x_ptrs += BLOCK_K * stride_xk
             a_ptrs += BLOCK_K
         return acc
 
     @triton.jit
-    def _expand_dot(bt, wt, out_dtype: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr):
-        """bt [BM, BR] float32 @ wt [BR, BN] (B's dtype, or fp8 bytes) -> float32."""
+    def _mm(a, b, ROW: tl.constexpr, IEEE: tl.constexpr):
+        """a [M, K] @ b [K, N] -> float32 [M, N]: tl.dot (M >= 16; IEEE: in fp32), or for one row (ROW: M == 1, a
+        decode block's one token) a broadcast and a sum over K in fp32, with no 16-row accumulator tile to hold."""
+        if ROW:
+            return tl.sum(tl.trans(a).to(tl.float32) * b.to(tl.float32), axis=0)[None, :]
+        elif IEEE:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(a, b)
+
+    @triton.jit
+    def _expand_dot(bt, wt, out_dtype: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr, ROW: tl.constexpr):
+        """bt [BM, BR] float32 @ wt [BR, BN] (B's dtype, or fp8 bytes) -> float32 (ROW: BM == 1, see _mm)."""
         if FP8:
             wt = _e4m3_as_f16(wt)
         if FP32_DOT:
-            acc = tl.dot(bt, wt.to(tl.float32), input_precision="ieee")
+            acc = _mm(bt, wt, ROW, True)
         elif FP8:
-            acc = tl.dot(bt.to(out_dtype), wt.to(out_dtype))
+            acc = _mm(bt.to(out_dtype), wt.to(out_dtype), ROW, False)
         else:
-            acc = tl.dot(bt.to(wt.dtype), wt)  # shrink result rounded to B's 16-bit dtype, fp32 accumulate
+            acc = _mm(bt.to(wt.dtype), wt, ROW, False)  # shrink result rounded to B's 16-bit dtype, fp32 accumulate
         return acc
 
     @triton.jit
@@ -230,7 +241,7 @@ if triton is not None:
                             else:
                                 wt = tl.load(b_slot + offs_n[None, :] * stride_bn,
                                              mask=mask_r[:, None] & mask_n[None, :], other=0)
-                            acc = _expand_dot(bt, wt, y_ptr.dtype.element_ty, FP32_DOT, FP8)
+                            acc = _expand_dot(bt, wt, y_ptr.dtype.element_ty, FP32_DOT, FP8, BLOCK_M == 1)
                         else:
                             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                             for r0 in range(0, rank, BLOCK_R):  # only the slot's true rank
@@ -239,7 +250,7 @@ if triton is not None:
                                                   SPLIT_K)
                                 wt_r = tl.load(b_slot + r0 * stride_r + offs_n[None, :] * stride_bn,
                                                mask=mask_rr[:, None] & mask_n[None, :], other=0)  # [BR, BN]
-                                acc += _expand_dot(bt_r, wt_r, y_ptr.dtype.element_ty, FP32_DOT, FP8)
+                                acc += _expand_dot(bt_r, wt_r, y_ptr.dtype.element_ty, FP32_DOT, FP8, BLOCK_M == 1)
                         if FP8:  # per output row of B; 256 undoes _e4m3_as_f16's 2^-8
                             acc = acc * (tl.load(sc_ptr + offs_n, mask=mask_n, other=0.0) * 256.0)[None, :]
                         out = acc.to(y_ptr.dtype.element_ty)

@@ -353,6 +353,30 @@ def test_runs_of_one_slot_and_wide_ranks(monkeypatch: pytest.MonkeyPatch, run: i
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("r_max", "fp8"), [(16, False), (128, False), (16, True)], ids=["rmax16", "rmax128", "fp8"])
+def test_one_token_programs(dtype: torch.dtype, r_max: int, fp8: bool, variant: str) -> None:
+    """Runs of one token (TokenGroups.block_m = 1, XPULORA_LORA_CONFIG=run_m=1): each program multiplies one
+    token's row without tl.dot's 16-row tile (kernels.lora_kernels._mm), in every kernel, several rank chunks and
+    fp8 weights included; slots with many tokens then take one program per token."""
+    from kernels import lora_triton
+
+    assert DEV is not None
+    p = _problem(90 + r_max, [40, 8, 24], dtype, num_tokens=30, r_max=r_max, rank_major=True)
+    if fp8:
+        p = _fp8(p)
+    d = _to(p, DEV)
+    scales = ([t.to(DEV) for t in p["sa"]], [t.to(DEV) for t in p["sb"]]) if fp8 else (None, None)
+    info, rt = group_tokens(p["slots"].tolist(), p["num_slots"], device=DEV, block_m=1), _ranks(p["ranks"], DEV)
+    assert info.block_m == 1 and lora_triton._block_m(info) == 1
+    for add_inputs in (True, False):
+        out = lora_triton.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt, add_inputs,
+                                   *scales)
+        ref = _reference_scaled(p, add_inputs) if fp8 else _reference(p, add_inputs)
+        _assert_close(out, ref, dtype, f"one-token programs, add={add_inputs}")
+
+
+@needs_kernels
 def test_fully_sharded_shapes_and_wrapper_storage(variant: str) -> None:
     """The wrappers' storage: slice views of one [S, rows, n*K] A store (strided rank rows) and of one rank-major
     [S, r_max, sum n] B store; a fully sharded column layer's A holds r_max / tp rows (its shrink result is
