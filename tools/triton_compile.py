@@ -122,7 +122,7 @@ def run_all() -> None:
     """Launch every Triton kernel of the project through its launcher on small CPU problems (inside
     compile_only): the engine's start-up checks of the fused ops, paged attention (a split decode with its merge
     too) and int4 (each Triton backend, the dequantization), in bfloat16 and float32; the LoRA kernels split,
-    fused, with fp8 weights and with ranks above one rank tile."""
+    fused, with fp8 weights, with ranks above one rank tile and with one-token programs."""
     import torch
 
     from engine.lora.token_groups import group_tokens
@@ -146,9 +146,10 @@ def run_all() -> None:
         qw = torch.zeros(32, 64, dtype=torch.int32)
         dequant_triton(qw, torch.zeros(2, 8, dtype=torch.int32), torch.ones(2, 64, dtype=torch.float16), 128, 1, dt)
     t, slots_n, k = 8, 4, 256
-    info = group_tokens([0, 1, 2, 3, -1, 0, 1, 2], slots_n)
     x = torch.randn(t, k, generator=g).to(torch.bfloat16)
-    for r_max, fp8, fused in ((16, False, False), (16, True, False), (16, False, True), (128, False, False)):
+    for r_max, fp8, fused, run in ((16, False, False, 16), (16, True, False, 16), (16, False, True, 16),
+                                   (128, False, False, 16), (16, False, False, 1), (16, False, True, 1)):
+        info = group_tokens([0, 1, 2, 3, -1, 0, 1, 2], slots_n, block_m=run)
         wd = torch.float8_e4m3fn if fp8 else torch.bfloat16
         a = [torch.randn(slots_n, r_max, k, generator=g).to(wd) for _ in range(3)]
         b = [torch.randn(slots_n, r_max, n, generator=g).to(wd).transpose(1, 2) for n in (256, 64, 64)]
