@@ -33,6 +33,7 @@ from engine import (
     SamplingParams,
     SchedulerConfig,
 )
+from engine.device import Device
 from tools.random_int4 import QWEN3_8B, Shape, write_random_int4
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -195,11 +196,8 @@ def release(device: torch.device | str) -> None:
     the name would hold the engine until rebound, which happens only once the next engine is built; on an 80 GB
     card the fp8 engine after a bf16 one ran out of memory so, nineteenth session)."""
     gc.collect()
-    kind = torch.device(device).type
-    if kind == "cuda":
-        torch.cuda.empty_cache()
-    elif kind == "xpu":
-        torch.xpu.empty_cache()
+    dev = torch.device(device)
+    Device(dev.type, dev.index or 0).empty_cache()  # type: ignore[arg-type]
 
 
 def model_args(ap: argparse.ArgumentParser, batches: list[int], adapters: list[int], root: str) -> None:
