@@ -37,6 +37,34 @@ DEVI float ld_l2(const float* p) {  // another block's partial: from L2, never a
   float v; asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p)); return v;
 }
 
+DEVI u32 smem_addr(const void* p) {
+  u32 r; asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p)); return r;
+}
+DEVI void cp16(u32 dst, const void* src, int bytes) {  // bytes 0: sixteen zero bytes, nothing read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+DEVI void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int PENDING>
+DEVI void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(PENDING) : "memory"); }
+
+// Word j of a lane's 16-byte weight load -> the A fragment of MMA j (16 k): nibble pairs to bf16 128 + u by one
+// LOP3, then + z = -(128 + zq) by one bf16x2 FMA (exact); z_lo / z_hi for rows g / g + 8 from zero_of.
+DEVI u32 zero_of(u32 meta) { return (0xC300u | (meta >> 16)) * 0x10001u; }  // meta = scale | zq << 16
+DEVI void frag(u32 q, u32 z_lo, u32 z_hi, u32 (&a)[4]) {
+  const u32 ONE = 0x3F803F80u;  // bf16x2 (1, 1)
+  a[0] = bf2_fma(and_or(q, 0x000F000Fu, 0x43004300u), ONE, z_lo);
+  a[1] = bf2_fma(and_or(q >> 4, 0x000F000Fu, 0x43004300u), ONE, z_hi);
+  a[2] = bf2_fma(and_or(q >> 8, 0x000F000Fu, 0x43004300u), ONE, z_lo);
+  a[3] = bf2_fma(and_or(q >> 12, 0x000F000Fu, 0x43004300u), ONE, z_hi);
+}
+// acc += part * the 64 k's scales (rows g: s_lo, g + 8: s_hi): the scale never rounds the weight.
+DEVI void scale_into(float (&acc)[4], const float (&part)[4], float s_lo, float s_hi) {
+  acc[0] += part[0] * s_lo;
+  acc[1] += part[1] * s_lo;
+  acc[2] += part[2] * s_hi;
+  acc[3] += part[3] * s_hi;
+}
+
 // Row r of a block's partials (tile i, token tile mt, accumulator q) in lane l: its token and output feature.
 template <int MT>
 DEVI void out_at(int r, int l, int b0, int& tok, int& n) {
@@ -64,7 +92,6 @@ DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, cons
   for (int i = 0; i < NT; ++i)
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) acc[i][mt][0] = acc[i][mt][1] = acc[i][mt][2] = acc[i][mt][3] = 0.f;
-  const u32 ONE = 0x3F803F80u;  // bf16x2 (1, 1)
 
   for (int c0 = c_begin + warp * U; c0 < c_end; c0 += WARPS * U) {
     uint4 wv[U][NT], xv[U][MT][2];
@@ -95,32 +122,23 @@ DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, cons
     for (int u = 0; u < U; ++u) {
 #pragma unroll
       for (int i = 0; i < NT; ++i) {
-        const u32 z_lo = (0xC300u | (m_lo[u][i] >> 16)) * 0x10001u;  // bf16x2 -(128 + zq)
-        const u32 z_hi = (0xC300u | (m_hi[u][i] >> 16)) * 0x10001u;
+        const u32 z_lo = zero_of(m_lo[u][i]), z_hi = zero_of(m_hi[u][i]);
         float part[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) part[mt][0] = part[mt][1] = part[mt][2] = part[mt][3] = 0.f;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const u32 q = word(wv[u][i], j);
-          const u32 a0 = bf2_fma(and_or(q, 0x000F000Fu, 0x43004300u), ONE, z_lo);
-          const u32 a1 = bf2_fma(and_or(q >> 4, 0x000F000Fu, 0x43004300u), ONE, z_hi);
-          const u32 a2 = bf2_fma(and_or(q >> 8, 0x000F000Fu, 0x43004300u), ONE, z_lo);
-          const u32 a3 = bf2_fma(and_or(q >> 12, 0x000F000Fu, 0x43004300u), ONE, z_hi);
+          u32 a[4];
+          frag(word(wv[u][i], j), z_lo, z_hi, a);
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt) {
             const uint4& xa = xv[u][mt][j >> 1];
-            mma(part[mt], a0, a1, a2, a3, word(xa, 2 * (j & 1)), word(xa, 2 * (j & 1) + 1));
+            mma(part[mt], a[0], a[1], a[2], a[3], word(xa, 2 * (j & 1)), word(xa, 2 * (j & 1) + 1));
           }
         }
         const float s_lo = h2f(m_lo[u][i]), s_hi = h2f(m_hi[u][i]);
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          acc[i][mt][0] += part[mt][0] * s_lo;
-          acc[i][mt][1] += part[mt][1] * s_lo;
-          acc[i][mt][2] += part[mt][2] * s_hi;
-          acc[i][mt][3] += part[mt][3] * s_hi;
-        }
+        for (int mt = 0; mt < MT; ++mt) scale_into(acc[i][mt], part[mt], s_lo, s_hi);
       }
     }
   }
@@ -165,5 +183,120 @@ DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, cons
     }
   }
   if (threadIdx.x == 0) cnt[blockIdx.x] = 0;  // ready for the next launch
+}
+
+// The same product with x staged in shared memory: a block is WARPS x NT feature tiles, and each warp computes its NT
+// tiles over the block's whole split of K (no sums across warps), reading x from one shared copy per S chunks
+// (cp.async, two buffers: the next stage's copy runs while this one computes). x then crosses from L2 once per
+// 16 WARPS NT features instead of once per 16 NT, which bounds the kernel above from 16 rows.
+template <int MT, int S, int WARPS>
+DEVI void stage_x(u16* xs, const u16* __restrict__ x, int M, int x_stride, int k0) {
+  constexpr int LD = 64 * S + 8, PIECES = 8 * MT * S * 8;  // LD: rows 16 bytes apart mod 128, no bank conflict
+  for (int p = threadIdx.x; p < PIECES; p += WARPS * 32) {
+    const int row = p / (S * 8), col = 8 * (p % (S * 8));
+    const bool ok = row < M;  // rows past M: zeros (their outputs are never stored)
+    cp16(smem_addr(xs + row * LD + col), ok ? x + (size_t)row * x_stride + k0 + col : x, ok ? 16 : 0);
+  }
+  cp_commit();
+}
+
+template <int MT, int NT, int WARPS, int S>
+DEVI void w4a16_sx(const uint4* __restrict__ qw, const u32* __restrict__ meta, const u16* __restrict__ x,
+                   const u16* __restrict__ bias, u16* __restrict__ y, float* ws, int* cnt, int M, int K, int N,
+                   int x_stride, int group_shift, int has_bias, int splits) {
+  constexpr int LD = 64 * S + 8;
+  __shared__ __align__(16) u16 xs[2][8 * MT * LD];
+  __shared__ int last;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int chunks = K >> 6, per_split = chunks / splits, c_begin = blockIdx.y * per_split, stages = per_split / S;
+  const int b0 = (blockIdx.x * WARPS + warp) * NT;  // this warp's first feature tile
+  const uint4* wp = qw + (size_t)b0 * chunks * 32 + lane;
+  float acc[NT][MT][4];
+#pragma unroll
+  for (int i = 0; i < NT; ++i)
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) acc[i][mt][0] = acc[i][mt][1] = acc[i][mt][2] = acc[i][mt][3] = 0.f;
+  stage_x<MT, S, WARPS>(xs[0], x, M, x_stride, 64 * c_begin);
+
+  for (int st = 0; st < stages; ++st) {
+    const int c0 = c_begin + st * S;
+    uint4 wv[S][NT];
+    u32 m_lo[S][NT], m_hi[S][NT];
+#pragma unroll
+    for (int u = 0; u < S; ++u) {
+      const u32* mrow = meta + (size_t)((unsigned)(c0 + u) >> group_shift) * N + 16 * b0 + g;
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        wv[u][i] = ld_stream(wp + ((size_t)i * chunks + c0 + u) * 32);
+        m_lo[u][i] = __ldg(mrow + 16 * i);
+        m_hi[u][i] = __ldg(mrow + 16 * i + 8);
+      }
+    }
+    if (st + 1 < stages) {  // buffer (st + 1) & 1 was last read in stage st - 1, before its closing barrier
+      stage_x<MT, S, WARPS>(xs[(st + 1) & 1], x, M, x_stride, 64 * (c0 + S));
+      cp_wait<1>();
+    } else {
+      cp_wait<0>();
+    }
+    __syncthreads();
+    const u16* xb = xs[st & 1] + g * LD + 16 * t;
+#pragma unroll
+    for (int u = 0; u < S; ++u) {
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        const u32 z_lo = zero_of(m_lo[u][i]), z_hi = zero_of(m_hi[u][i]);
+        u32 a[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) frag(word(wv[u][i], j), z_lo, z_hi, a[j]);
+        const float s_lo = h2f(m_lo[u][i]), s_hi = h2f(m_hi[u][i]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          const uint4* xp = reinterpret_cast<const uint4*>(xb + 8 * mt * LD + 64 * u);
+          const uint4 xa[2] = {xp[0], xp[1]};
+          float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+          for (int j = 0; j < 4; ++j)
+            mma(part, a[j][0], a[j][1], a[j][2], a[j][3], word(xa[j >> 1], 2 * (j & 1)),
+                word(xa[j >> 1], 2 * (j & 1) + 1));
+          scale_into(acc[i][mt], part, s_lo, s_hi);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  // each lane stores (or parks) the outputs it holds; with splits > 1 the column's last block adds the parked
+  // sums in split order, each lane the same outputs it held
+#pragma unroll
+  for (int r = 0; r < NT * MT * 4; ++r) {
+    int tok, n;
+    out_at<MT>(r, lane, b0, tok, n);
+    if (tok < M) {
+      const float s = acc[r / (MT * 4)][(r / 4) % MT][r & 3];
+      if (splits > 1) {
+        ws[((size_t)blockIdx.y * M + tok) * N + n] = s;
+      } else {
+        y[(size_t)tok * N + n] = f2bf(has_bias ? s + __uint_as_float(((u32)bias[n]) << 16) : s);
+      }
+    }
+  }
+  if (splits == 1) return;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(cnt + blockIdx.x, 1) == splits - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+#pragma unroll
+  for (int r = 0; r < NT * MT * 4; ++r) {
+    int tok, n;
+    out_at<MT>(r, lane, b0, tok, n);
+    if (tok < M) {
+      float s = 0.f;
+      for (int sp = 0; sp < splits; ++sp) s += ld_l2(ws + ((size_t)sp * M + tok) * N + n);  // fixed order
+      if (has_bias) s += __uint_as_float(((u32)bias[n]) << 16);
+      y[(size_t)tok * N + n] = f2bf(s);
+    }
+  }
+  if (threadIdx.x == 0) cnt[blockIdx.x] = 0;
 }
 """

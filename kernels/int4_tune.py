@@ -85,7 +85,8 @@ class Path:
         if isinstance(self.config, CudaMmaConfig):
             c = self.config
             split = f" k{c.splits}" if c.splits > 1 else ""
-            return f"{self.backend}[w{c.warps} u{c.unroll} n{c.tiles}{split}]"
+            staged = " x" if c.staged else ""
+            return f"{self.backend}[w{c.warps} u{c.unroll} n{c.tiles}{split}{staged}]"
         if isinstance(self.config, MmaConfig):
             c = self.config
             fold = " fold" if c.fold else ""
@@ -106,11 +107,13 @@ class Path:
         if not rest:
             return Path(backend)
         if backend == "cuda_mma":
-            warps, unroll, tiles, *split = rest.rstrip("]").split(" ")
+            warps, unroll, tiles, *rest_ = rest.rstrip("]").split(" ")
+            staged = rest_[-1:] == ["x"]
+            split = rest_[:-1] if staged else rest_
             if len(split) > 1 or (split and split[0][0] != "k"):
                 raise ValueError(f"int4 dispatch: unknown path {name!r}")
             return Path(backend, CudaMmaConfig(int(warps[1:]), int(unroll[1:]), int(tiles[1:]),
-                                               int(split[0][1:]) if split else 1))
+                                               int(split[0][1:]) if split else 1, staged))
         tile, split, warps, stages, *flags = rest.rstrip("]").split(" ")
         if backend == "triton_gemv" and flags in ([], ["noprefetch"]):
             bn, bkw = (int(v) for v in tile.split("x"))
