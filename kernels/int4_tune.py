@@ -58,7 +58,7 @@ mixed-step graphs of 160 and 192 tokens (64 decodes and a prompt or two) are 3 t
 LARGE_M = 1024
 DEQUANT = "dequant"
 CACHE_FILE = "int4_dispatch.json"
-TABLE_VERSION = 8
+TABLE_VERSION = 9
 """Part of the cache key: bump it when the kernels or their candidates change, so that old tables are timed again."""
 TIMED_BYTES = 256 * 2**20
 """Weight copies timed in turn add up to at least this (several times a large GPU's last-level cache)."""
