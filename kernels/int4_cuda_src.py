@@ -188,7 +188,9 @@ DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, cons
 // The same product with x staged in shared memory: a block is WARPS x NT feature tiles, and each warp computes its NT
 // tiles over the block's whole split of K (no sums across warps), reading x from one shared copy per S chunks
 // (cp.async, two buffers: the next stage's copy runs while this one computes). x then crosses from L2 once per
-// 16 WARPS NT features instead of once per 16 NT, which bounds the kernel above from 16 rows.
+// 16 WARPS NT features instead of once per 16 NT (the plain kernel's bound from 16 rows). Each round loads the
+// next stage's weights into a second register set before it computes this one, so a warp always has a stage of
+// weights in flight (the block's barriers would otherwise serialise a memory round trip per stage).
 template <int MT, int S, int WARPS>
 DEVI void stage_x(u16* xs, const u16* __restrict__ x, int M, int x_stride, int k0) {
   constexpr int LD = 64 * S + 8, PIECES = 8 * MT * S * 8;  // LD: rows 16 bytes apart mod 128, no bank conflict
@@ -200,69 +202,90 @@ DEVI void stage_x(u16* xs, const u16* __restrict__ x, int M, int x_stride, int k
   cp_commit();
 }
 
+template <int S, int NT>
+struct Stage {  // one warp's weights and meta words for S chunks of its NT tiles
+  uint4 w[S][NT];
+  u32 lo[S][NT], hi[S][NT];
+  DEVI void load(const uint4* wp, const u32* __restrict__ meta, int chunks, int c0, int N, int group_shift, int col) {
+#pragma unroll
+    for (int u = 0; u < S; ++u) {
+      const u32* mrow = meta + (size_t)((unsigned)(c0 + u) >> group_shift) * N + col;
+#pragma unroll
+      for (int i = 0; i < NT; ++i) {
+        w[u][i] = ld_stream(wp + ((size_t)i * chunks + c0 + u) * 32);
+        lo[u][i] = __ldg(mrow + 16 * i);
+        hi[u][i] = __ldg(mrow + 16 * i + 8);
+      }
+    }
+  }
+};
+
+// Round st: start the next stage (weights into nxt, x into the other buffer), then compute stage st from cur.
+template <int MT, int NT, int WARPS, int S>
+DEVI void sx_round(int st, int stages, int c0, u16 (&xs)[2][8 * MT * (64 * S + 8)], const Stage<S, NT>& cur,
+                   Stage<S, NT>& nxt, float (&acc)[NT][MT][4], const uint4* wp, const u32* __restrict__ meta,
+                   const u16* __restrict__ x, int M, int N, int chunks, int x_stride, int group_shift, int col) {
+  constexpr int LD = 64 * S + 8;
+  if (st + 1 < stages) {  // buffer (st + 1) & 1 was last read in round st - 1, before its closing barrier
+    nxt.load(wp, meta, chunks, c0 + S, N, group_shift, col);
+    stage_x<MT, S, WARPS>(xs[(st + 1) & 1], x, M, x_stride, 64 * (c0 + S));
+    cp_wait<1>();
+  } else {
+    cp_wait<0>();
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const u16* xb = xs[st & 1] + (lane >> 2) * LD + 16 * (lane & 3);
+#pragma unroll
+  for (int u = 0; u < S; ++u) {
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {
+      const u32 z_lo = zero_of(cur.lo[u][i]), z_hi = zero_of(cur.hi[u][i]);
+      u32 a[4][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) frag(word(cur.w[u][i], j), z_lo, z_hi, a[j]);
+      const float s_lo = h2f(cur.lo[u][i]), s_hi = h2f(cur.hi[u][i]);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        const uint4* xp = reinterpret_cast<const uint4*>(xb + 8 * mt * LD + 64 * u);
+        const uint4 xa[2] = {xp[0], xp[1]};
+        float part[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+          mma(part, a[j][0], a[j][1], a[j][2], a[j][3], word(xa[j >> 1], 2 * (j & 1)),
+              word(xa[j >> 1], 2 * (j & 1) + 1));
+        scale_into(acc[i][mt], part, s_lo, s_hi);
+      }
+    }
+  }
+  __syncthreads();
+}
+
 template <int MT, int NT, int WARPS, int S>
 DEVI void w4a16_sx(const uint4* __restrict__ qw, const u32* __restrict__ meta, const u16* __restrict__ x,
                    const u16* __restrict__ bias, u16* __restrict__ y, float* ws, int* cnt, int M, int K, int N,
                    int x_stride, int group_shift, int has_bias, int splits) {
-  constexpr int LD = 64 * S + 8;
-  __shared__ __align__(16) u16 xs[2][8 * MT * LD];
+  __shared__ __align__(16) u16 xs[2][8 * MT * (64 * S + 8)];
   __shared__ int last;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int chunks = K >> 6, per_split = chunks / splits, c_begin = blockIdx.y * per_split, stages = per_split / S;
-  const int b0 = (blockIdx.x * WARPS + warp) * NT;  // this warp's first feature tile
+  const int b0 = (blockIdx.x * WARPS + warp) * NT, col = 16 * b0 + (lane >> 2);  // this warp's first tile, row g
   const uint4* wp = qw + (size_t)b0 * chunks * 32 + lane;
   float acc[NT][MT][4];
 #pragma unroll
   for (int i = 0; i < NT; ++i)
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) acc[i][mt][0] = acc[i][mt][1] = acc[i][mt][2] = acc[i][mt][3] = 0.f;
+  Stage<S, NT> even, odd;  // two register sets, swapped by unrolling the rounds in pairs (no dynamic indexing)
+  even.load(wp, meta, chunks, c_begin, N, group_shift, col);
   stage_x<MT, S, WARPS>(xs[0], x, M, x_stride, 64 * c_begin);
-
-  for (int st = 0; st < stages; ++st) {
+  for (int st = 0; st < stages; st += 2) {
     const int c0 = c_begin + st * S;
-    uint4 wv[S][NT];
-    u32 m_lo[S][NT], m_hi[S][NT];
-#pragma unroll
-    for (int u = 0; u < S; ++u) {
-      const u32* mrow = meta + (size_t)((unsigned)(c0 + u) >> group_shift) * N + 16 * b0 + g;
-#pragma unroll
-      for (int i = 0; i < NT; ++i) {
-        wv[u][i] = ld_stream(wp + ((size_t)i * chunks + c0 + u) * 32);
-        m_lo[u][i] = __ldg(mrow + 16 * i);
-        m_hi[u][i] = __ldg(mrow + 16 * i + 8);
-      }
-    }
-    if (st + 1 < stages) {  // buffer (st + 1) & 1 was last read in stage st - 1, before its closing barrier
-      stage_x<MT, S, WARPS>(xs[(st + 1) & 1], x, M, x_stride, 64 * (c0 + S));
-      cp_wait<1>();
-    } else {
-      cp_wait<0>();
-    }
-    __syncthreads();
-    const u16* xb = xs[st & 1] + g * LD + 16 * t;
-#pragma unroll
-    for (int u = 0; u < S; ++u) {
-#pragma unroll
-      for (int i = 0; i < NT; ++i) {
-        const u32 z_lo = zero_of(m_lo[u][i]), z_hi = zero_of(m_hi[u][i]);
-        u32 a[4][4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j) frag(word(wv[u][i], j), z_lo, z_hi, a[j]);
-        const float s_lo = h2f(m_lo[u][i]), s_hi = h2f(m_hi[u][i]);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          const uint4* xp = reinterpret_cast<const uint4*>(xb + 8 * mt * LD + 64 * u);
-          const uint4 xa[2] = {xp[0], xp[1]};
-          float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-          for (int j = 0; j < 4; ++j)
-            mma(part, a[j][0], a[j][1], a[j][2], a[j][3], word(xa[j >> 1], 2 * (j & 1)),
-                word(xa[j >> 1], 2 * (j & 1) + 1));
-          scale_into(acc[i][mt], part, s_lo, s_hi);
-        }
-      }
-    }
-    __syncthreads();
+    sx_round<MT, NT, WARPS, S>(st, stages, c0, xs, even, odd, acc, wp, meta, x, M, N, chunks, x_stride, group_shift,
+                               col);
+    if (st + 1 < stages)
+      sx_round<MT, NT, WARPS, S>(st + 1, stages, c0 + S, xs, odd, even, acc, wp, meta, x, M, N, chunks, x_stride,
+                                 group_shift, col);
   }
   // each lane stores (or parks) the outputs it holds; with splits > 1 the column's last block adds the parked
   // sums in split order, each lane the same outputs it held
