@@ -238,24 +238,31 @@ DEVI void sx_round(int st, int stages, int c0, u16 (&xs)[2][8 * MT * (64 * S + 8
   const u16* xb = xs[st & 1] + (lane >> 2) * LD + 16 * (lane & 3);
 #pragma unroll
   for (int u = 0; u < S; ++u) {
+    uint4 xv[MT][2];  // x fragments of this chunk, shared by the warp's NT tiles
 #pragma unroll
-    for (int i = 0; i < NT; ++i) {
+    for (int mt = 0; mt < MT; ++mt) {
+      const uint4* xp = reinterpret_cast<const uint4*>(xb + 8 * mt * LD + 64 * u);
+      xv[mt][0] = xp[0];
+      xv[mt][1] = xp[1];
+    }
+#pragma unroll
+    for (int i = 0; i < NT; ++i) {  // as the plain kernel: MT independent MMAs per fragment (mma is volatile asm)
       const u32 z_lo = zero_of(cur.lo[u][i]), z_hi = zero_of(cur.hi[u][i]);
-      u32 a[4][4];
+      float part[MT][4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) frag(word(cur.w[u][i], j), z_lo, z_hi, a[j]);
+      for (int mt = 0; mt < MT; ++mt) part[mt][0] = part[mt][1] = part[mt][2] = part[mt][3] = 0.f;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        u32 a[4];
+        frag(word(cur.w[u][i], j), z_lo, z_hi, a);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+          mma(part[mt], a[0], a[1], a[2], a[3], word(xv[mt][j >> 1], 2 * (j & 1)),
+              word(xv[mt][j >> 1], 2 * (j & 1) + 1));
+      }
       const float s_lo = h2f(cur.lo[u][i]), s_hi = h2f(cur.hi[u][i]);
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        const uint4* xp = reinterpret_cast<const uint4*>(xb + 8 * mt * LD + 64 * u);
-        const uint4 xa[2] = {xp[0], xp[1]};
-        float part[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-          mma(part, a[j][0], a[j][1], a[j][2], a[j][3], word(xa[j >> 1], 2 * (j & 1)),
-              word(xa[j >> 1], 2 * (j & 1) + 1));
-        scale_into(acc[i][mt], part, s_lo, s_hi);
-      }
+      for (int mt = 0; mt < MT; ++mt) scale_into(acc[i][mt], part[mt], s_lo, s_hi);
     }
   }
   __syncthreads();
@@ -309,15 +316,24 @@ DEVI void w4a16_sx(const uint4* __restrict__ qw, const u32* __restrict__ meta, c
   __syncthreads();
   if (!last) return;
   __threadfence();
+  // split by split, all of a lane's outputs at once: NT MT 4 loads in flight per round trip, not one
+#pragma unroll
+  for (int r = 0; r < NT * MT * 4; ++r) acc[r / (MT * 4)][(r / 4) % MT][r & 3] = 0.f;
+  for (int sp = 0; sp < splits; ++sp) {  // fixed order
+#pragma unroll
+    for (int r = 0; r < NT * MT * 4; ++r) {
+      int tok, n;
+      out_at<MT>(r, lane, b0, tok, n);
+      if (tok < M) acc[r / (MT * 4)][(r / 4) % MT][r & 3] += ld_l2(ws + ((size_t)sp * M + tok) * N + n);
+    }
+  }
 #pragma unroll
   for (int r = 0; r < NT * MT * 4; ++r) {
     int tok, n;
     out_at<MT>(r, lane, b0, tok, n);
     if (tok < M) {
-      float s = 0.f;
-      for (int sp = 0; sp < splits; ++sp) s += ld_l2(ws + ((size_t)sp * M + tok) * N + n);  // fixed order
-      if (has_bias) s += __uint_as_float(((u32)bias[n]) << 16);
-      y[(size_t)tok * N + n] = f2bf(s);
+      const float s = acc[r / (MT * 4)][(r / 4) % MT][r & 3];
+      y[(size_t)tok * N + n] = f2bf(has_bias ? s + __uint_as_float(((u32)bias[n]) << 16) : s);
     }
   }
   if (threadIdx.x == 0) cnt[blockIdx.x] = 0;
