@@ -117,7 +117,7 @@ def mma_sweep(m: int, k: int, n: int) -> list[MmaConfig]:
 
 def cfg_name(c: MmaConfig | TritonInt4Config | GemvConfig | CudaMmaConfig) -> str:
     if isinstance(c, CudaMmaConfig):
-        return f"w{c.warps} u{c.unroll} n{c.tiles}" + (f" k{c.splits}" if c.splits > 1 else "") + " x" * c.staged
+        return f"w{c.warps} u{c.unroll} n{c.tiles}" + (f" k{c.splits}" if c.splits > 1 else "")
     if isinstance(c, GemvConfig):
         pf = "" if c.prefetch else " noprefetch"
         return f"{c.block_n}x{c.block_kw} s{c.split_k} w{c.num_warps} st{c.num_stages}{pf}"

@@ -261,19 +261,6 @@ case "${1:-}" in
     # shellcheck disable=SC2086  # E2E_BATCHES: one or more batch sizes, split into words on purpose
     decode_old_new ${E2E_BATCHES:-32 64}
     ;;
-  staged21)  # issue 18: cuda_mma with x staged in shared memory (twenty-first session): its CUDA tests, the int4 table at
-             # M = 16 / 32 / 64 (every launch shape checked and timed, best four printed), then 36-layer decode at
-             # batch 32 and 64 (no adapters, tuned) from .old (carry it: `git archive <commit before>`) and this tree
-    export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/env.txt"
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE -x tests/kernels/test_int4_cuda.py \
-      > "$OUT/cuda_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/cuda_tests.txt"; tail -4 "$OUT/cuda_tests.txt" | cut -c1-700
-    timeout 200 python3 benchmarks/bench_int4.py --shapes 8b --ms ${MS:-16 32 64} > "$OUT/int4.txt" 2>&1
-    echo "bench rc=$?" >> "$OUT/int4.txt"; sed -n '/K x N/,$p' "$OUT/int4.txt" | cut -c1-300
-    grep -E '^\{' "$OUT/int4.txt" | python3 -c "import sys,json; [print(r['K'],r['N'],r['M'],'bf16',r['bf16_us'],'cuda',r.get('cuda_us'),sorted((v,k) for k,v in (r.get('cuda_sweep') or {}).items())[:4]) for r in map(json.loads,sys.stdin) if 'M' in r]"
-    # shellcheck disable=SC2086  # E2E_BATCHES: one or more batch sizes, split into words on purpose
-    decode_old_new ${E2E_BATCHES:-32 64}
-    ;;
   recheck18)  # issue 18: what the fifteenth session's `check` failed, after its fixes (cuda_mma needs K % 256, fewer
               # launch shapes, the compiled module cached on disk): the cuda_mma tests, the LoRA engine tests, and the
               # dense engine check at batch 17, side by side (less than the whole `check`; the device time ran out)

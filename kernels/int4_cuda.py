@@ -55,33 +55,20 @@ H200 (docs/PERFORMANCE.md, sixteenth session; 4-chunk unrolls, 2-tile unrolls an
 
 @dataclass(frozen=True)
 class CudaMmaConfig:
-    """Launch shape: warps per block, chunks of 64 k each warp loads before it computes, tiles of 16 output features
-    (each x fragment feeds that many MMAs), splits of K over the grid (blocks of one feature column sum through an
-    fp32 workspace: more blocks when the columns are few), and where x comes from. Not staged: the warps split the
-    block's K and each loads its own x. Staged: the block stages x in shared memory `unroll` chunks at a time and
-    each warp computes `tiles` tiles of its own (a block is warps x tiles tiles) over the block's whole K."""
+    """Launch shape: warps per block (each a share of its split of K), chunks of 64 k each warp loads before it
+    computes, tiles of 16 output features per block (each x fragment feeds that many MMAs), and splits of K over
+    the grid (blocks of one feature column sum through an fp32 workspace: more blocks when the columns are few)."""
 
     warps: int
     unroll: int
     tiles: int = 1
     splits: int = 1
-    staged: bool = False
 
     def fits(self, m: int, k: int, n: int) -> bool:
         mt, chunks = _token_tiles(m), k // CHUNK_K
-        if mt is None or self.splits < 1 or chunks % self.splits:
-            return False
-        per_split = chunks // self.splits
-        if self.staged:
-            return ((self.warps, self.unroll, self.tiles) in _staged_for(mt) and per_split % self.unroll == 0
-                    and n % (16 * self.tiles * self.warps) == 0)
-        return ((self.warps, self.unroll, self.tiles) in _shapes_for(mt)
-                and per_split % (self.warps * self.unroll) == 0 and n % (16 * self.tiles) == 0)
-
-    @property
-    def block_tiles(self) -> int:
-        """Feature tiles of 16 per block (one split-K counter each block column)."""
-        return self.tiles * self.warps if self.staged else self.tiles
+        return (mt is not None and (self.warps, self.unroll, self.tiles) in _shapes_for(mt) and self.splits >= 1
+                and chunks % self.splits == 0 and (chunks // self.splits) % (self.warps * self.unroll) == 0
+                and n % (16 * self.tiles) == 0)
 
 
 def _token_tiles(m: int) -> int | None:
@@ -93,17 +80,6 @@ def _shapes_for(mt: int) -> tuple[tuple[int, int, int], ...]:
     and the partials' shared memory (WARPS NT MT x 512 bytes) within 32 KB."""
     return tuple((w, u, nt) for w, u, nt in SHAPES
                  if 4 * nt * mt + 4 * mt + 8 * u * mt + 4 * u * nt <= 136 and w * nt * mt <= 64)
-
-
-STAGED = ((4, 2, 2), (4, 4, 1), (4, 2, 1), (8, 2, 1), (8, 4, 1), (8, 2, 2), (4, 4, 2), (2, 4, 2))
-"""(warps, chunks per stage, tiles per warp) compiled with x staged in shared memory, where _staged_for allows."""
-
-
-def _staged_for(mt: int) -> tuple[tuple[int, int, int], ...]:
-    """Registers per lane (accumulators 4 NT MT, A fragments 16, x 8, weights and meta 6 S NT) within ~128, and
-    two stages of x (2 x 8 MT rows x (64 S + 8) bf16) within 48 KB of static shared memory."""
-    return tuple((w, u, nt) for w, u, nt in STAGED
-                 if 4 * nt * mt + 24 + 6 * u * nt <= 100 and 2 * 8 * mt * (64 * u + 8) * 2 <= 48 * 1024)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -119,21 +95,17 @@ def cuda_config(m: int, k: int, n: int) -> CudaMmaConfig | None:
     return None
 
 
-_X = True  # staged: x through shared memory
-TUNED: dict[int, tuple[tuple[int, int, int] | tuple[int, int, int, int] | tuple[int, int, int, int, bool], ...]] = {
+TUNED: dict[int, tuple[tuple[int, int, int] | tuple[int, int, int, int], ...]] = {
     1: ((16, 1, 1), (16, 2, 1), (8, 2, 1), (8, 1, 1), (4, 2, 1)),
-    2: ((16, 1, 1), (16, 2, 1), (8, 2, 1), (8, 1, 2), (4, 1, 2),
-        (4, 2, 2, 1, _X), (4, 2, 2, 2, _X), (4, 2, 2, 4, _X), (4, 2, 1, 1, _X), (4, 2, 1, 2, _X), (4, 2, 1, 4, _X)),
-    4: ((8, 1, 1), (8, 2, 1), (16, 1, 1), (8, 1, 2), (4, 1, 2), (8, 1, 2, 2),
-        (4, 2, 2, 1, _X), (4, 2, 2, 2, _X), (4, 2, 2, 4, _X), (4, 2, 1, 1, _X), (4, 2, 1, 2, _X), (4, 2, 1, 4, _X)),
-    8: ((4, 1, 1), (8, 1, 1), (8, 2, 1, 1, _X), (8, 2, 1, 2, _X), (8, 2, 1, 4, _X), (4, 2, 1, 1, _X),
-        (4, 2, 1, 2, _X), (4, 2, 1, 4, _X)),
+    2: ((16, 1, 1), (16, 2, 1), (8, 2, 1), (8, 1, 2), (4, 1, 2)),
+    4: ((8, 1, 1), (8, 2, 1), (16, 1, 1), (8, 1, 2), (4, 1, 2), (8, 1, 2, 2)),
+    8: ((4, 1, 1), (8, 1, 1)),
 }
-"""Per token-tile count, the launch shapes (warps, unroll, tiles[, splits of K[, x staged]]) the tuner times: those
-that won, or came within 3 % of the best, at some M of that tile count on the four Qwen3-8B shapes (H200, sixteenth
-session). K split over the grid won once in the nineteenth session's sweep of every compiled shape (H200, `run_h200.sh
+"""Per token-tile count, the launch shapes (warps, unroll, tiles[, splits of K]) the tuner times: those that won, or
+came within 3 % of the best, at some M of that tile count on the four Qwen3-8B shapes (H200, sixteenth session).
+K split over the grid won once in the nineteenth session's sweep of every compiled shape (H200, `run_h200.sh
 split18`): 2-tile blocks with K in 2 on 12288 x 4096 at M = 32, 20.7 us against 24.7; at M = 16 and 64 no split
-shape came within 3 %, so only that one is timed. The staged shapes (twenty-first session) are untimed candidates."""
+shape came within 3 %, so only that one is timed."""
 
 
 SPLITS = (2, 4)
@@ -153,14 +125,13 @@ def tuner_variants(m: int, k: int, n: int) -> list[CudaMmaConfig]:
 
 
 def variants(m: int, k: int, n: int) -> list[CudaMmaConfig]:
-    """Every compiled launch shape that fits m rows, K and N, whole and with K split in SPLITS, x staged or not
-    (benchmarks/bench_int4.py sweeps them all)."""
+    """Every compiled launch shape that fits m rows, K and N, whole and with K split in SPLITS (benchmarks/bench_int4.py
+    sweeps them all)."""
     mt = _token_tiles(m)
     if mt is None:
         return []
-    plain = [CudaMmaConfig(*s, splits=sp) for sp in (1, *SPLITS) for s in _shapes_for(mt)]
-    staged = [CudaMmaConfig(*s, splits=sp, staged=True) for sp in (1, *SPLITS, 8) for s in _staged_for(mt)]
-    return [c for c in plain + staged if c.fits(m, k, n)]
+    return [c for c in (CudaMmaConfig(*s, splits=sp) for sp in (1, *SPLITS) for s in _shapes_for(mt))
+            if c.fits(m, k, n)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -212,30 +183,25 @@ def unpack_cuda(packed: torch.Tensor) -> torch.Tensor:
 
 
 
-def _kernel_name(mt: int, warps: int, unroll: int, tiles: int, staged: bool = False) -> str:
-    return f"w4a16_cuda{'_sx' if staged else ''}_mt{mt}_w{warps}_u{unroll}_n{tiles}"
-
-
-def _launch_shapes() -> list[tuple[int, int, int, int, bool]]:
-    """(token tiles, warps, unroll, tiles, staged) of every compiled kernel."""
-    return [(mt, *s, False) for mt in TOKEN_TILES for s in _shapes_for(mt)] + [
-        (mt, *s, True) for mt in TOKEN_TILES for s in _staged_for(mt)]
+def _kernel_name(mt: int, warps: int, unroll: int, tiles: int) -> str:
+    return f"w4a16_cuda_mt{mt}_w{warps}_u{unroll}_n{tiles}"
 
 
 def _source() -> str:
     entries = []
-    for mt, w, u, nt, staged in _launch_shapes():
-        template = f"w4a16_sx<{mt}, {nt}, {w}, {u}>" if staged else f"w4a16<{mt}, {nt}, {w}, {u}>"
-        entries.append(
-            f'extern "C" __global__ void __launch_bounds__({32 * w}) {_kernel_name(mt, w, u, nt, staged)}('
-            "const uint4* qw, const u32* meta, const u16* x, const u16* bias, u16* y, float* ws, int* cnt, "
-            "int M, int K, int N, int x_stride, int group_shift, int has_bias, int splits) { "
-            f"{template}(qw, meta, x, bias, y, ws, cnt, M, K, N, x_stride, group_shift, has_bias, splits); }}")
+    for mt in TOKEN_TILES:
+        for w, u, nt in _shapes_for(mt):
+            entries.append(
+                f'extern "C" __global__ void __launch_bounds__({32 * w}) {_kernel_name(mt, w, u, nt)}('
+                "const uint4* qw, const u32* meta, const u16* x, const u16* bias, u16* y, float* ws, int* cnt, "
+                "int M, int K, int N, int x_stride, int group_shift, int has_bias, int splits) { "
+                f"w4a16<{mt}, {nt}, {w}, {u}>(qw, meta, x, bias, y, ws, cnt, M, K, N, x_stride, group_shift, "
+                "has_bias, splits); }")
     return SOURCE + "\n".join(entries) + "\n"
 
 
 def _names() -> list[str]:
-    return [_kernel_name(*shape) for shape in _launch_shapes()]
+    return [_kernel_name(mt, *s) for mt in TOKEN_TILES for s in _shapes_for(mt)]
 
 
 def supports_group(group_size: int) -> bool:
@@ -326,15 +292,14 @@ def cuda_mm(x2: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: 
     mt = _token_tiles(m)
     assert mt is not None
     assert x2.device.index is not None, "a GPU tensor's device has an index"
-    kernel = _module(x2.device.index)[_kernel_name(mt, c.warps, c.unroll, c.tiles, c.staged)]
+    kernel = _module(x2.device.index)[_kernel_name(mt, c.warps, c.unroll, c.tiles)]
     shift = (group_size // CHUNK_K).bit_length() - 1
     # splits > 1: fp32 partials in ws, summed in split order by each column's last block (kernels.int4_triton's
     # counters: every launch leaves them at zero, and no two split launches run at once on the engine's one stream)
-    columns = nb // c.block_tiles
-    if c.splits > 1 and columns > _MAX_TILES:
-        raise ValueError(f"int4 cuda_mma: {columns} feature columns exceed the {_MAX_TILES} split-K counters")
+    if c.splits > 1 and nb // c.tiles > _MAX_TILES:
+        raise ValueError(f"int4 cuda_mma: {nb // c.tiles} feature columns exceed the {_MAX_TILES} split-K counters")
     ws = torch.empty((c.splits, m, n), dtype=torch.float32, device=x2.device) if c.splits > 1 else y
-    kernel(grid=(columns, c.splits, 1), block=(32 * c.warps, 1, 1),
+    kernel(grid=(nb // c.tiles, c.splits, 1), block=(32 * c.warps, 1, 1),
            args=[qw, meta, x2, bias if bias is not None else y, y, ws, _counters(x2.device), m, k, n, x2.stride(0),
                  shift, int(bias is not None), c.splits])
     return y

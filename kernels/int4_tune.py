@@ -58,7 +58,7 @@ mixed-step graphs of 160 and 192 tokens (64 decodes and a prompt or two) are 3 t
 LARGE_M = 1024
 DEQUANT = "dequant"
 CACHE_FILE = "int4_dispatch.json"
-TABLE_VERSION = 9
+TABLE_VERSION = 8
 """Part of the cache key: bump it when the kernels or their candidates change, so that old tables are timed again."""
 TIMED_BYTES = 256 * 2**20
 """Weight copies timed in turn add up to at least this (several times a large GPU's last-level cache)."""
@@ -85,8 +85,7 @@ class Path:
         if isinstance(self.config, CudaMmaConfig):
             c = self.config
             split = f" k{c.splits}" if c.splits > 1 else ""
-            staged = " x" if c.staged else ""
-            return f"{self.backend}[w{c.warps} u{c.unroll} n{c.tiles}{split}{staged}]"
+            return f"{self.backend}[w{c.warps} u{c.unroll} n{c.tiles}{split}]"
         if isinstance(self.config, MmaConfig):
             c = self.config
             fold = " fold" if c.fold else ""
@@ -107,13 +106,11 @@ class Path:
         if not rest:
             return Path(backend)
         if backend == "cuda_mma":
-            warps, unroll, tiles, *rest_ = rest.rstrip("]").split(" ")
-            staged = rest_[-1:] == ["x"]
-            split = rest_[:-1] if staged else rest_
+            warps, unroll, tiles, *split = rest.rstrip("]").split(" ")
             if len(split) > 1 or (split and split[0][0] != "k"):
                 raise ValueError(f"int4 dispatch: unknown path {name!r}")
             return Path(backend, CudaMmaConfig(int(warps[1:]), int(unroll[1:]), int(tiles[1:]),
-                                               int(split[0][1:]) if split else 1, staged))
+                                               int(split[0][1:]) if split else 1))
         tile, split, warps, stages, *flags = rest.rstrip("]").split(" ")
         if backend == "triton_gemv" and flags in ([], ["noprefetch"]):
             bn, bkw = (int(v) for v in tile.split("x"))

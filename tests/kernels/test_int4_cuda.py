@@ -56,9 +56,7 @@ def test_launch_shapes_fit_the_rows_and_k() -> None:
         for k in (4096, 5120, 12288, 17408):
             shapes = variants(m, k, 5120)
             assert shapes, (m, k)
-            assert all(c.fits(m, k, 5120) and (k // 64 // c.splits) % (c.unroll if c.staged else c.warps * c.unroll)
-                       == 0 for c in shapes)
-            assert any(c.staged for c in shapes), ("x staged in shared memory is swept at every row count", m, k)
+            assert all(c.fits(m, k, 5120) and (k // 64) % (c.warps * c.unroll) == 0 for c in shapes)
             rule = cuda_config(m, k, 5120)
             assert rule is not None and rule in shapes and rule.tiles == 1
     assert any(c.tiles > 1 for c in variants(16, 4096, 4096)), "blocks of several feature tiles are candidates"
@@ -80,12 +78,6 @@ def test_launch_shapes_fit_the_rows_and_k() -> None:
         assert all(CudaMmaConfig(*s).fits(8 * mt, 4096, 6144) for s in shapes), mt
     assert any(c.splits > 1 for c in tuner_variants(32, 12288, 4096)), "the one split shape that won is timed"
     assert not CudaMmaConfig(8, 2).fits(33, 4096, 64), "5 or more token tiles hold one chunk in flight per 8 rows"
-    # x staged: a block is warps x tiles feature tiles, each stage `unroll` chunks of the block's split of K
-    assert CudaMmaConfig(4, 2, 2, 4, staged=True).fits(32, 4096, 6144)
-    assert CudaMmaConfig(4, 2, 2, 4, staged=True).block_tiles == 8 and CudaMmaConfig(4, 2, 2, 4).block_tiles == 2
-    assert not CudaMmaConfig(4, 2, 2, staged=True).fits(32, 4096, 64), "64 features: less than one 8-tile block"
-    assert not CudaMmaConfig(4, 4, 1, 32, staged=True).fits(16, 4096, 6144), "2 chunks per split: no 4-chunk stage"
-    assert not CudaMmaConfig(4, 4, 1, staged=True).fits(64, 4096, 6144), "two 64-row stages of 4 chunks: > 48 KB"
     assert int4_cuda.supports_group(128) and int4_cuda.supports_group(64) and not int4_cuda.supports_group(192)
     assert not int4_cuda.supports_group(32)
 
@@ -129,9 +121,6 @@ CASES = [  # (M, K, N, group, zero_offset, symmetric, bias)
     (100, 1024, 32, 128, 1, False, True),  # above 64 rows: int4_mm runs 64 at a time
     (16, 2048, 256, 128, 1, False, True),  # 4-tile blocks, whole and with K split over the grid
     (32, 4096, 128, 128, 0, False, False),
-    (5, 2048, 256, 128, 1, False, True),  # x staged in shared memory: blocks of 64-256 features
-    (24, 1024, 512, 64, 1, False, True),
-    (64, 2048, 256, 128, 1, True, False),
 ]
 
 
@@ -183,7 +172,6 @@ def test_every_launch_shape_matches_reference(case: tuple) -> None:
     bd = None if b is None else b.to(dev)
     shapes = variants(m, k, n) if m <= 64 else [None]
     assert shapes
-    assert n % 256 or any(c is not None and c.staged and c.splits > 1 for c in shapes), "staged, K split, is checked"
     for c in shapes:
         wc = replace(w, config=c)
         y = int4_mm(x.to(dev), wc, bd)
@@ -223,15 +211,6 @@ def test_unaligned_activations_and_graph_replay() -> None:
         graph.replay()
         assert_close_rel(out.cpu(), ref, BF16_TOL, "split graph replay")
     assert torch.equal(out, int4_mm(xs, split, bd)), "replayed and eager: the same bits"
-    staged = replace(w, config=CudaMmaConfig(4, 2, 1, 2, staged=True))  # x through shared memory, K in 2
-    int4_mm(xs, staged, bd)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = int4_mm(xs, staged, bd)
-    for _ in range(3):
-        graph.replay()
-        assert_close_rel(out.cpu(), ref, BF16_TOL, "staged split graph replay")
-    assert torch.equal(out, int4_mm(xs, staged, bd)), "replayed and eager: the same bits"
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="the CUDA C kernel runs on CUDA only")

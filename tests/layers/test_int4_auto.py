@@ -339,18 +339,15 @@ def test_a_cached_table_must_fit_its_shape() -> None:
         "dequant"] * 2
     from kernels.int4_cuda import CudaMmaConfig
 
-    rows = [[1, "cuda_mma[w4 u2 n1]"], [16, "cuda_mma[w4 u1 n2 k2]"], [24, "cuda_mma[w4 u2 n1 x]"],
-            [32, "cuda_mma[w4 u1 n1 k2]"], [64, "cuda_mma[w4 u2 n1 k2 x]"], [None, "dequant"]]
+    rows = [[1, "cuda_mma[w4 u2 n1]"], [16, "cuda_mma[w4 u1 n2 k2]"], [32, "cuda_mma[w4 u1 n1 k2]"],
+            [None, "dequant"]]
     table = tu._table_from_json(rows, shape)
     assert [(b, p.name) for b, p in table.rows] == [tuple(r) for r in rows]
-    assert [p.config for _, p in table.rows[:5]] == [
-        CudaMmaConfig(4, 2, 1), CudaMmaConfig(4, 1, 2, 2), CudaMmaConfig(4, 2, 1, staged=True),
-        CudaMmaConfig(4, 1, 1, 2), CudaMmaConfig(4, 2, 1, 2, staged=True)]
+    assert [p.config for _, p in table.rows[:3]] == [CudaMmaConfig(4, 2, 1), CudaMmaConfig(4, 1, 2, 2),
+                                                     CudaMmaConfig(4, 1, 1, 2)]
     for bad in ([[1, "cuda_mma[w4 u2 n1 k2]"], [None, "dequant"]],  # 8 chunks: 2 splits of 4 leave no 2-chunk round
                 [[32, "cuda_mma[w4 u1 n2 k3]"], [None, "dequant"]],  # 8 chunks do not split in 3
                 [[16, "cuda_mma[w4 u1 n1 s2]"], [None, "dequant"]],  # not a field of this kernel's paths
-                [[16, "cuda_mma[w4 u2 n2 x]"], [None, "dequant"]],  # staged: 4 warps x 2 tiles = 128 > 64 features
-                [[16, "cuda_mma[w4 u2 n1 x k2]"], [None, "dequant"]],  # the staged flag comes last
                 [[None, "cuda_mma[w4 u1 n1]"]],  # a fixed launch shape cannot take every row count
                 [[None, "triton_mma[64x16x128 s8 w4 st3]"]],  # K=512 does not split 8 ways into 128-deep tiles
                 [[None, "triton_mma[64x16x48 s1 w4 st3]"]],  # 48 is not a multiple of the 32-deep block
