@@ -313,6 +313,10 @@ def cuda_build_key(index: int) -> str:
     return f"sm{''.join(map(str, torch.cuda.get_device_capability(index)))}|{torch.version.cuda}|{torch.__version__}"
 
 
+CUDA_COMPILE_OPTIONS = ("-std=c++17", "--use_fast_math")
+"""NVRTC options of the project's CUDA C (also tools/cuda_compile.py's, which compiles it without a GPU)."""
+
+
 def compile_cuda(source: str, first_kernel: str, index: int) -> bytes:
     """One NVRTC program for CUDA device `index` (extern "C" kernels; a few seconds of one CPU)."""
     from torch.cuda._utils import _nvrtc_compile
@@ -320,7 +324,7 @@ def compile_cuda(source: str, first_kernel: str, index: int) -> bytes:
     arch = "".join(map(str, torch.cuda.get_device_capability(index)))
     with torch.cuda.device(index):
         return _nvrtc_compile(source, first_kernel, compute_capability=arch,
-                              nvcc_options=["-std=c++17", "--use_fast_math"])[0]
+                              nvcc_options=list(CUDA_COMPILE_OPTIONS))[0]
 
 
 def load_cuda(binary: bytes, names: list[str], index: int) -> dict[str, Callable[..., None]]:

@@ -1,6 +1,7 @@
 """Every Triton kernel of the project compiles for NVIDIA sm_90 (H100 / H200) and sm_80 (A100) through its real
 launcher, on this CPU-only machine (tools/triton_compile.py: triton's compiler and its wheel's ptxas, nothing
-launched). It catches what the interpreter tests cannot before any device time: types, constexpr misuse, what the
+launched), and so does the CUDA C of the cuda_mma int4 kernel (tools/cuda_compile.py: NVRTC from its PyPI wheel,
+then the same ptxas). It catches what the interpreter tests cannot before any device time: types, constexpr misuse, what the
 compiler or ptxas refuses. Results are checked elsewhere (the interpreter tests, the GPU checks)."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pkgutil
 import pytest
 
 import kernels
+from tools import cuda_compile
 from tools.triton_compile import compile_only, ptxas_available, run_all, usage
 
 
@@ -56,3 +58,30 @@ def test_a_kernel_that_cannot_compile_is_reported() -> None:
     with compile_only(90) as done, pytest.raises(CompilationError):
         _broken_kernel[(1,)](x, BLOCK=16)
     assert [name for name, _ in done.errors] == ["_broken_kernel"]
+
+
+@pytest.mark.skipif(not cuda_compile.available(), reason="needs nvidia-cuda-nvrtc-cu12 and triton's NVIDIA backend")
+@pytest.mark.parametrize("arch", [90, 80])
+def test_every_cuda_c_kernel_compiles(arch: int) -> None:
+    """Every cuda_mma launch shape, with the engine's NVRTC options; ptxas reports its resources."""
+    from kernels import int4_cuda
+
+    got = cuda_compile.compile_int4(arch)
+    assert set(got) == set(int4_cuda._names()) and len(got) >= 30, sorted(set(int4_cuda._names()) ^ set(got))
+    assert all(0 < r.registers <= 255 for r in got.values())
+    # the (4, 1, 4) shape at 32 rows sits at the register budget (4 bytes spilled at sm_90, kernels.int4_cuda);
+    # a change that spills more elsewhere costs local-memory traffic in the GEMM's inner loop
+    spilled = {name: r.spill_stores for name, r in got.items() if r.spill_stores > 16}
+    assert not spilled, spilled
+
+
+@pytest.mark.skipif(not cuda_compile.available(), reason="needs nvidia-cuda-nvrtc-cu12 and triton's NVIDIA backend")
+def test_a_cuda_c_error_is_reported() -> None:
+    """The check can fail: NVRTC's log names what it refuses, and ptxas's error comes back too."""
+    from kernels.int4_cuda_src import SOURCE
+
+    broken = SOURCE + 'extern "C" __global__ void broken(float* y) { y[0] = not_declared(1); }\n'
+    with pytest.raises(cuda_compile.CudaCompileError, match="not_declared"):
+        cuda_compile.to_ptx(broken, 90)
+    with pytest.raises(cuda_compile.CudaCompileError):
+        cuda_compile.assemble(".version 8.0\n.target sm_90\n.address_size 64\n.entry k() { bogus; }\n", 90)
