@@ -43,6 +43,24 @@ def emit(**kw: object) -> None:
     print(json.dumps(kw), flush=True)
 
 
+def count_lora_epilogues() -> list[int]:
+    """[n]: int4 launches that took a LoRA epilogue (XPULORA_LORA_CONFIG=epilogue=1), counted where kernels.int4
+    calls the mma kernels: eager steps and graph captures (a replay calls nothing). 0 with the epilogue on means
+    no layer's tuned launch could take it, and the run measured the split expand."""
+    import kernels.int4 as int4_ops
+
+    taken = [0]
+    for name in ("cuda_mm", "mma_mm"):
+        real = getattr(int4_ops, name)
+
+        def counting(*args: object, real: Callable[..., torch.Tensor] = real) -> torch.Tensor:
+            taken[0] += args[-1] is not None
+            return real(*args)
+
+        setattr(int4_ops, name, counting)
+    return taken
+
+
 def module_shapes(s: Shape) -> dict[str, tuple[int, int]]:
     qd, kd = s.heads * s.head_dim, s.kv_heads * s.head_dim
     return {"self_attn.q_proj": (s.hidden, qd), "self_attn.k_proj": (s.hidden, kd), "self_attn.v_proj": (s.hidden, kd),
@@ -244,6 +262,9 @@ def main() -> None:
     floor_ms = 1e3 * (weight_bytes - emb_bytes) / bw
     cases = [(b, n) for b in a.batches for n in a.adapters if n <= b]
     emit(case="plan", cases=cases)  # a run cut short by a time limit lacks some of these rows
+    from kernels import lora_triton
+
+    epilogues = count_lora_epilogues() if lora_triton.use_epilogue() else None
     base_ms: dict[int, float] = {}  # batch -> ms per step without adapters (measured first)
     for n, ld in [(m, ld) for m in sorted({m for _, m in cases}) for ld in (a.lora_dtypes if m else ["auto"])]:
         rows = []
@@ -262,6 +283,8 @@ def main() -> None:
                 else:  # what the adapters add to a step against what reading their bytes once takes
                     byte_ms = 1e3 * min(n, b) * adapter_bytes(s, layers, 16, e.runner.lora_dtype) / bw
                     row.update(lora_dtype=ld, adapter_byte_ms=byte_ms)
+                    if epilogues is not None:  # so far, this engine's captures and eager steps included
+                        row.update(lora_epilogue_launches=epilogues[0])
                     if b in base_ms:
                         added = r["ms_per_step"] - base_ms[b]
                         row.update(lora_added_ms=added, added_over_bytes=added / byte_ms)

@@ -1,6 +1,7 @@
 """The CUDA C of the cuda_mma int4 kernel (kernels.int4_cuda: its layout, launch shapes and binding).
 
-One template, w4a16<MT, NT, WARPS, U>; kernels.int4_cuda appends one extern "C" entry per compiled launch shape.
+One template, w4a16<MT, NT, WARPS, U, HAS_LORA>; kernels.int4_cuda appends one extern "C" entry per compiled launch
+shape, and one more with the LoRA expand in its store for the shapes the tuner can choose (LORA_SHAPES).
 No headers: the few intrinsics it needs are inline PTX or NVRTC built-ins (atomicAdd, __threadfence, __ldg), so NVRTC
 compiles it without a CUDA toolkit's include dir.
 """
@@ -63,14 +64,85 @@ DEVI void out_at(int r, int l, int b0, int& tok, int& n) {
   n = 16 * (b0 + i) + (l >> 2) + 8 * (q >> 1);
 }
 
+// The LoRA expand of a wrapped layer, added to each output before its store (kernels.int4_lora.LoRAEpilogue):
+//   y[t, n] += sum_{r < rank[s, slot[t]]} (sum_ks h[ks, s, t, r]) * B[slot[t], r, n]   for slot[t] >= 0
+// h fp32, B bf16 rank-major (the scale folded in), ranks / slots int32; s: the slice that holds the block's columns
+// (kernels.int4_cuda.takes_lora: slices start on block boundaries, r_max <= LORA_R).
+#define LORA_R 32
+struct LoRA {
+  const float* h;
+  const u16* b;
+  const int* ranks;
+  const int* slots;
+  int s1, s2, r_max, split_h, shk, shs, sht, sbs, sbr, srs, srt;  // slice bounds, h's ranks and splits, strides
+};
+
+// The block's tokens' slots, ranks and summed h rows into shared memory: loads issued slot first, h next, the rank
+// (which needs the slot) last, so that the block waits about two memory round trips. h is read below r_max
+// whatever a slot's rank (only r < rank is ever used; the shrink leaves the rest unwritten).
+template <int MT, int WARPS>
+DEVI void lora_stage(const LoRA& lo, int sl, int M, int* lslot, int* lrank, float (*lh)[LORA_R]) {
+  constexpr int HPER = (8 * MT * LORA_R + WARPS * 32 - 1) / (WARPS * 32);
+  const int t0 = threadIdx.x;  // WARPS * 32 >= 8 * MT: one token per thread of the first 8 MT
+  const int slot = t0 < 8 * MT && t0 < M ? __ldg(lo.slots + t0) : -1;
+  float hv[HPER];
+#pragma unroll
+  for (int q = 0; q < HPER; ++q) hv[q] = 0.f;
+  for (int ks = 0; ks < lo.split_h; ++ks)  // the shrink's K splits, in order
+#pragma unroll
+    for (int q = 0; q < HPER; ++q) {
+      const int i = threadIdx.x + q * WARPS * 32, t = i / LORA_R, r = i % LORA_R;
+      if (t < M && t < 8 * MT && r < lo.r_max)
+        hv[q] += __ldg(lo.h + (size_t)ks * lo.shk + (size_t)sl * lo.shs + (size_t)t * lo.sht + r);
+    }
+  if (t0 < 8 * MT) {
+    lslot[t0] = slot;
+    lrank[t0] = slot >= 0 ? __ldg(lo.ranks + sl * lo.srs + slot * lo.srt) : 0;
+  }
+#pragma unroll
+  for (int q = 0; q < HPER; ++q) {
+    const int i = threadIdx.x + q * WARPS * 32;
+    if (i < 8 * MT * LORA_R) lh[i / LORA_R][i % LORA_R] = hv[q];
+  }
+}
+
+// d[q] = the expand of the lane's output q (token tq[q] < 0: none); B loads of all its outputs 8 ranks at a time.
+template <int PER>
+DEVI void lora_sum(const LoRA& lo, const int* lslot, const int* lrank, const float (*lh)[LORA_R], const int (&tq)[PER],
+                   const int (&nq)[PER], float (&d)[PER]) {
+  int rk = 0;
+#pragma unroll
+  for (int q = 0; q < PER; ++q) {
+    d[q] = 0.f;
+    if (tq[q] >= 0) rk = max(rk, lrank[tq[q]]);
+  }
+  for (int r0 = 0; r0 < rk; r0 += 8) {
+    u32 bv[PER][8];
+#pragma unroll
+    for (int q = 0; q < PER; ++q) {
+      const int t = max(tq[q], 0), rank = tq[q] >= 0 ? lrank[t] : 0;
+      const u16* bp = lo.b + (size_t)max(lslot[t], 0) * lo.sbs + nq[q];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) bv[q][j] = r0 + j < rank ? (u32)__ldg(bp + (size_t)(r0 + j) * lo.sbr) : 0u;
+    }
+#pragma unroll
+    for (int q = 0; q < PER; ++q) {
+      const int t = max(tq[q], 0), rank = tq[q] >= 0 ? lrank[t] : 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        if (r0 + j < rank) d[q] += lh[t][r0 + j] * __uint_as_float(bv[q][j] << 16);
+    }
+  }
+}
+
 // qw [N/16, K/64, 32, 4]; meta [K/G, N] (fp16 scale | zq << 16); x [M, x_stride] bf16; y [M, N] bf16.
 // A block: NT tiles of 16 features (x fragments reused across them), MT tiles of 8 tokens, WARPS shares of its
 // split of K (blockIdx.y of `splits`). With splits > 1 each block parks its fp32 sums in ws [splits, M, N]; the
 // last of a column's blocks to finish (counted in cnt[blockIdx.x], left at zero) adds them in split order.
-template <int MT, int NT, int WARPS, int U>
+template <int MT, int NT, int WARPS, int U, bool HAS_LORA>
 DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, const u16* __restrict__ x,
                 const u16* __restrict__ bias, u16* __restrict__ y, float* ws, int* cnt, int M, int K, int N,
-                int x_stride, int group_shift, int has_bias, int splits) {
+                int x_stride, int group_shift, int has_bias, int splits, const LoRA& lora) {
   __shared__ float red[WARPS][NT * MT * 4][32];
   __shared__ int last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -139,19 +211,56 @@ DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, cons
 #pragma unroll
       for (int q = 0; q < 4; ++q) red[warp][(i * MT + mt) * 4 + q][lane] = acc[i][mt][q];
   __syncthreads();
-  for (int e = threadIdx.x; e < NT * MT * 4 * 32; e += WARPS * 32) {
-    const int r = e >> 5, l = e & 31;
-    int tok, n;
-    out_at<MT>(r, l, b0, tok, n);
-    if (tok < M) {
-      float s = 0.f;
+  if constexpr (HAS_LORA) {  // the expand joins the first split's sums (all of them without a split)
+    constexpr int PER = (NT * MT * 4 + WARPS - 1) / WARPS;  // outputs per thread
+    __shared__ int lslot[8 * MT], lrank[8 * MT];
+    __shared__ float lh[8 * MT][LORA_R];
+    const bool adds = blockIdx.y == 0;
+    if (adds) lora_stage<MT, WARPS>(lora, (16 * b0 >= lora.s1) + (16 * b0 >= lora.s2), M, lslot, lrank, lh);
+    __syncthreads();
+    int tq[PER], nq[PER];
+    float d[PER];
 #pragma unroll
-      for (int w = 0; w < WARPS; ++w) s += red[w][r][l];
-      if (splits > 1) {
-        ws[((size_t)blockIdx.y * M + tok) * N + n] = s;
-      } else {
-        if (has_bias) s += __uint_as_float(((u32)bias[n]) << 16);
-        y[(size_t)tok * N + n] = f2bf(s);
+    for (int q = 0; q < PER; ++q) {
+      const int e = threadIdx.x + q * WARPS * 32;
+      out_at<MT>(e >> 5, e & 31, b0, tq[q], nq[q]);
+      if (!adds || e >= NT * MT * 4 * 32 || tq[q] >= M) tq[q] = -1;
+    }
+    lora_sum<PER>(lora, lslot, lrank, lh, tq, nq, d);
+#pragma unroll
+    for (int q = 0; q < PER; ++q) {
+      const int e = threadIdx.x + q * WARPS * 32;
+      const int r = e >> 5, l = e & 31;
+      int tok, n;
+      out_at<MT>(r, l, b0, tok, n);
+      if (e < NT * MT * 4 * 32 && tok < M) {
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) s += red[w][r][l];
+        s += d[q];
+        if (splits > 1) {
+          ws[((size_t)blockIdx.y * M + tok) * N + n] = s;
+        } else {
+          if (has_bias) s += __uint_as_float(((u32)bias[n]) << 16);
+          y[(size_t)tok * N + n] = f2bf(s);
+        }
+      }
+    }
+  } else {
+    for (int e = threadIdx.x; e < NT * MT * 4 * 32; e += WARPS * 32) {
+      const int r = e >> 5, l = e & 31;
+      int tok, n;
+      out_at<MT>(r, l, b0, tok, n);
+      if (tok < M) {
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) s += red[w][r][l];
+        if (splits > 1) {
+          ws[((size_t)blockIdx.y * M + tok) * N + n] = s;
+        } else {
+          if (has_bias) s += __uint_as_float(((u32)bias[n]) << 16);
+          y[(size_t)tok * N + n] = f2bf(s);
+        }
       }
     }
   }

@@ -1,5 +1,6 @@
-"""The LoRA epilogue of the int4 mma kernel (kernels.int4_mma): a LoRA expand added to the base GEMM's output tile
-before its store, so that a wrapped layer launches no expand of its own (opt-in: kernels.lora_triton.use_epilogue).
+"""The LoRA epilogue of the int4 mma kernels (kernels.int4_mma's Triton kernel, and kernels.int4_cuda's CUDA C one up
+to 64 rows): a LoRA expand added to the base GEMM's output before its store, so that a wrapped layer launches no
+expand of its own (opt-in: kernels.lora_triton.use_epilogue; kernels.int4.takes_lora says which launches can).
 """
 
 from __future__ import annotations
