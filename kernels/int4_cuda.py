@@ -43,8 +43,9 @@ __all__ = ["CUDA_MAX_ROWS", "CudaMmaConfig", "available", "cuda_config", "cuda_m
            "unpack_cuda"]
 
 CUDA_MAX_ROWS = 64
-LORA_MAX_RANK = 32
-"""The LoRA epilogue keeps the block's tokens' h rows in shared memory up to this padded rank (LORA_R in the CUDA C)."""
+LORA_MAX_RANK = 16
+"""The LoRA epilogue keeps the block's tokens' h rows in shared memory up to this padded rank (LORA_R in the CUDA C):
+the engine's default max_lora_rank; larger adapters take the split expand."""
 CHUNK_K = 64
 COMPILE_LOCK = ".int4_cuda.lock"
 TOKEN_TILES = (1, 2, 4, 8)

@@ -68,7 +68,7 @@ DEVI void out_at(int r, int l, int b0, int& tok, int& n) {
 //   y[t, n] += sum_{r < rank[s, slot[t]]} (sum_ks h[ks, s, t, r]) * B[slot[t], r, n]   for slot[t] >= 0
 // h fp32, B bf16 rank-major (the scale folded in), ranks / slots int32; s: the slice that holds the block's columns
 // (kernels.int4_cuda.takes_lora: slices start on block boundaries, r_max <= LORA_R).
-#define LORA_R 32
+#define LORA_R 16
 struct LoRA {
   const float* h;
   const u16* b;
@@ -77,24 +77,34 @@ struct LoRA {
   int s1, s2, r_max, split_h, shk, shs, sht, sbs, sbr, srs, srt;  // slice bounds, h's ranks and splits, strides
 };
 
-// The block's tokens' slots, ranks and summed h rows into shared memory: loads issued slot first, h next, the rank
-// (which needs the slot) last, so that the block waits about two memory round trips. h is read below r_max
-// whatever a slot's rank (only r < rank is ever used; the shrink leaves the rest unwritten).
+// The block's tokens' slots, ranks and h rows (the shrink's K splits summed) into shared memory, after the K loop:
+// the slot and a round of h loads go out together (KS splits of HPER elements: at most 16 loads in flight per thread),
+// then the rank, which needs the slot. h is read below r_max whatever a slot's rank (only r < rank is ever used;
+// the shrink leaves the rest unwritten).
 template <int MT, int WARPS>
 DEVI void lora_stage(const LoRA& lo, int sl, int M, int* lslot, int* lrank, float (*lh)[LORA_R]) {
-  constexpr int HPER = (8 * MT * LORA_R + WARPS * 32 - 1) / (WARPS * 32);
+  constexpr int HPER = (8 * MT * LORA_R + WARPS * 32 - 1) / (WARPS * 32), KS = HPER >= 16 ? 1 : 16 / HPER;
   const int t0 = threadIdx.x;  // WARPS * 32 >= 8 * MT: one token per thread of the first 8 MT
   const int slot = t0 < 8 * MT && t0 < M ? __ldg(lo.slots + t0) : -1;
   float hv[HPER];
 #pragma unroll
   for (int q = 0; q < HPER; ++q) hv[q] = 0.f;
-  for (int ks = 0; ks < lo.split_h; ++ks)  // the shrink's K splits, in order
+  for (int ks0 = 0; ks0 < lo.split_h; ks0 += KS) {
+    float v[KS][HPER];
 #pragma unroll
-    for (int q = 0; q < HPER; ++q) {
-      const int i = threadIdx.x + q * WARPS * 32, t = i / LORA_R, r = i % LORA_R;
-      if (t < M && t < 8 * MT && r < lo.r_max)
-        hv[q] += __ldg(lo.h + (size_t)ks * lo.shk + (size_t)sl * lo.shs + (size_t)t * lo.sht + r);
-    }
+    for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+      for (int q = 0; q < HPER; ++q) {
+        const int i = threadIdx.x + q * WARPS * 32, t = i / LORA_R, r = i % LORA_R;
+        v[kk][q] = ks0 + kk < lo.split_h && t < M && t < 8 * MT && r < lo.r_max
+                       ? __ldg(lo.h + (size_t)(ks0 + kk) * lo.shk + (size_t)sl * lo.shs + (size_t)t * lo.sht + r)
+                       : 0.f;
+      }
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk)  // the splits in order
+#pragma unroll
+      for (int q = 0; q < HPER; ++q) hv[q] += v[kk][q];
+  }
   if (t0 < 8 * MT) {
     lslot[t0] = slot;
     lrank[t0] = slot >= 0 ? __ldg(lo.ranks + sl * lo.srs + slot * lo.srt) : 0;
@@ -106,30 +116,32 @@ DEVI void lora_stage(const LoRA& lo, int sl, int M, int* lslot, int* lrank, floa
   }
 }
 
-// d[q] = the expand of the lane's output q (token tq[q] < 0: none); B loads of all its outputs 8 ranks at a time.
+// d[q] = the expand of the lane's output q (token tq[q] < 0: none); the B loads of all its outputs RB ranks at a
+// time (one round for ranks up to 16 when a thread holds at most two outputs).
 template <int PER>
 DEVI void lora_sum(const LoRA& lo, const int* lslot, const int* lrank, const float (*lh)[LORA_R], const int (&tq)[PER],
                    const int (&nq)[PER], float (&d)[PER]) {
+  constexpr int RB = PER <= 2 ? 16 : 8;
   int rk = 0;
 #pragma unroll
   for (int q = 0; q < PER; ++q) {
     d[q] = 0.f;
     if (tq[q] >= 0) rk = max(rk, lrank[tq[q]]);
   }
-  for (int r0 = 0; r0 < rk; r0 += 8) {
-    u32 bv[PER][8];
+  for (int r0 = 0; r0 < rk; r0 += RB) {
+    u32 bv[PER][RB];
 #pragma unroll
     for (int q = 0; q < PER; ++q) {
       const int t = max(tq[q], 0), rank = tq[q] >= 0 ? lrank[t] : 0;
       const u16* bp = lo.b + (size_t)max(lslot[t], 0) * lo.sbs + nq[q];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) bv[q][j] = r0 + j < rank ? (u32)__ldg(bp + (size_t)(r0 + j) * lo.sbr) : 0u;
+      for (int j = 0; j < RB; ++j) bv[q][j] = r0 + j < rank ? (u32)__ldg(bp + (size_t)(r0 + j) * lo.sbr) : 0u;
     }
 #pragma unroll
     for (int q = 0; q < PER; ++q) {
       const int t = max(tq[q], 0), rank = tq[q] >= 0 ? lrank[t] : 0;
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < RB; ++j)
         if (r0 + j < rank) d[q] += lh[t][r0 + j] * __uint_as_float(bv[q][j] << 16);
     }
   }

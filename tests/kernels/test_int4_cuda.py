@@ -259,7 +259,7 @@ def _lora_case(m: int, n: int, starts: tuple[int, ...], nslots: int, r_max: int,
 
 def test_which_launches_take_a_lora_epilogue() -> None:
     """cuda_mma adds the expand in the shapes the tuner can choose (compiled twice), for bf16 B, ranks padded to
-    at most 32, and slices that start on the launch's blocks; everything else keeps the split expand."""
+    at most 16, and slices that start on the launch's blocks; everything else keeps the split expand."""
     from dataclasses import replace
 
     from kernels.int4_cuda import LORA_MAX_RANK, lora_shapes, takes_lora
@@ -283,8 +283,8 @@ def test_which_launches_take_a_lora_epilogue() -> None:
 
 @pytest.mark.skipif(not ON_CUDA, reason="the CUDA C kernel runs on CUDA only")
 @pytest.mark.parametrize("m,k,n,starts,r_max,split_h", [
-    (1, 1024, 256, (0,), 16, 1), (5, 512, 384, (0, 256, 320), 8, 2), (16, 1024, 256, (0, 128), 32, 3),
-    (32, 2048, 512, (0, 256, 384), 16, 2), (57, 1024, 256, (0, 128), 16, 1)])
+    (1, 1024, 256, (0,), 16, 1), (5, 512, 384, (0, 256, 320), 8, 2), (16, 1024, 256, (0, 128), 16, 3),
+    (32, 2048, 512, (0, 256, 384), 16, 8), (32, 1024, 256, (0, 128), 12, 16), (57, 1024, 256, (0, 128), 16, 17)])
 def test_lora_epilogue_matches_reference(m: int, k: int, n: int, starts: tuple[int, ...], r_max: int,
                                          split_h: int) -> None:
     """Every launch shape compiled with the LoRA epilogue, whole K and split, against int4_matmul plus the expand:
