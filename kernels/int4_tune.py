@@ -273,7 +273,12 @@ def measure(shape: Shape, backends: Sequence[str], timer: Timer, device: torch.d
     times: dict[int, dict[Path, float]] = {m: {} for m in buckets}
     for b in backends:  # one backend's copies at a time
         name = "triton" if b == DEQUANT else b  # dequant reads the checkpoint layout, as the triton backend keeps it
-        ws = [prepare_int4(*c, lay, name, dtype=shape.dtype) for c in ckpts]  # type: ignore[arg-type]
+        try:
+            ws = [prepare_int4(*c, lay, name, dtype=shape.dtype) for c in ckpts]  # type: ignore[arg-type]
+        except Exception as e:  # its layout or kernels cannot be made here (e.g. the CUDA C does not compile)
+            log.warning("int4 tuning %s: backend %s could not prepare its weights (%s: %s); not a candidate",
+                        shape.key(), b, type(e).__name__, str(e)[:200])
+            continue
         for m in buckets:
             for path in candidates([b], m, lay, shape.dtype):
                 try:

@@ -89,6 +89,33 @@ def test_tuner_times_only_launches_that_match_the_reference(monkeypatch, caplog)
     assert "differs from the reference" in caplog.text
 
 
+def test_a_backend_that_cannot_prepare_is_no_candidate(monkeypatch, caplog) -> None:  # type: ignore[no-untyped-def]
+    """A backend whose weights cannot be made on this machine (cuda_mma when its CUDA C does not compile with the
+    GPU's NVRTC: here native_cpu's prepare raises) drops out of the tuning with a warning; the engine starts on
+    the others instead of failing."""
+    import logging
+
+    import torch
+
+    import kernels.int4_tune as tu
+    from engine.device import Device
+    from kernels.int4 import Int4Layout
+
+    real = tu.prepare_int4
+
+    def failing(*args, **kw):  # type: ignore[no-untyped-def]
+        if args[4] == "native_cpu":
+            raise RuntimeError("nvrtc: error: identifier is undefined")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(tu, "prepare_int4", failing)
+    shape = tu.Shape(Int4Layout(32, 1, 64, 32), torch.float32, sym=False)
+    with caplog.at_level(logging.WARNING, logger="kernels.int4_tune"):
+        table = tu.measure(shape, ["native_cpu", "reference"], Device("cpu").time_calls, torch.device("cpu"))
+    assert all({n for n, _ in times} == {"reference"} for _, times in table.timings), table.timings
+    assert "backend native_cpu could not prepare its weights" in caplog.text
+
+
 def test_measured_table_picks_the_fastest_path_per_bucket(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """With the CPU's candidates and its real timer: every bucket's path is the fastest of its recorded timings,
     neighbours with the same path are merged, the table ends with an open bucket, and it is written to the cache
