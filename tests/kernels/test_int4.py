@@ -616,6 +616,7 @@ from kernels.int4 import Int4Layout, prepare_int4
 from kernels.int4_lora import LoRAEpilogue
 from kernels.int4_mma import MmaConfig, _counters, mma_mm
 from kernels.reference import int4_matmul, pack_int4_cols
+from tests.kernels.lora_cases import epilogue_case
 dev = torch.device(sys.argv[1])
 g = torch.Generator().manual_seed(0)
 # (M, K, N, slice starts, slots, r_max, shrink splits, dtype, launch shape): three slices with split-K, one slice,
@@ -635,24 +636,9 @@ for m, k, n, starts, nslots, r_max, split_h, dtype, cfg in cases:
     x = torch.randn(m, k, generator=g).to(dtype)
     want = int4_matmul(x, qw, qz, sc, gs, 1, None).float()
     w = prepare_int4(qw.to(dev), qz.to(dev), sc.to(dev), Int4Layout(gs, 1, k, n), "triton_mma", dtype=dtype)
-    ns = len(starts)
-    ranks = torch.randint(0, r_max + 1, (ns, nslots), generator=g, dtype=torch.int32)
-    ranks[:, 0] = r_max
-    slots = torch.randint(-1, nslots, (m,), generator=g, dtype=torch.int32)
-    slots[0] = -1
-    h = torch.randn(split_h, ns, m, r_max, generator=g)
-    b = torch.randn(nslots, r_max, n, generator=g).to(dtype)
-    hs, bounds = h.sum(0), (*starts, n)
-    for t in range(m):
-        s_t = int(slots[t])
-        for i in range(ns):
-            if s_t >= 0:
-                r = int(ranks[i, s_t])
-                want[t, bounds[i]:bounds[i + 1]] += hs[i, t, :r] @ b[s_t, :r, bounds[i]:bounds[i + 1]].float()
-                h[:, i, t, r:] = float("nan")  # what the shrink never writes must never be read
-            else:
-                h[:, i, t] = float("nan")
-    epi = LoRAEpilogue(h.to(dev), b.to(dev), ranks.to(dev), slots.to(dev), starts)
+    cpu_epi, delta = epilogue_case(m, n, starts, nslots, r_max, split_h, dtype, g)
+    want += delta
+    epi = LoRAEpilogue(*(t.to(dev) for t in (cpu_epi.h, cpu_epi.b, cpu_epi.ranks, cpu_epi.slots)), starts)
     y = mma_mm(x.to(dev), w.weight, w.scales_and_zeros, gs, None, cfg, epi).float().cpu()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     err, scale = (y - want).abs().max().item(), want.abs().max().item()

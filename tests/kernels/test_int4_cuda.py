@@ -11,6 +11,7 @@ from kernels import int4_cuda
 from kernels.int4 import Int4Layout, int4_mm, native_supported, prepare_int4
 from kernels.int4_cuda import CudaMmaConfig, cuda_config, repack_cuda, tuner_variants, unpack_cuda, variants
 from kernels.reference import int4_matmul, pack_int4_cols, pack_int4_rows, unpack_int4_rows
+from tests.kernels.lora_cases import epilogue_case
 from tests.kernels.triton_env import assert_close_rel
 
 BF16_TOL = (1.6e-2, 1e-2)
@@ -231,30 +232,7 @@ def test_cuda_mm_rejects_what_it_cannot_run() -> None:
 
 
 def _lora_case(m: int, n: int, starts: tuple[int, ...], nslots: int, r_max: int, split_h: int, seed: int):
-    """A LoRA epilogue and the expand it must add (float32, per token): ranks 0..r_max per slice and slot, slot -1
-    rows, NaN wherever the shrink writes nothing (never to be read)."""
-    from kernels.int4_lora import LoRAEpilogue
-
-    g = torch.Generator().manual_seed(seed)
-    ns = len(starts)
-    ranks = torch.randint(0, r_max + 1, (ns, nslots), generator=g, dtype=torch.int32)
-    ranks[:, 0] = r_max
-    slots = torch.randint(-1, nslots, (m,), generator=g, dtype=torch.int32)
-    slots[0] = -1
-    h = torch.randn(split_h, ns, m, r_max, generator=g)
-    b = torch.randn(nslots, r_max, n, generator=g).to(torch.bfloat16)
-    hs, bounds = h.sum(0), (*starts, n)
-    delta = torch.zeros(m, n)
-    for t in range(m):
-        s_t = int(slots[t])
-        for i in range(ns):
-            if s_t >= 0:
-                r = int(ranks[i, s_t])
-                delta[t, bounds[i]:bounds[i + 1]] = hs[i, t, :r] @ b[s_t, :r, bounds[i]:bounds[i + 1]].float()
-                h[:, i, t, r:] = float("nan")
-            else:
-                h[:, i, t] = float("nan")
-    return LoRAEpilogue(h, b, ranks, slots, starts), delta
+    return epilogue_case(m, n, starts, nslots, r_max, split_h, torch.bfloat16, torch.Generator().manual_seed(seed))
 
 
 def test_which_launches_take_a_lora_epilogue() -> None:
