@@ -18,6 +18,8 @@ run of UNROLL chunks of 64 k in each round of WARPS * UNROLL) and sum their part
 warp order: the same bits on every run. With K also split over the grid (CudaMmaConfig.splits), each block does
 that for its share of K and parks fp32 sums in a workspace; the last block of a feature column adds them in split
 order (kernels.int4_triton's counters), so wide blocks still make a full grid.
+The shapes the tuner can choose are compiled a second time with a layer's LoRA expand in their store (takes_lora,
+kernels.int4_lora.LoRAEpilogue; opt-in), which saves the wrapped layer its expand launch.
 The CUDA backend is chosen by engine/device.py (tuned candidates on CUDA only); XPU keeps the Triton kernels.
 """
 
