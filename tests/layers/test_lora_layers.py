@@ -211,3 +211,74 @@ def test_lora_expand_fused_into_the_int4_mma_store_under_interpreter() -> None:
     from tests.interp import run_under_interpreter
 
     run_under_interpreter(_EPILOGUE_CHECK, timeout=600)
+
+
+_CUDA_EPILOGUE_CHECK = r"""
+import os
+import sys
+os.environ["XPULORA_LORA_CONFIG"] = "epilogue=1"
+import zlib
+import torch
+import kernels.int4 as I4
+from engine.forward_context import ForwardContext, forward_context
+from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
+from engine.layers.quant import Int4LinearMethod
+from engine.lora.adapter import LoRAModule
+from engine.lora.layers import ColumnParallelLinearWithLoRA
+from engine.lora.punica import TritonLoRABatch, build_mapping
+from kernels import lora_triton
+from tests.layers.test_lora_layers import G, _random_params, dense_oracle
+
+dev = torch.device(sys.argv[1])
+fused = []
+real = I4.cuda_mm
+I4.cuda_mm = lambda *a: fused.append(a[-1] is not None) or real(*a)  # which launches took the epilogue
+ranks, dtype, checked = [1, 8, 16, 12], torch.bfloat16, 0
+for kind in ("qkv", "gate_up"):
+    gen = torch.Generator().manual_seed(zlib.crc32(kind.encode()))
+    method = Int4LinearMethod(G, 1, backend="cuda_mma")
+    if kind == "qkv":
+        base = QKVParallelLinear(512, 64, 4, 2, bias=True, method=method, prefix="l.qkv_proj", dtype=dtype)
+        names, sizes = ["l.q_proj", "l.k_proj", "l.v_proj"], [256, 128, 128]
+    else:
+        base = MergedColumnParallelLinear(512, [384, 384], method=method, prefix="l.gate_up_proj", dtype=dtype)
+        names, sizes = ["l.gate_proj", "l.up_proj"], [384, 384]
+    _random_params(base.to(dev), gen)
+    wrapped = ColumnParallelLinearWithLoRA(base, names, max_loras=len(ranks), max_rank=16, dtype=dtype)
+    adapters = []
+    for slot, r in enumerate(ranks):
+        mods = {n: LoRAModule(torch.randn(r, 512, generator=gen) * 0.1, torch.randn(o, r, generator=gen) * 0.1, r)
+                for n, o in zip(names, sizes)}
+        if slot == 2:
+            mods.pop(names[-1])  # an adapter that skips one slice
+        adapters.append(mods)
+        wrapped.set_slot(slot, mods)
+    slots = torch.tensor([-1, 0, 1, 2, 3] * 4)[torch.randperm(20, generator=gen)].tolist()
+    x = torch.randn(20, 512, generator=gen).to(dtype)
+    outs = {}
+    for on in (1, 0):
+        lora_triton.CONFIG_OVERRIDES["epilogue"] = on
+        fused.clear()
+        mapping = build_mapping(slots, dev, TritonLoRABatch, num_slots=len(ranks))
+        with forward_context(ForwardContext(attn=None, lora=mapping)):
+            outs[on] = wrapped(x.to(dev)).float().cpu()
+        assert fused == [bool(on)], (kind, on, fused)  # one base launch, with the epilogue only when on
+    base_cpu = base.to("cpu")  # the oracle reads the dense weight on the CPU
+    ref = dense_oracle(base_cpu, x, slots, adapters, names, sizes, dtype)  # the dense formula, not our kernels
+    torch.testing.assert_close(outs[1], ref, atol=3e-2 * float(ref.abs().max()), rtol=2e-2)
+    torch.testing.assert_close(outs[0], ref, atol=3e-2 * float(ref.abs().max()), rtol=2e-2)
+    checked += 1
+print("ok", checked)
+"""
+
+
+def test_lora_expand_fused_into_the_cuda_mma_store_on_cuda() -> None:
+    """The same through the CUDA C kernel (kernels.int4_cuda, bf16, ranks up to 16): fused qkv / gate_up slices
+    with one adapter skipping a slice, epilogue on and off both equal the dense formula, and the base launch
+    took the epilogue only when it was on."""
+    from kernels import int4_cuda
+    from tests.layers.test_int4_auto import _on_accelerator
+
+    if not int4_cuda.available():
+        pytest.skip("the CUDA C int4 kernel runs on CUDA only")
+    _on_accelerator(_CUDA_EPILOGUE_CHECK)
