@@ -200,8 +200,9 @@ case "${1:-}" in
   epi21)  # issue 18: the LoRA expand in the cuda_mma store (twenty-first session): its CUDA tests, then 36-layer decode
           # at batch 32 (and ${E2E_BATCHES}), no adapters and 32, with the split expand (epilogue=0) and the epilogue (=1)
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE -x tests/kernels/test_int4_cuda.py -k "lora or every" \
-      > "$OUT/epi_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/epi_tests.txt"; tail -4 "$OUT/epi_tests.txt" | cut -c1-600
+    timeout 180 python3 -m pytest -q -p no:cacheprovider -rfE -x tests/kernels/test_int4_cuda.py \
+      tests/layers/test_lora_layers.py -k "lora or every" > "$OUT/epi_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/epi_tests.txt"; tail -4 "$OUT/epi_tests.txt" | cut -c1-600
     for epi in 0 1; do
       # shellcheck disable=SC2086  # E2E_BATCHES: one or more batch sizes, split into words on purpose
       XPULORA_LORA_CONFIG=epilogue=$epi timeout 200 python3 benchmarks/bench_e2e.py --layers 36 --batches ${E2E_BATCHES:-32} \
