@@ -1,7 +1,7 @@
 """The CUDA C of the cuda_mma int4 kernel (kernels.int4_cuda: its layout, launch shapes and binding).
 
 One template, w4a16<MT, NT, WARPS, U, HAS_LORA>; kernels.int4_cuda appends one extern "C" entry per compiled launch
-shape, and one more with the LoRA expand in its store for the shapes the tuner can choose (LORA_SHAPES).
+shape, and one more with the LoRA expand in its store for the shapes the tuner can choose (lora_shapes).
 No headers: the few intrinsics it needs are inline PTX or NVRTC built-ins (atomicAdd, __threadfence, __ldg), so NVRTC
 compiles it without a CUDA toolkit's include dir.
 """
@@ -64,6 +64,17 @@ DEVI void out_at(int r, int l, int b0, int& tok, int& n) {
   n = 16 * (b0 + i) + (l >> 2) + 8 * (q >> 1);
 }
 
+// An output's fp32 sum: parked in ws for the column's last block (splits > 1), or stored with its bias.
+DEVI void put_out(float s, int tok, int n, const u16* __restrict__ bias, u16* __restrict__ y, float* ws, int M, int N,
+                  int has_bias, int splits) {
+  if (splits > 1) {
+    ws[((size_t)blockIdx.y * M + tok) * N + n] = s;
+  } else {
+    if (has_bias) s += __uint_as_float(((u32)bias[n]) << 16);
+    y[(size_t)tok * N + n] = f2bf(s);
+  }
+}
+
 // The LoRA expand of a wrapped layer, added to each output before its store (kernels.int4_lora.LoRAEpilogue):
 //   y[t, n] += sum_{r < rank[s, slot[t]]} (sum_ks h[ks, s, t, r]) * B[slot[t], r, n]   for slot[t] >= 0
 // h fp32, B bf16 rank-major (the scale folded in), ranks / slots int32; s: the slice that holds the block's columns
@@ -122,28 +133,27 @@ template <int PER>
 DEVI void lora_sum(const LoRA& lo, const int* lslot, const int* lrank, const float (*lh)[LORA_R], const int (&tq)[PER],
                    const int (&nq)[PER], float (&d)[PER]) {
   constexpr int RB = PER <= 2 ? 16 : 8;
-  int rk = 0;
+  int rk = 0, rq[PER];  // the thread's largest rank; each output's rank and B row
+  const u16* bp[PER];
 #pragma unroll
   for (int q = 0; q < PER; ++q) {
+    const int t = max(tq[q], 0);
     d[q] = 0.f;
-    if (tq[q] >= 0) rk = max(rk, lrank[tq[q]]);
+    rq[q] = tq[q] >= 0 ? lrank[t] : 0;
+    rk = max(rk, rq[q]);
+    bp[q] = lo.b + (size_t)max(lslot[t], 0) * lo.sbs + nq[q];
   }
   for (int r0 = 0; r0 < rk; r0 += RB) {
     u32 bv[PER][RB];
 #pragma unroll
-    for (int q = 0; q < PER; ++q) {
-      const int t = max(tq[q], 0), rank = tq[q] >= 0 ? lrank[t] : 0;
-      const u16* bp = lo.b + (size_t)max(lslot[t], 0) * lo.sbs + nq[q];
+    for (int q = 0; q < PER; ++q)
 #pragma unroll
-      for (int j = 0; j < RB; ++j) bv[q][j] = r0 + j < rank ? (u32)__ldg(bp + (size_t)(r0 + j) * lo.sbr) : 0u;
-    }
+      for (int j = 0; j < RB; ++j) bv[q][j] = r0 + j < rq[q] ? (u32)__ldg(bp[q] + (size_t)(r0 + j) * lo.sbr) : 0u;
 #pragma unroll
-    for (int q = 0; q < PER; ++q) {
-      const int t = max(tq[q], 0), rank = tq[q] >= 0 ? lrank[t] : 0;
+    for (int q = 0; q < PER; ++q)
 #pragma unroll
       for (int j = 0; j < RB; ++j)
-        if (r0 + j < rank) d[q] += lh[t][r0 + j] * __uint_as_float(bv[q][j] << 16);
-    }
+        if (r0 + j < rq[q]) d[q] += lh[max(tq[q], 0)][r0 + j] * __uint_as_float(bv[q][j] << 16);
   }
 }
 
@@ -249,13 +259,7 @@ DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, cons
         float s = 0.f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) s += red[w][r][l];
-        s += d[q];
-        if (splits > 1) {
-          ws[((size_t)blockIdx.y * M + tok) * N + n] = s;
-        } else {
-          if (has_bias) s += __uint_as_float(((u32)bias[n]) << 16);
-          y[(size_t)tok * N + n] = f2bf(s);
-        }
+        put_out(s + d[q], tok, n, bias, y, ws, M, N, has_bias, splits);
       }
     }
   } else {
@@ -267,12 +271,7 @@ DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, cons
         float s = 0.f;
 #pragma unroll
         for (int w = 0; w < WARPS; ++w) s += red[w][r][l];
-        if (splits > 1) {
-          ws[((size_t)blockIdx.y * M + tok) * N + n] = s;
-        } else {
-          if (has_bias) s += __uint_as_float(((u32)bias[n]) << 16);
-          y[(size_t)tok * N + n] = f2bf(s);
-        }
+        put_out(s, tok, n, bias, y, ws, M, N, has_bias, splits);
       }
     }
   }

@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass
 
 from engine.device import CUDA_COMPILE_OPTIONS
-from tools.triton_compile import _nvidia_tool, ptxas_available
+from tools.triton_compile import nvidia_tool, ptxas_available
 
 
 class CudaCompileError(RuntimeError):
@@ -88,7 +88,7 @@ def assemble(ptx: str, arch: int) -> dict[str, Resources]:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        out = subprocess.run([_nvidia_tool("ptxas"), f"-arch=sm_{arch}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+        out = subprocess.run([nvidia_tool("ptxas"), f"-arch=sm_{arch}", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
                              capture_output=True, text=True)
     if out.returncode:
         raise CudaCompileError(out.stderr or out.stdout)

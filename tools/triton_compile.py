@@ -58,7 +58,8 @@ class _TargetOnly:
         return 0
 
 
-def _nvidia_tool(name: str) -> str:
+def nvidia_tool(name: str) -> str:
+    """A tool of the triton wheel's NVIDIA backend (ptxas, cuobjdump), also tools.cuda_compile's ptxas."""
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
@@ -66,7 +67,7 @@ def ptxas_available() -> bool:
     """The triton wheel's NVIDIA backend and its ptxas are installed (PyPI's triton ships both)."""
     if triton is None or interpreting():
         return False
-    return os.access(_nvidia_tool("ptxas"), os.X_OK)
+    return os.access(nvidia_tool("ptxas"), os.X_OK)
 
 
 def usage(kernel: Any) -> dict[str, int]:
@@ -76,7 +77,7 @@ def usage(kernel: Any) -> dict[str, int]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
         f.flush()
-        out = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
+        out = subprocess.run([nvidia_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True,
                              check=True).stdout
     fields = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", out))
     return {"registers": int(fields.get("REG", 0)), "local_bytes": int(fields.get("LOCAL", 0)),
