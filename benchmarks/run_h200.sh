@@ -210,6 +210,16 @@ case "${1:-}" in
         | grep --line-buffered -E '^\{"case": "decode|Error' | sed "s/^/epilogue=$epi /" | tee -a "$OUT/epi.txt" | cut -c1-420
     done
     ;;
+  epi22)  # issue 18: the default LoRA epilogue (cuda_mma only, twenty-second session) against the split expand
+          # (epilogue=0): 36-layer decode at ${E2E_BATCHES:-1 32 64}, no adapters and 32 rank-16 ones
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    for epi in 0 default; do
+      # shellcheck disable=SC2086  # E2E_BATCHES: one or more batch sizes, split into words on purpose
+      env $([ $epi = 0 ] && echo XPULORA_LORA_CONFIG=epilogue=0) timeout 280 python3 benchmarks/bench_e2e.py --layers 36 \
+        --batches ${E2E_BATCHES:-1 32 64} --adapters 0 32 --int4-kernel tuned --peer-cases "" --root /tmp/e2e36l 2>&1 \
+        | grep --line-buffered -E '^\{"case": "decode|Error' | sed "s/^/epilogue=$epi /" | tee -a "$OUT/epi.txt" | cut -c1-420
+    done
+    ;;
   steps18)  # issue 18: 36 layers, batch 1 and 32: no adapters with the int4 kernel auto, then with tuned also 32 adapters
             # (bf16 and fp8 storage); the 64-layer 27B-shaped hybrid at TP=1 (batch 1 and 32, graphs, tuned int4)
     export PYTHONPATH=$PWD:${PYTHONPATH:-}

@@ -150,6 +150,30 @@ def test_gpu_engine_check_passes_and_fails_on_the_cpu(tmp_path: Path) -> None:
     assert "gpu_engine_check: FAIL" in bad.stdout and "lora kernel passes its start-up check" in bad.stdout
 
 
+def test_near_tie_comparison_of_two_bf16_runs() -> None:
+    """gpu_engine_check's bf16 comparison: equal tokens pass, a split at a near tie (each pick within tol of the
+    other in its own logprobs) passes, a split with a clear winner or logprobs that drift before it fail."""
+    from benchmarks.gpu_engine_check import agree_up_to_near_ties
+    from engine.protocol import GenerationResult, TokenLogprob
+
+    def req(picks: list[tuple[int, float, int, float]]) -> GenerationResult:  # (token, logprob, runner-up, its)
+        lps = [TokenLogprob(t, lp, [(t, lp), (u, ulp)]) for t, lp, u, ulp in picks]
+        return GenerationResult("r", "", [t for t, *_ in picks], "length", lps)
+
+    a = [req([(5, -0.5, 6, -2.0), (7, -0.70, 8, -0.72)]), req([(1, -0.1, 2, -3.0)])]
+    same = agree_up_to_near_ties(a, a, 0.1)
+    assert same["ok"] and same["identical"] == 2 and same["near_ties"] == 0
+    tie = [a[0], req([(1, -0.1, 2, -3.0)])]
+    tie[0] = req([(5, -0.52, 6, -2.0), (8, -0.70, 7, -0.71)])  # the near tie at position 1 went the other way
+    out = agree_up_to_near_ties(a, tie, 0.1)
+    assert out["ok"] and out["identical"] == 1 and out["near_ties"] == 1 and out["max_logprob_drift"] == 0.02
+    clear = [a[0], req([(2, -0.1, 1, -3.0)])]  # a pick 2.9 nats below the other run's
+    out = agree_up_to_near_ties(a, clear, 0.1)
+    assert not out["ok"] and out["not_near_ties"] == [{"request": 1, "position": 0, "gaps": [2.9, 2.9]}]
+    drift = [req([(5, -0.9, 6, -2.0), (7, -0.70, 8, -0.72)]), a[1]]  # same tokens, logprobs 0.4 apart
+    assert not agree_up_to_near_ties(a, drift, 0.1)["ok"]
+
+
 def test_checks_summary() -> None:
     from tools.checks import Checks
 
