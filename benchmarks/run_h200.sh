@@ -213,9 +213,9 @@ case "${1:-}" in
   epi22)  # issue 18: the default LoRA epilogue (cuda_mma only, twenty-second session) against the split expand
           # (epilogue=0): 36-layer decode at ${E2E_BATCHES:-1 32 64}, no adapters and 32 rank-16 ones
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    for epi in 0 default; do
+    for epi in ${EPI_MODES:-0 default}; do
       # shellcheck disable=SC2086  # E2E_BATCHES: one or more batch sizes, split into words on purpose
-      env $([ $epi = 0 ] && echo XPULORA_LORA_CONFIG=epilogue=0) timeout 280 python3 benchmarks/bench_e2e.py --layers 36 \
+      env $([ "$epi" != default ] && echo XPULORA_LORA_CONFIG=epilogue=$epi) timeout ${EPI_TIMEOUT:-280} python3 benchmarks/bench_e2e.py --layers 36 \
         --batches ${E2E_BATCHES:-1 32 64} --adapters 0 32 --int4-kernel tuned --peer-cases "" --root /tmp/e2e36l 2>&1 \
         | grep --line-buffered -E '^\{"case": "decode|Error' | sed "s/^/epilogue=$epi /" | tee -a "$OUT/epi.txt" | cut -c1-420
     done
