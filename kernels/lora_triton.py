@@ -140,10 +140,9 @@ def _shrink_config(k: int, r_max: int = _BLOCK_R) -> dict[str, int]:
 
 def epilogue_kernels() -> tuple[str, ...]:
     """The int4 backends whose store takes a wrapped layer's LoRA expand (kernels.int4_lora; the shrink runs first):
-    cuda_mma by default, triton_mma too with XPULORA_LORA_CONFIG=epilogue=1 (no faster: docs/PERFORMANCE.md), none
-    with epilogue=0."""
-    mode = CONFIG_OVERRIDES.get("epilogue")
-    return ("cuda_mma",) if mode is None else ("cuda_mma", "triton_mma") if mode else ()
+    none by default, cuda_mma and triton_mma with XPULORA_LORA_CONFIG=epilogue=1. Opt-in: neither is faster than
+    the split expand in 36-layer decode with 32 adapters (docs/PERFORMANCE.md, eleventh and twenty-second sessions)."""
+    return ("cuda_mma", "triton_mma") if CONFIG_OVERRIDES.get("epilogue", 0) else ()
 
 
 def use_fused(r_max: int) -> bool:

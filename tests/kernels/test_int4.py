@@ -754,15 +754,15 @@ def test_gemv_rejects_what_it_cannot_run() -> None:
 
 
 def test_lora_epilogue_goes_only_to_the_kernels_the_policy_names(monkeypatch: pytest.MonkeyPatch) -> None:
-    """kernels.lora_triton.epilogue_kernels: cuda_mma by default, triton_mma too with epilogue=1, none with 0; a
-    triton_mma launch that fits takes the expand only when its backend is among the epilogue's kernels."""
+    """kernels.lora_triton.epilogue_kernels: none by default or with epilogue=0, cuda_mma and triton_mma with
+    epilogue=1; a triton_mma launch that fits takes the expand only when its backend is among the epilogue's."""
     from dataclasses import replace
 
     from kernels import lora_triton
     from kernels.int4 import takes_lora
     from tests.kernels.lora_cases import epilogue_case
 
-    for value, want in ((None, ("cuda_mma",)), (1, ("cuda_mma", "triton_mma")), (0, ())):
+    for value, want in ((None, ()), (1, ("cuda_mma", "triton_mma")), (0, ())):
         overrides = {} if value is None else {"epilogue": value}
         monkeypatch.setattr(lora_triton, "CONFIG_OVERRIDES", overrides)
         assert lora_triton.epilogue_kernels() == want, value
