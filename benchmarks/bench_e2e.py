@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import astuple
 
 import torch
 from safetensors.torch import save_file
@@ -34,6 +35,8 @@ from engine import (
     SchedulerConfig,
 )
 from engine.device import Device
+from engine.layers.linear import LinearBase
+from engine.layers.quant import Int4LinearMethod
 from tools.random_int4 import QWEN3_8B, Shape, write_random_int4
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -59,6 +62,20 @@ def count_lora_epilogues() -> list[int]:
 
         setattr(int4_ops, name, counting)
     return taken
+
+
+def int4_dispatch(model: torch.nn.Module) -> dict[str, str]:
+    """Each int4 layer shape's kernels, "up to rows: backend (launch shape)" per bucket. Tuned tables differ between
+    machines (timing noise picks among near-equal candidates), so a run's figures go with its table."""
+    out: dict[str, str] = {}
+    for mod in model.modules():
+        if isinstance(mod, LinearBase) and isinstance(mod.method, Int4LinearMethod):
+            lay = mod.int4_layout
+            out.setdefault(f"K{lay.in_features} N{lay.out_features}", ", ".join(
+                f"{'any' if rows is None else rows}: {'dequant' if w is None else w.backend}"
+                f"{'' if w is None or w.config is None else astuple(w.config)}"
+                for rows, w in mod.int4_paths))
+    return out
 
 
 def module_shapes(s: Shape) -> dict[str, tuple[int, int]]:
@@ -270,6 +287,7 @@ def main() -> None:
         rows = []
         cfg = engine_config(path, adapters[:n], max(b for b, m in cases if m == n), device.type, ld, a.int4_kernel)
         with LLMEngine(cfg) as e:
+            emit(case="int4_dispatch", adapters=n, lora_dtype=ld, tables=int4_dispatch(e.runner.model))
             for b in [b for b, m in cases if m == n]:
                 r = ours(e, b, n, a.new_tokens)
                 row = {"case": "decode", "batch": b, "adapters": n, "layers": layers, **r,

@@ -27,6 +27,9 @@ def test_bench_e2e_quick(tmp_path: Path) -> None:
     rows = [r for r in out if r["case"] == "decode"]
     assert sorted((r["batch"], r["adapters"]) for r in rows) == sorted(plan) == [(1, 0), (4, 0), (4, 2)]
     assert all(r["ms_per_step"] > 0 and r["steps"] > 0 for r in rows)
+    tables = [r["tables"] for r in out if r["case"] == "int4_dispatch"]  # one per engine: its int4 kernels
+    assert [r["adapters"] for r in out if r["case"] == "int4_dispatch"] == [0, 2]
+    assert all(len(t) == 4 and all(v for v in t.values()) for t in tables), tables
     peer = [r for r in rows if "speedup_vs_peer" in r]
     assert len(peer) == 1 and peer[0]["peer_tokens_per_s"] > 0
 
