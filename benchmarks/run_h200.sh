@@ -20,6 +20,17 @@ decode_old_new() {
       | grep --line-buffered -E '"decode"|Error' | sed "s/^/$side /" | tee -a "$OUT/e2e_ab.txt" | cut -c1-330
   done
 }
+# Nsight Compute, one CSV row per kernel and metric: speed of light, occupancy, launch, warp state and memory
+# sections plus the per-reason issue stalls. Usage: ncu_details SECONDS python3 SCRIPT.py > CSV
+ncu_details() {
+  local limit=$1 stalls
+  shift
+  stalls=$(for r in long_scoreboard short_scoreboard mio_throttle lg_throttle barrier wait math_pipe_throttle \
+    not_selected selected no_instruction dispatch_stall drain membar branch_resolving imc_miss; do
+    printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' $r; done)
+  timeout "$limit" ncu --profile-from-start off --section SpeedOfLight --section Occupancy --section LaunchStats \
+    --section WarpStateStats --section MemoryWorkloadAnalysis --metrics "${stalls%,}" --csv --page details "$@"
+}
 case "${1:-}" in
   tests)
     nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/env.txt"
@@ -232,13 +243,17 @@ case "${1:-}" in
     ;;
   ncu18)  # issue 18: Nsight Compute on one launch each of the copy, bf16, native and mma int4 kernels (M = 1, 16)
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    stalls=$(for r in long_scoreboard short_scoreboard mio_throttle lg_throttle barrier wait math_pipe_throttle \
-      not_selected selected no_instruction dispatch_stall drain membar branch_resolving imc_miss; do
-      printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' $r; done)
-    timeout ${2:-200} ncu --profile-from-start off --section SpeedOfLight --section Occupancy --section LaunchStats \
-      --section WarpStateStats --section MemoryWorkloadAnalysis --metrics "${stalls%,}" --csv --page details \
+    ncu_details "${2:-200}" \
       python3 benchmarks/ncu_int4.py > "$OUT/ncu.csv" 2> "$OUT/ncu_cases.txt"; echo "ncu rc=$?" | tee -a "$OUT/ncu_cases.txt"
     grep -E '^\{' "$OUT/ncu_cases.txt" | tail -3; grep -c '"Duration"' "$OUT/ncu.csv"
+    ;;
+  ncu-lora)  # issue 18: Nsight Compute on add_lora's two launches per Qwen3-8B wrapped layer (32 tokens over 32 and
+             # over 1 rank-16 adapters, bf16), each beside a copy of the bytes it must read (benchmarks/ncu_lora.py)
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    ncu_details "${2:-200}" \
+      python3 benchmarks/ncu_lora.py > "$OUT/ncu_lora.csv" 2> "$OUT/ncu_lora_cases.txt"
+    echo "ncu rc=$?" | tee -a "$OUT/ncu_lora_cases.txt"
+    grep -E '^\{"checked' "$OUT/ncu_lora_cases.txt"; grep -c '"Duration"' "$OUT/ncu_lora.csv"
     ;;
   gemv18)  # issue 18: the one-row int4 kernel (triton_gemv) on CUDA: its tests, the int4 table at M = 1 4 16 with its
            # sweep and the tuner's tables, then 36-layer batch-1 decode with the old fixed dispatch vs tuned (gemv)

@@ -499,3 +499,17 @@ def test_bench_quick_runs_on_cpu(script: str) -> None:
     if interp:
         key = "eager_us" if script == "bench_lora.py" else "triton_us"
         assert any(rec.get(key) is not None for rec in lines), proc.stdout[-3000:]
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the script's add_lora needs triton (the interpreter on a CPU)")
+def test_ncu_lora_script_checks_its_cases_on_cpu() -> None:
+    """benchmarks/ncu_lora.py --quick: every layer and adapter count checked against the torch reference before its
+    (here unprofiled) launch; the case lines name what a profile's kernels belong to."""
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "ncu_lora.py"), "--quick", "--device", "cpu",
+                           "--tokens", "8", "--adapters", "4", "1"], cwd=REPO, env=_env(TRITON_INTERPRET="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
+    assert lines[-1] == {"checked": 8, "failures": 0}
+    cases = [(r["case"], r["layer"], r["adapters"]) for r in lines[:-1]]
+    assert cases == [(c, lay, n) for lay in ("qkv", "o", "gate_up", "down") for n in (4, 1) for c in ("copy", "add_lora")]
