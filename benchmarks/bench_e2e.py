@@ -47,7 +47,7 @@ def emit(**kw: object) -> None:
 
 
 def count_lora_epilogues() -> list[int]:
-    """[n]: int4 launches that took a LoRA epilogue (kernels.lora_triton.epilogue_kernels), counted where kernels.int4
+    """[n]: int4 launches that took a LoRA epilogue (XPULORA_LORA_CONFIG=epilogue=1), counted where kernels.int4
     calls the mma kernels: eager steps and graph captures (a replay calls nothing). 0 with the epilogue on means
     no layer's tuned launch could take it, and the run measured the split expand."""
     import kernels.int4 as int4_ops
@@ -281,7 +281,7 @@ def main() -> None:
     emit(case="plan", cases=cases)  # a run cut short by a time limit lacks some of these rows
     from kernels import lora_triton
 
-    epilogues = count_lora_epilogues() if lora_triton.epilogue_kernels() else None
+    epilogues = count_lora_epilogues() if lora_triton.use_epilogue() else None
     base_ms: dict[int, float] = {}  # batch -> ms per step without adapters (measured first)
     for n, ld in [(m, ld) for m in sorted({m for _, m in cases}) for ld in (a.lora_dtypes if m else ["auto"])]:
         rows = []

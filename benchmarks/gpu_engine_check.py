@@ -107,7 +107,7 @@ def run_logprobs(path: str, adapters: list[str], batch: list[tuple[list[int], st
 
 def check_lora_epilogue(path: str, adapters: list[str], batch: list[tuple[list[int], str | None]]
                         ) -> tuple[list[list[int]], int]:
-    """The batch with XPULORA_LORA_CONFIG's epilogue=1 (kernels.lora_triton.epilogue_kernels: also triton_mma),
+    """The batch with XPULORA_LORA_CONFIG's epilogue=1 (kernels.lora_triton.use_epilogue: cuda_mma and triton_mma),
     graphs on: its greedy ids and how many int4 mma launches took a LoRA epilogue (0: the check tested nothing)."""
     taken = [0]
     mma, saved = int4_ops.mma_mm, dict(lora_triton.CONFIG_OVERRIDES)

@@ -328,11 +328,9 @@ def prepare_int4(
 
 
 def takes_lora(w: PreparedInt4, m: int, lora: LoRAEpilogue) -> bool:
-    """Whether int4_mm(x, w, lora=lora) fuses this LoRA expand for m rows: the mma kernels (triton_mma, and cuda_mma
-    up to its row limit) among lora.kernels, with the layer's slices starting on the launch's tiles."""
+    """Whether int4_mm(x, w, lora=lora) can fuse this LoRA expand for m rows: the mma kernels (triton_mma, and
+    cuda_mma up to its row limit), with the layer's slices starting on the launch's tiles."""
     k, n, g = w.layout.in_features, w.layout.out_features, w.layout.group_size
-    if w.backend not in lora.kernels:
-        return False
     if w.backend == "cuda_mma":
         c = w.config if isinstance(w.config, CudaMmaConfig) else cuda_config(m, k, n)
         return m <= CUDA_MAX_ROWS and cuda_takes_lora(c, m, lora)

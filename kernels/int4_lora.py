@@ -1,6 +1,6 @@
 """The LoRA epilogue of the int4 mma kernels (kernels.int4_mma's Triton kernel, and kernels.int4_cuda's CUDA C one up
 to 64 rows): a LoRA expand added to the base GEMM's output before its store, so that a wrapped layer launches no
-expand of its own (kernels.lora_triton.epilogue_kernels says which kernels, kernels.int4.takes_lora which launches).
+expand of its own (opt-in: kernels.lora_triton.use_epilogue; kernels.int4.takes_lora says which launches can).
 """
 
 from __future__ import annotations
@@ -24,14 +24,13 @@ class LoRAEpilogue:
     b: the layer's B store [S, r_max, N] rank-major, all slices' columns side by side (the scale folded in), in a
     16-bit or float32 dtype; ranks [n_slices, S] int32 (any strides); slots [T] int32 (-1: no adapter); starts:
     each slice's first column, ascending from 0 (at most 3 slices), each a multiple of the launch's block_n so
-    that a tile's columns lie in one slice; kernels: the int4 backends that may take it."""
+    that a tile's columns lie in one slice."""
 
     h: torch.Tensor
     b: torch.Tensor
     ranks: torch.Tensor
     slots: torch.Tensor
     starts: tuple[int, ...]
-    kernels: tuple[str, ...] = ("cuda_mma", "triton_mma")
 
     def fits(self, block_n: int) -> bool:
         return 1 <= len(self.starts) <= 3 and self.starts[0] == 0 and all(s % block_n == 0 for s in self.starts)

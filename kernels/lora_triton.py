@@ -35,8 +35,8 @@ from kernels.lora_fused import _lora_fused_kernel
 from kernels.lora_kernels import _lora_expand_kernel, _lora_shrink_kernel
 from kernels.triton_env import interpreting, triton
 
-__all__ = ["TokenGroups", "add_lora", "epilogue_kernels", "expand_partials", "lora_expand", "lora_shrink",
-           "max_blocks", "shrink_partials"]
+__all__ = ["TokenGroups", "add_lora", "expand_partials", "lora_expand", "lora_shrink", "max_blocks",
+           "shrink_partials", "use_epilogue"]
 
 _BLOCK_R = 16  # rank chunk: tl.dot needs every dim >= 16; ranks below 16 run one masked chunk
 
@@ -109,10 +109,11 @@ def _env_overrides(text: str) -> dict[str, int]:
 
 
 CONFIG_OVERRIDES: dict[str, int] = _env_overrides(os.environ.get("XPULORA_LORA_CONFIG", ""))
-"""Force a launch parameter (CONFIG_KEYS): fused (add_lora in one launch), epilogue (see epilogue_kernels), run_m
-(tokens of one slot per program: TokenGroups.block_m, set by engine.lora.token_groups.group_tokens), block_m (the
-token tile a program steps through its run in), the split kernels' shrink_* / expand_* and the fused kernel's
-fused_* sizes. For tuning runs (benchmarks, or XPULORA_LORA_CONFIG in the environment); empty normally."""
+"""Force a launch parameter (CONFIG_KEYS): fused (add_lora in one launch), epilogue (the expand inside an int4
+mma base GEMM's store, see use_epilogue), run_m (tokens of one slot per
+program: TokenGroups.block_m, set by engine.lora.token_groups.group_tokens), block_m (the token tile a program steps
+through its run in), the split kernels' shrink_* / expand_* and the fused kernel's fused_* sizes. For tuning
+runs (benchmarks, or XPULORA_LORA_CONFIG in the environment); empty normally."""
 
 
 def _block_r(r_max: int) -> int:
@@ -138,11 +139,11 @@ def _shrink_config(k: int, r_max: int = _BLOCK_R) -> dict[str, int]:
                 num_warps=CONFIG_OVERRIDES.get("shrink_warps", 4), num_stages=CONFIG_OVERRIDES.get("shrink_stages", 3))
 
 
-def epilogue_kernels() -> tuple[str, ...]:
-    """The int4 backends whose store takes a wrapped layer's LoRA expand (kernels.int4_lora; the shrink runs first):
-    none by default, cuda_mma and triton_mma with XPULORA_LORA_CONFIG=epilogue=1. Opt-in: neither is faster than
-    the split expand in 36-layer decode with 32 adapters (docs/PERFORMANCE.md, eleventh and twenty-second sessions)."""
-    return ("cuda_mma", "triton_mma") if CONFIG_OVERRIDES.get("epilogue", 0) else ()
+def use_epilogue() -> bool:
+    """Whether wrapped layers whose base GEMM can take it (kernels.int4_mma.LoRAEpilogue) fuse the expand into that
+    GEMM's store instead of launching it (the shrink still runs first): opt-in (XPULORA_LORA_CONFIG=epilogue=1), as
+    neither triton_mma's nor cuda_mma's is faster in decode (docs/PERFORMANCE.md, 11th and 22nd sessions)."""
+    return bool(CONFIG_OVERRIDES.get("epilogue", 0))
 
 
 def use_fused(r_max: int) -> bool:

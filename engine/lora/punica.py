@@ -304,13 +304,12 @@ class TritonLoRABatch(LoRABatch):
     def lora_epilogue(self, x: torch.Tensor, lora_a: list[torch.Tensor], b_store: torch.Tensor, ranks: SlotRanks,
                       starts: tuple[int, ...], scales: Scales | None) -> LoRAEpilogue | None:
         # fp8 storage keeps its own kernels (the epilogue reads 16-bit or float32 B without scales)
-        kernels = lora_triton.epilogue_kernels()
-        if not kernels or scales is not None or lora_triton.nothing_to_do(self.groups):
+        if not lora_triton.use_epilogue() or scales is not None or lora_triton.nothing_to_do(self.groups):
             return None
         if x.size(0) != self.num_tokens:
             raise ValueError(f"lora_epilogue: x has {x.size(0)} rows, the batch {self.num_tokens} tokens")
         buf = lora_triton.shrink_partials(x, lora_a, self.groups, ranks.device)
-        return LoRAEpilogue(buf, b_store, ranks.device, self.groups.part(0), starts, kernels)
+        return LoRAEpilogue(buf, b_store, ranks.device, self.groups.part(0), starts)
 
     def finish_epilogue(self, y: torch.Tensor, epi: LoRAEpilogue, lora_b: list[torch.Tensor],
                         offsets: list[int]) -> torch.Tensor:

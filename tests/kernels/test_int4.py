@@ -752,24 +752,3 @@ def test_gemv_rejects_what_it_cannot_run() -> None:
     assert GemvConfig(128, 8, 8).fits(1, 512, 64, 128)
     assert not GemvConfig(128, 8, 1).fits(GEMV_MAX_ROWS + 1, 512, 64, 128)
 
-
-def test_lora_epilogue_goes_only_to_the_kernels_the_policy_names(monkeypatch: pytest.MonkeyPatch) -> None:
-    """kernels.lora_triton.epilogue_kernels: none by default or with epilogue=0, cuda_mma and triton_mma with
-    epilogue=1; a triton_mma launch that fits takes the expand only when its backend is among the epilogue's."""
-    from dataclasses import replace
-
-    from kernels import lora_triton
-    from kernels.int4 import takes_lora
-    from tests.kernels.lora_cases import epilogue_case
-
-    for value, want in ((None, ()), (1, ("cuda_mma", "triton_mma")), (0, ())):
-        overrides = {} if value is None else {"epilogue": value}
-        monkeypatch.setattr(lora_triton, "CONFIG_OVERRIDES", overrides)
-        assert lora_triton.epilogue_kernels() == want, value
-    g = torch.Generator().manual_seed(3)
-    n = 128  # takes_lora reads the backend, the layout and the launch shape only
-    w = PreparedInt4("triton_mma", Int4Layout(64, 1, 128, n), torch.float32, weight=torch.empty(0))
-    epi, _ = epilogue_case(4, n, (0,), 2, 8, 1, torch.float32, g)
-    assert takes_lora(w, 4, replace(epi, kernels=("cuda_mma", "triton_mma")))
-    assert not takes_lora(w, 4, replace(epi, kernels=("cuda_mma",)))
-    assert not takes_lora(w, 4, replace(epi, kernels=()))
