@@ -35,7 +35,9 @@ def test_freeze_moves_survivors_out_of_full_collections() -> None:
     keep = [[i] for i in range(20_000)]  # tracked objects alive across the freeze
     try:
         frozen = freeze_startup_heap()
-        assert frozen >= len(keep) and gc.get_freeze_count() == frozen
+        # A frozen object still dies by reference count (another thread's temporaries, in a full test run):
+        # the count may only fall a little after the freeze.
+        assert frozen >= len(keep) and frozen - 100 <= gc.get_freeze_count() <= frozen
         assert PROCESS.frozen_objects == frozen  # kept: the per-step stats must not walk the frozen list again
         tracked = len(gc.get_objects(generation=2))
         assert tracked < frozen  # the permanent generation is not what a full collection walks
