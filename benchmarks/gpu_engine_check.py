@@ -25,8 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import kernels.int4 as int4_ops
-from benchmarks.bench_e2e import write_adapter
+from benchmarks.bench_e2e import lora_epilogue_launches, write_adapter
 from engine import (
     CacheConfig,
     EngineConfig,
@@ -40,7 +39,7 @@ from engine import (
 )
 from engine.config import MAX_MIXED_GRAPH_TOKENS
 from engine.protocol import GenerationResult
-from kernels import int4_cuda, lora_triton
+from kernels import int4_cuda
 from tools.checks import Checks, exit_with
 from tools.random_int4 import Shape, write_random_int4
 
@@ -109,20 +108,8 @@ def check_lora_epilogue(path: str, adapters: list[str], batch: list[tuple[list[i
                         ) -> tuple[list[list[int]], int]:
     """The batch with XPULORA_LORA_CONFIG's epilogue=1 (kernels.lora_triton.use_epilogue: cuda_mma and triton_mma),
     graphs on: its greedy ids and how many int4 mma launches took a LoRA epilogue (0: the check tested nothing)."""
-    taken = [0]
-    mma, saved = int4_ops.mma_mm, dict(lora_triton.CONFIG_OVERRIDES)
-
-    def counting(*a: object) -> torch.Tensor:
-        taken[0] += a[-1] is not None
-        return mma(*a)  # type: ignore[arg-type]
-
-    int4_ops.mma_mm, lora_triton.CONFIG_OVERRIDES["epilogue"] = counting, 1  # type: ignore[assignment]
-    try:
+    with lora_epilogue_launches(epilogue=1) as taken:
         out, _ = run(path, adapters, batch, eager=False, reference=False, dtype="float32")
-    finally:
-        int4_ops.mma_mm = mma
-        lora_triton.CONFIG_OVERRIDES.clear()
-        lora_triton.CONFIG_OVERRIDES.update(saved)
     return out, taken[0]
 
 
@@ -159,26 +146,14 @@ def check_cuda_epilogue_bf16(path: str, adapters: list[str], batch: list[tuple[l
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=2)
     taken: dict[str, int] = {}
     out: dict[str, list[GenerationResult]] = {}
-    real, case = int4_ops.cuda_mm, ""
-
-    def counting(*a: object) -> torch.Tensor:
-        taken[case] = taken.get(case, 0) + (a[-1] is not None)
-        return real(*a)  # type: ignore[arg-type]
-
-    saved = dict(lora_triton.CONFIG_OVERRIDES)
-    int4_ops.cuda_mm = counting  # type: ignore[assignment]
     names = [n for _, n in batch]
-    try:
-        for case, epilogue, names_used in (("epilogue=1", 1, names), ("epilogue=0", 0, names),
-                                           ("no adapters", 1, [None] * len(batch))):
-            lora_triton.CONFIG_OVERRIDES["epilogue"] = epilogue
-            cfg = config(path, adapters, eager=False, reference=False, dtype="bfloat16")
-            with LLMEngine(replace(cfg, kernels=replace(cfg.kernels, int4="cuda_mma"))) as e:
-                out[case] = e.generate([p for p, _ in batch], params, names_used)
-    finally:
-        int4_ops.cuda_mm = real  # type: ignore[assignment]
-        lora_triton.CONFIG_OVERRIDES.clear()
-        lora_triton.CONFIG_OVERRIDES.update(saved)
+    for case, epilogue, names_used in (("epilogue=1", 1, names), ("epilogue=0", 0, names),
+                                       ("no adapters", 1, [None] * len(batch))):
+        cfg = config(path, adapters, eager=False, reference=False, dtype="bfloat16")
+        with lora_epilogue_launches(epilogue) as count, LLMEngine(
+                replace(cfg, kernels=replace(cfg.kernels, int4="cuda_mma"))) as e:
+            out[case] = e.generate([p for p, _ in batch], params, names_used)
+        taken[case] = count[0]
     same = agree_up_to_near_ties(out["epilogue=1"], out["epilogue=0"], BF16_TIE_TOL)
     CHECKS.expect(f"LoRA expand in the cuda_mma store (epilogue=1) == split expand up to near ties, bf16, graphs, "
                   f"batch {len(batch)}", bool(same.pop("ok")) and taken.get("epilogue=1", 0) > 0

@@ -69,7 +69,7 @@ def test_every_cuda_c_kernel_compiles(arch: int) -> None:
     got = cuda_compile.compile_int4(arch)
     assert set(got) == set(int4_cuda._names()) and len(got) >= 30, sorted(set(int4_cuda._names()) ^ set(got))
     assert all(0 < r.registers <= 255 for r in got.values())
-    # the (4, 1, 4) shape at 32 rows sits at the register budget (4 bytes spilled at sm_90, kernels.int4_cuda);
+    # the (4, 1, 4) shape at 32 rows and the (8, 1, 2) LoRA variant sit at the register budget (4 bytes spilled);
     # a change that spills more elsewhere costs local-memory traffic in the GEMM's inner loop
     spilled = {name: r.spill_stores for name, r in got.items() if r.spill_stores > 16}
     assert not spilled, spilled

@@ -751,4 +751,3 @@ def test_gemv_rejects_what_it_cannot_run() -> None:
     assert not GemvConfig(128, 8, 8).fits(1, 256, 64, 128)  # 8 splits of 64-k steps need K % 512 == 0
     assert GemvConfig(128, 8, 8).fits(1, 512, 64, 128)
     assert not GemvConfig(128, 8, 1).fits(GEMV_MAX_ROWS + 1, 512, 64, 128)
-
