@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         for adapters in a.adapters:
             lay = Layer(k, sizes, adapters, RANK, RANK, dtype, False, dev, g)
             slot_ids = [t % adapters for t in range(a.tokens)]
-            x = (torch.randn(a.tokens, k, generator=g)).to(dev, dtype)
+            x = torch.randn(a.tokens, k, generator=g).to(dev, dtype)
             want = torch.zeros(a.tokens, n, device=dev, dtype=dtype)
             ReferenceLoRABatch.build(slot_ids, adapters, dev).add_lora(
                 want, x, lay.a, lay.b, SlotRanks(lay.host, lay.ranks), lay.offsets)

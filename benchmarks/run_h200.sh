@@ -31,6 +31,16 @@ ncu_details() {
   timeout "$limit" ncu --profile-from-start off --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section WarpStateStats --section MemoryWorkloadAnalysis --metrics "${stalls%,}" --csv --page details "$@"
 }
+# The LoRA epilogue modes side by side (epi21, epi22): bench_e2e per mode, the tuned tables shared on the machine
+epi_ab() {
+  for epi in ${EPI_MODES:-0 1}; do
+    # shellcheck disable=SC2086  # E2E_BATCHES: one or more batch sizes, split into words on purpose
+    XPULORA_LORA_CONFIG=epilogue=$epi timeout "${EPI_TIMEOUT:-200}" python3 benchmarks/bench_e2e.py --layers 36 \
+      --batches ${E2E_BATCHES:-32} --adapters 0 32 --int4-kernel tuned --peer-cases "" --root /tmp/e2e36l 2>&1 \
+      | grep --line-buffered -E '^\{"case": "(decode|int4_dispatch)|Error' | sed "s/^/epilogue=$epi /" \
+      | tee -a "$OUT/epi.txt" | cut -c1-420
+  done
+}
 case "${1:-}" in
   tests)
     nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/env.txt"
@@ -208,28 +218,17 @@ case "${1:-}" in
     timeout 140 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_int4.py -k "lora_epilogue" \
       > "$OUT/epi_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/epi_tests.txt"; tail -3 "$OUT/epi_tests.txt"
     ;;
-  epi21)  # issue 18: the LoRA expand in the cuda_mma store (twenty-first session): its CUDA tests, then 36-layer decode
-          # at batch 32 (and ${E2E_BATCHES}), no adapters and 32, with the split expand (epilogue=0) and the epilogue (=1)
+  epi21)  # issue 18: the LoRA expand in the cuda_mma store (twenty-first session): its CUDA tests, then epi22
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     timeout 180 python3 -m pytest -q -p no:cacheprovider -rfE -x tests/kernels/test_int4_cuda.py \
       tests/layers/test_lora_layers.py -k "lora or every" > "$OUT/epi_tests.txt" 2>&1
     echo "pytest rc=$?" >> "$OUT/epi_tests.txt"; tail -4 "$OUT/epi_tests.txt" | cut -c1-600
-    for epi in 0 1; do
-      # shellcheck disable=SC2086  # E2E_BATCHES: one or more batch sizes, split into words on purpose
-      XPULORA_LORA_CONFIG=epilogue=$epi timeout 200 python3 benchmarks/bench_e2e.py --layers 36 --batches ${E2E_BATCHES:-32} \
-        --adapters 0 32 --int4-kernel tuned --peer-cases "" --root /tmp/e2e36l 2>&1 \
-        | grep --line-buffered -E '^\{"case": "decode|Error' | sed "s/^/epilogue=$epi /" | tee -a "$OUT/epi.txt" | cut -c1-420
-    done
+    epi_ab
     ;;
-  epi22)  # issue 18: the default LoRA epilogue (cuda_mma only, twenty-second session) against the split expand
-          # (epilogue=0): 36-layer decode at ${E2E_BATCHES:-1 32 64}, no adapters and 32 rank-16 ones
+  epi22)  # issue 18: the opt-in LoRA epilogue against the split expand, 36-layer decode at ${E2E_BATCHES:-32}, no
+          # adapters and 32 rank-16 ones, one process per mode of ${EPI_MODES:-0 1} (XPULORA_LORA_CONFIG=epilogue=MODE)
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    for epi in ${EPI_MODES:-0 default}; do
-      # shellcheck disable=SC2086  # E2E_BATCHES: one or more batch sizes, split into words on purpose
-      env $([ "$epi" != default ] && echo XPULORA_LORA_CONFIG=epilogue=$epi) timeout ${EPI_TIMEOUT:-280} python3 benchmarks/bench_e2e.py --layers 36 \
-        --batches ${E2E_BATCHES:-1 32 64} --adapters 0 32 --int4-kernel tuned --peer-cases "" --root /tmp/e2e36l 2>&1 \
-        | grep --line-buffered -E '^\{"case": "decode|Error' | sed "s/^/epilogue=$epi /" | tee -a "$OUT/epi.txt" | cut -c1-420
-    done
+    epi_ab
     ;;
   steps18)  # issue 18: 36 layers, batch 1 and 32: no adapters with the int4 kernel auto, then with tuned also 32 adapters
             # (bf16 and fp8 storage); the 64-layer 27B-shaped hybrid at TP=1 (batch 1 and 32, graphs, tuned int4)
