@@ -16,7 +16,8 @@ lora dtype, variant), times in microseconds per call of one wrapped layer (all i
   graph_over_bytes  graph_us / byte_us (issue 18's bar: 1.5)
   reference_us engine.lora.punica.ReferenceLoRABatch (per slot, fp32 matmuls), and loop_us / loop_graph_us a
                per-adapter, per-slice loop of torch matmuls in the layer dtype (a naive engine), bf16 only
-Variants: split (a K-split shrink launch + an expand launch) and fused (one launch). After the cases, one
+Variants: split (a K-split shrink launch + an expand launch), cols (the same with the column expand, kernels.
+lora_cols, for steps of <= 64 tokens: larger ones run split) and fused (one launch). After the cases, one
 "step" line per (tokens, adapters, lora dtype, variant): the four wrapped layers of a Qwen3 decoder layer
 (qkv, o, gate_up, down) x --layers, graph time against byte time.
 --sweep: each launch parameter of kernels.lora_triton.CONFIG_KEYS varied alone around the defaults, on the
@@ -47,7 +48,9 @@ SWEEP = {"split": {"shrink_split_k": [2, 4, 8, 16], "shrink_block_k": [64, 256, 
                    "shrink_stages": [2, 4], "expand_block_n": [128, 512], "expand_n_iters": [2, 4],
                    "expand_warps": [8], "expand_stages": [3], "run_m": [1, 32, 64]},
          "fused": {"fused_block_k": [64, 256, 512], "fused_block_n": [128, 512], "fused_n_iters": [1, 2, 4, 16],
-                   "fused_warps": [8], "fused_stages": [2, 4], "run_m": [32, 64]}}
+                   "fused_warps": [8], "fused_stages": [2, 4], "run_m": [32, 64]},
+         "cols": {"cols_block_n": [16, 32, 64, 128], "cols_group": [1, 2, 8], "cols_warps": [2, 8],
+                  "cols_stages": [1, 2, 4], "shrink_split_k": [4, 16]}}
 
 
 class Layer:
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--lora-dtypes", nargs="+", default=["model", "fp8"], choices=["model", "fp8"],
                    help="A/B storage: the layer dtype, fp8 e4m3 + scales")
-    p.add_argument("--variants", nargs="+", default=["split", "fused"], choices=["split", "fused"])
+    p.add_argument("--variants", nargs="+", default=["split", "fused"], choices=["split", "fused", "cols"])
     p.add_argument("--layer-kinds", default=None, help="comma-separated subset of qkv,o,gate_up,down")
     p.add_argument("--tokens", type=int, nargs="+", default=[32, 1024])
     p.add_argument("--adapters", type=int, nargs="+", default=[1, 32])
@@ -177,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     def run(t: int, n: int, ld: str, variant: str, peers: bool, emit: bool) -> tuple[float, float]:
         """(graph µs, byte µs) of one decoder layer's four wrapped layers (one line per layer when emit)."""
         lora_triton.CONFIG_OVERRIDES["fused"] = int(variant == "fused")
+        lora_triton.CONFIG_OVERRIDES["cols"] = int(variant == "cols")
         slot_ids = [i % n for i in range(t)]
         total = total_bytes = 0.0
         for kind in kinds:

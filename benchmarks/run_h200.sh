@@ -31,14 +31,15 @@ ncu_details() {
   timeout "$limit" ncu --profile-from-start off --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section WarpStateStats --section MemoryWorkloadAnalysis --metrics "${stalls%,}" --csv --page details "$@"
 }
-# The LoRA epilogue modes side by side (epi21, epi22): bench_e2e per mode, the tuned tables shared on the machine
-epi_ab() {
-  for epi in ${EPI_MODES:-0 1}; do
+# One XPULORA_LORA_CONFIG key's modes side by side (epi21, epi22: epilogue; cols23: cols): 36-layer decode per mode,
+# the tuned tables shared on the machine. Usage: config_ab KEY "MODES"
+config_ab() {
+  for mode in $2; do
     # shellcheck disable=SC2086  # E2E_BATCHES: one or more batch sizes, split into words on purpose
-    XPULORA_LORA_CONFIG=epilogue=$epi timeout "${EPI_TIMEOUT:-200}" python3 benchmarks/bench_e2e.py --layers 36 \
-      --batches ${E2E_BATCHES:-32} --adapters 0 32 --int4-kernel tuned --peer-cases "" --root /tmp/e2e36l 2>&1 \
-      | grep --line-buffered -E '^\{"case": "(decode|int4_dispatch)|Error' | sed "s/^/epilogue=$epi /" \
-      | tee -a "$OUT/epi.txt" | cut -c1-420
+    XPULORA_LORA_CONFIG=$1=$mode timeout "${E2E_TIMEOUT:-${EPI_TIMEOUT:-200}}" python3 benchmarks/bench_e2e.py \
+      --layers 36 --batches ${E2E_BATCHES:-32} --adapters 0 32 --int4-kernel tuned --peer-cases "" --root /tmp/e2e36l \
+      2>&1 | grep --line-buffered -E '^\{"case": "(decode|int4_dispatch)|Error' | sed "s/^/$1=$mode /" \
+      | tee -a "$OUT/$1_ab.txt" | cut -c1-420
   done
 }
 case "${1:-}" in
@@ -223,12 +224,21 @@ case "${1:-}" in
     timeout 180 python3 -m pytest -q -p no:cacheprovider -rfE -x tests/kernels/test_int4_cuda.py \
       tests/layers/test_lora_layers.py -k "lora or every" > "$OUT/epi_tests.txt" 2>&1
     echo "pytest rc=$?" >> "$OUT/epi_tests.txt"; tail -4 "$OUT/epi_tests.txt" | cut -c1-600
-    epi_ab
+    config_ab epilogue "${EPI_MODES:-0 1}"
     ;;
   epi22)  # issue 18: the opt-in LoRA epilogue against the split expand, 36-layer decode at ${E2E_BATCHES:-32}, no
           # adapters and 32 rank-16 ones, one process per mode of ${EPI_MODES:-0 1} (XPULORA_LORA_CONFIG=epilogue=MODE)
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    epi_ab
+    config_ab epilogue "${EPI_MODES:-0 1}"
+    ;;
+  cols23)  # issue 18: the column expand (kernels/lora_cols.py): its CUDA tests, the per-layer LoRA table (split vs
+           # cols, decode 32 and 64 tokens, 1 and 32 adapters, bf16 and fp8), then 36-layer decode per ${COLS_MODES:-0 1}
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_lora_triton.py -k "cols or column" \
+      > "$OUT/cols_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/cols_tests.txt"; tail -3 "$OUT/cols_tests.txt"
+    timeout 160 python3 benchmarks/bench_lora.py --tokens 32 64 --adapters 1 32 --no-peers --lora-dtypes model fp8 \
+      --variants split cols 2>&1 | grep --line-buffered -E '^\{|Error' | tee "$OUT/cols_lora.txt" | grep -E '"step"|Error'
+    config_ab cols "${COLS_MODES:-0 1}"
     ;;
   steps18)  # issue 18: 36 layers, batch 1 and 32: no adapters with the int4 kernel auto, then with tuned also 32 adapters
             # (bf16 and fp8 storage); the 64-layer 27B-shaped hybrid at TP=1 (batch 1 and 32, graphs, tuned int4)

@@ -1,25 +1,24 @@
-"""Batched multi-LoRA shrink / expand in Triton (CUDA through `triton`, Intel GPUs through triton-xpu,
-the CPU under TRITON_INTERPRET=1). Same semantics as kernels.reference.lora_shrink / lora_expand. The
-kernels themselves are in kernels.lora_kernels (and lora_fused); this module checks shapes, sizes grids and launches.
+"""Batched multi-LoRA shrink / expand in Triton (CUDA through `triton`, Intel GPUs through triton-xpu, the CPU under
+TRITON_INTERPRET=1). Same semantics as kernels.reference.lora_shrink / lora_expand. The kernels are in kernels.
+lora_kernels (and lora_fused, lora_cols); this module checks shapes, sizes grids and launches.
 
-The launchers read the step's tokens grouped by adapter slot (`TokenGroups`, built once per step by
-engine.lora.punica from the host slot list, rewritten in place for graph replay) and each layer's true
-ranks as an int32 device tensor [n_slices, S] (any strides); a wrapped layer runs two launches whatever its
-number of slices: add_lora = lora_shrink (K-split partials) + lora_expand: y[:, off_s:off_s+n_s] (+)= ...,
-or one with the fused variant (use_fused: each program computes its tokens' whole shrink, then expands it).
+The launchers read the step's tokens grouped by adapter slot (`TokenGroups`, built once per step by engine.lora.punica
+from the host slot list, rewritten in place for graph replay) and each layer's true ranks as an int32 device tensor
+[n_slices, S] (any strides); a wrapped layer runs two launches whatever its number of slices: add_lora = lora_shrink
+(K-split partials) + lora_expand (split, or use_cols' column expand): y[:, off_s:off_s+n_s] (+)= ..., or one with
+the fused variant (use_fused: each program computes its tokens' whole shrink, then expands it).
 
 Layouts: A_s [S, r_max, K] (K contiguous; the engine's slices are column ranges of one [S, r_max, n*K]
 store). B_s [S, n_s, r_max] either r-contiguous or, ~2x faster for small ranks (measured on an H200), a
 transposed view of rank-major storage [S, r_max, n_s]: then a rank-r adapter reads r whole rows and never
 touches its padding. fp8 e4m3 A / B come with float32 scales, per rank row of A and per output row of B.
 
-Work is scheduled in runs of tokens that share one slot (tokens sorted by slot, each slot's run cut into
-runs of TokenGroups.block_m tokens, which a program steps through in tiles of 16); slot -1 tokens belong to
-no run. Each program reads its slot's true rank from a device tensor and computes only rank columns below
-it. The split shrink cuts K into a fixed number of ranges whose fp32 partials the expand sums in a fixed
-order; every element is written by exactly one program (no atomics): results are deterministic. Grids are
-sized from upper bounds (tokens, slots, r_max, output widths), so no launch needs a host sync and all of
-them can be captured in a graph.
+Work is scheduled in runs of tokens that share one slot (tokens sorted by slot, each slot's run cut into runs of
+TokenGroups.block_m tokens, which a program steps through in tiles of 16); slot -1 tokens belong to no run. Each
+program reads its slot's true rank from a device tensor and computes only rank columns below it. The split shrink
+cuts K into a fixed number of ranges whose fp32 partials the expand sums in a fixed order; every element is written
+by exactly one program (no atomics): results are deterministic. Grids are sized from upper bounds (tokens, slots,
+r_max, output widths), so no launch needs a host sync and all of them can be captured in a graph.
 """
 
 from __future__ import annotations
@@ -30,9 +29,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.lora_checks import b_rank_major, check_expand, check_ranks, check_shrink
+from kernels.lora_checks import check_expand, check_ranks, check_shrink
+from kernels.lora_cols import _lora_expand_cols_kernel
 from kernels.lora_fused import _lora_fused_kernel
 from kernels.lora_kernels import _lora_expand_kernel, _lora_shrink_kernel
+from kernels.lora_tables import _b_table, _ptr_table, _raw
 from kernels.triton_env import interpreting, triton
 
 __all__ = ["TokenGroups", "add_lora", "expand_partials", "lora_expand", "lora_shrink", "max_blocks",
@@ -83,18 +84,13 @@ def max_blocks(num_tokens: int, num_slots: int, block_m: int) -> int:
     return (num_tokens + block_m - 1) // block_m + min(num_slots, num_tokens)
 
 
-_table_cache: dict[tuple, torch.Tensor] = {}
-"""Pointer tables, never evicted: captured graphs read them by address, so freeing one (an LRU over 1024
-entries did, at 27B scale: 352 wrapped layers x 3 launch shapes) would leave a graph reading freed memory.
-Their number is bounded by wrapped layers x launch shapes."""
-
-
 # ----------------------------------------------------------------------------------------------------
 # launch configuration (sizes chosen by measurement on an H200; `CONFIG_OVERRIDES` is for tuning runs)
 
-CONFIG_KEYS = ("fused", "epilogue", "run_m", "block_m", "shrink_block_k", "shrink_split_k", "shrink_block_r",
+CONFIG_KEYS = ("fused", "epilogue", "cols", "run_m", "block_m", "shrink_block_k", "shrink_split_k", "shrink_block_r",
                "shrink_warps", "shrink_stages", "expand_block_n", "expand_n_iters", "expand_warps", "expand_stages",
-               "fused_block_k", "fused_block_n", "fused_n_iters", "fused_warps", "fused_stages")
+               "cols_block_n", "cols_group", "cols_warps", "cols_stages", "fused_block_k", "fused_block_n",
+               "fused_n_iters", "fused_warps", "fused_stages")
 
 
 def _env_overrides(text: str) -> dict[str, int]:
@@ -110,10 +106,10 @@ def _env_overrides(text: str) -> dict[str, int]:
 
 CONFIG_OVERRIDES: dict[str, int] = _env_overrides(os.environ.get("XPULORA_LORA_CONFIG", ""))
 """Force a launch parameter (CONFIG_KEYS): fused (add_lora in one launch), epilogue (the expand inside an int4
-mma base GEMM's store, see use_epilogue), run_m (tokens of one slot per
+mma base GEMM's store, see use_epilogue), cols (the column expand, see use_cols), run_m (tokens of one slot per
 program: TokenGroups.block_m, set by engine.lora.token_groups.group_tokens), block_m (the token tile a program steps
-through its run in), the split kernels' shrink_* / expand_* and the fused kernel's fused_* sizes. For tuning
-runs (benchmarks, or XPULORA_LORA_CONFIG in the environment); empty normally."""
+through its run in), the kernels' shrink_* / expand_* / cols_* / fused_* sizes. For tuning runs (benchmarks, or
+XPULORA_LORA_CONFIG in the environment); empty normally."""
 
 
 def _block_r(r_max: int) -> int:
@@ -163,6 +159,20 @@ def _fused_config(k: int, n_max: int) -> dict[str, int]:
                 num_warps=CONFIG_OVERRIDES.get("fused_warps", 4), num_stages=CONFIG_OVERRIDES.get("fused_stages", 3))
 
 
+def use_cols(num_tokens: int, r_max: int) -> bool:
+    """The expand as kernels.lora_cols (a program per column block streams every used slot's B for all tokens) for
+    steps of <= 64 tokens, ranks <= 64: XPULORA_LORA_CONFIG=cols=1 (docs/PERFORMANCE.md, 23rd session)."""
+    return bool(CONFIG_OVERRIDES.get("cols", 0)) and 0 < num_tokens <= 64 and r_max <= 64
+
+
+def _cols_config(num_tokens: int, n_total: int, r_max: int, fp8: bool) -> dict[str, int]:
+    # At least ~128 programs (4096 columns: 32 wide); a dot of K = 64 rows (4 slots of rank 16); fp8 one slot per dot
+    block_n, block_r = CONFIG_OVERRIDES.get("cols_block_n", 64 if n_total >= 8192 else 32), _block_r(r_max)
+    return dict(block_t=max(16, triton.next_power_of_2(num_tokens)), block_n=block_n, block_r=block_r,
+                group=1 if fp8 else CONFIG_OVERRIDES.get("cols_group", max(1, 64 // block_r)),
+                num_warps=CONFIG_OVERRIDES.get("cols_warps", 4), num_stages=CONFIG_OVERRIDES.get("cols_stages", 3))
+
+
 def _expand_config(n_max: int, num_tokens: int) -> dict[str, int]:
     block_n = CONFIG_OVERRIDES.get("expand_block_n", 256 if n_max >= 256 else 64 if n_max >= 64 else 16)
     n_iters = CONFIG_OVERRIDES.get("expand_n_iters", 1 if num_tokens <= 256 else 2)
@@ -174,15 +184,6 @@ def _expand_config(n_max: int, num_tokens: int) -> dict[str, int]:
 # bindings
 
 
-def _ptr_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    """int64 [len(rows) * len(rows[0])] on device, cached by its contents (pointers, strides, offsets)."""
-    key = (tuple(map(tuple, rows)), str(device))
-    hit = _table_cache.get(key)
-    if hit is None:
-        hit = _table_cache[key] = torch.tensor(rows, dtype=torch.int64, device=device).reshape(-1)
-    return hit
-
-
 def nothing_to_do(info: TokenGroups) -> bool:
     """No token of the step has an adapter (known on the host), or no block to run."""
     return info.has_lora is False or info.num_blocks == 0
@@ -192,11 +193,6 @@ def _meta_offsets(info: TokenGroups) -> tuple[int, int, int]:
     """(sorted_tokens offset, block arrays offset, num_blocks) inside info.meta."""
     t, s = info.num_tokens, info.num_slots
     return t, 2 * t + 2 * s, info.num_blocks
-
-
-def _raw(w: torch.Tensor) -> torch.Tensor:
-    """What the kernels read: fp8 e4m3 as its bytes (decoded in the kernel), anything else as it is."""
-    return w.view(torch.uint8) if w.dtype == torch.float8_e4m3fn else w
 
 
 def _launch_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGroups, r: torch.Tensor,
@@ -256,28 +252,15 @@ def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGrou
     return out
 
 
-def _b_table(lora_b: Sequence[torch.Tensor], offsets: Sequence[int], b_scales: Sequence[torch.Tensor] | None,
-             cols_per_program: int, device: torch.device) -> tuple[torch.Tensor, int, bool, bool]:
-    """(table, column groups in all, aligned, rank-major) of the slices' B for an expand-style grid: table row s =
-    (ptr, slot stride, n_s, y offset, first column group, rank stride, fp8 scale ptr, its slot stride)."""
-    raw = [_raw(b) for b in lora_b]
-    rank_major = b_rank_major(raw)
-    rows, first, aligned = [], 0, True
-    scales = b_scales if b_scales is not None else lora_b
-    for b, off, sc in zip(raw, offsets, scales):
-        rows.append([b.data_ptr(), b.stride(0), b.size(1), int(off), first, b.stride(2), sc.data_ptr(), sc.stride(0)])
-        first += triton.cdiv(b.size(1), cols_per_program)
-        aligned = (aligned and b.data_ptr() % 16 == 0 and b.stride(0) % 8 == 0 and b.size(1) % 8 == 0
-                   and off % 8 == 0 and b.stride(2 if rank_major else 1) % 8 == 0)
-    return _ptr_table(rows, device), first, aligned, rank_major
-
-
 def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: TokenGroups,
                    offsets: Sequence[int], r: torch.Tensor, add_inputs: bool,
                    b_scales: Sequence[torch.Tensor] | None) -> None:
     """buf [split_k, n_slices, T, r_max] float32, summed over split_k in order inside the kernel."""
     fp8 = lora_b[0].dtype == torch.float8_e4m3fn
     b0 = _raw(lora_b[0])
+    if use_cols(y.size(0), b0.size(-1)):
+        _launch_cols(y, buf, lora_b, info, offsets, r, add_inputs, b_scales)
+        return
     cfg = _expand_config(max(b.size(1) for b in lora_b), y.size(0))
     block_n, n_iters = cfg["block_n"], cfg["n_iters"]
     table, groups, aligned, rank_major = _b_table(lora_b, offsets, b_scales, block_n * n_iters, y.device)
@@ -291,6 +274,23 @@ def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Te
         BLOCK_N=block_n, N_ITERS=n_iters, BLOCK_R=_block_r(b0.size(-1)), B_RANK_MAJOR=rank_major, ALIGNED=aligned,
         FP32_DOT=interpreting() or b0.dtype == torch.float32 or (fp8 and y.dtype == torch.float32), FP8=fp8,
         ONE_CHUNK=_block_r(b0.size(-1)) >= b0.size(-1), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+
+
+def _launch_cols(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: TokenGroups,
+                 offsets: Sequence[int], r: torch.Tensor, add_inputs: bool,
+                 b_scales: Sequence[torch.Tensor] | None) -> None:
+    """_launch_expand as kernels.lora_cols (use_cols): program = one column block of one slice."""
+    fp8, b0, t, s = lora_b[0].dtype == torch.float8_e4m3fn, _raw(lora_b[0]), info.num_tokens, info.num_slots
+    cfg = _cols_config(t, sum(b.size(1) for b in lora_b), b0.size(-1), fp8)
+    table, groups, aligned, rank_major = _b_table(lora_b, offsets, b_scales, cfg["block_n"], y.device)
+    _lora_expand_cols_kernel[(groups,)](
+        y, buf, table, b0, r, info.meta, t, 2 * t + s, b0.size(-1), s,
+        y.stride(0), y.stride(1), buf.stride(0), buf.stride(1), buf.stride(2), b0.stride(1), r.stride(0), r.stride(1),
+        NUM_SLICES=len(lora_b), SPLIT_K=buf.size(0), ADD_INPUTS=bool(add_inputs), BLOCK_T=cfg["block_t"],
+        BLOCK_N=cfg["block_n"], GROUP=cfg["group"], BLOCK_R=cfg["block_r"], B_RANK_MAJOR=rank_major, ALIGNED=aligned,
+        FP32_DOT=interpreting() or b0.dtype == torch.float32 or (fp8 and y.dtype == torch.float32), FP8=fp8,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 

@@ -78,12 +78,14 @@ def _ranks(ranks: list[list[int]], dev: torch.device) -> torch.Tensor:
     return torch.tensor(ranks, dtype=torch.int32, device=dev)
 
 
-@pytest.fixture(params=["split", "fused"])
+@pytest.fixture(params=["split", "fused", "cols"])
 def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """add_lora as two launches (K-split shrink, expand) or one (the fused kernel)."""
+    """add_lora as two launches (K-split shrink, then the split or, up to 64 tokens, the column expand) or one (the
+    fused kernel)."""
     from kernels import lora_triton
 
     monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "fused", int(request.param == "fused"))
+    monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "cols", int(request.param == "cols"))
     return request.param
 
 
@@ -213,6 +215,30 @@ def test_no_lora_step_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torch.equal(y, p["y"])
     empty = group_tokens(torch.zeros(0, dtype=torch.long, device=DEV), 4)
     assert empty.num_blocks == 0
+
+
+@needs_kernels
+@pytest.mark.parametrize("num_tokens", [36, 65], ids=["cols", "too-many-tokens-for-cols"])
+def test_column_expand_takes_small_steps_only(monkeypatch: pytest.MonkeyPatch, num_tokens: int) -> None:
+    """With cols=1 a step of <= 64 tokens expands through the column kernel alone (the split expand would raise),
+    bit for bit as the split expand; a larger step keeps the split expand (the column kernel would raise)."""
+    from kernels import lora_triton
+
+    class _Boom:
+        def __getitem__(self, grid: object) -> None:
+            raise AssertionError("the wrong expand kernel was launched")
+
+    assert DEV is not None
+    p = _problem(7, [48, 16, 24], torch.bfloat16, num_tokens=num_tokens)
+    d, info, rt = _to(p, DEV), group_tokens(p["slots"].tolist(), p["num_slots"], device=DEV), _ranks(p["ranks"], DEV)
+    monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "cols", 0)
+    split = lora_triton.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt)
+    monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "cols", 1)
+    small = num_tokens <= 64
+    monkeypatch.setattr(lora_triton, "_lora_expand_kernel" if small else "_lora_expand_cols_kernel", _Boom())
+    out = lora_triton.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt)
+    _assert_close(out, _reference(p, True), torch.bfloat16, f"{num_tokens} tokens")
+    assert torch.equal(out, split), "each token takes its own slot's rows only: the same value as the split expand"
 
 
 @needs_kernels
