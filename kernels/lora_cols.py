@@ -5,10 +5,9 @@ takes it where it applies (use_cols: <= 64 tokens, ranks <= 64) and sizes its la
 
 Why: the split expand gives a decode program one token of one adapter (an 8 KB tile of B) behind a chain of
 dependent lookups (block -> slot -> rank -> token ids -> data), so its time is that chain times its waves, not
-its bytes. Here a program's B loads need only the loop counter (slot s's rows are the K range s * BLOCK_R ...),
-so they stream with nothing in front of them but the slot's token count and rank, loaded beside them. Each token
-takes only its own slot's rows: the other slots' shrink results are masked to zero (a token row of the left
-operand is nonzero in one K range), so the sum over slots is exact, the same value as the split expand's.
+its bytes. Here a program's B loads need only the loop counter and the slot's rank (zero for a slot no token uses),
+loaded one slot ahead. In each slot's dot the tokens of other slots take part with zero rows, so the sum over slots
+is exact: each token gets the same value as from the split expand.
 """
 
 from __future__ import annotations
@@ -19,18 +18,26 @@ if triton is not None:
     from kernels.lora_kernels import _b_row, _expand_dot, _slice_index, _split_sum
 
     @triton.jit
+    def _live_rank(meta_ptr, len_off, ranks_ptr, s, slot, num_slots, stride_rs, stride_rt, R_MAX):
+        """Slot `slot`'s rank in slice s if some token of the step uses it, else 0 (also past the last slot)."""
+        valid = slot < num_slots
+        used = tl.load(meta_ptr + len_off + slot, mask=valid, other=0) > 0  # TokenGroups part 3: slot_len
+        rank = tl.load(ranks_ptr + s * stride_rs + slot * stride_rt, mask=valid, other=0)
+        return tl.where(used, tl.minimum(rank, R_MAX), 0)
+
+    @triton.jit
     def _lora_expand_cols_kernel(
         y_ptr, buf_ptr, b_table_ptr, b0_ptr, ranks_ptr, meta_ptr,
         num_tokens, len_off, R_MAX, num_slots,
         stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_bn, stride_rs, stride_rt,
         NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, ADD_INPUTS: tl.constexpr, BLOCK_T: tl.constexpr,
-        BLOCK_N: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr, B_RANK_MAJOR: tl.constexpr,
-        ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, B_RANK_MAJOR: tl.constexpr, ALIGNED: tl.constexpr,
+        FP32_DOT: tl.constexpr, FP8: tl.constexpr,
     ):  # fmt: skip
         """y[t, off_s + n] (+)= sum_{r < rank[s, slot[t]]} sum_ks buf[ks, s, t, r] * B_s[slot[t], n, r]
-        * (fp8: scale_s[slot[t], n]); slot[t] >= 0. Program = one column block of one slice, all T <= BLOCK_T tokens;
-        it goes over the slots GROUP at a time (K = GROUP * BLOCK_R rows of B per dot), reading only the rows of
-        slots that some token uses, below their rank. FP8 needs GROUP == 1 (its scales are per slot)."""
+        * (fp8: scale_s[slot[t], n]); slot[t] >= 0, rank <= BLOCK_R. Program = one column block of one slice, all
+        T <= BLOCK_T tokens; it goes over the slots one dot each, reading only the B rows of slots that some token
+        uses, below their rank; each token's shrink result takes part in its own slot's dot only."""
         pid_n = tl.program_id(0)
         s = _slice_index(pid_n, b_table_ptr, NUM_SLICES)
         tab = b_table_ptr + s * 8
@@ -43,33 +50,30 @@ if triton is not None:
         tok_slot = tl.load(meta_ptr + rows, mask=mask_t, other=-1)  # TokenGroups part 0: each token's slot
         offs_n = (pid_n - first) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n_s
+        offs_r = tl.arange(0, BLOCK_R)
+        nxt = _live_rank(meta_ptr, len_off, ranks_ptr, s, 0, num_slots, stride_rs, stride_rt, R_MAX)
         y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + (y_off + offs_n)[None, :] * stride_yn
         if ADD_INPUTS:
             y_in = tl.load(y_ptrs, mask=mask_t[:, None] & mask_n[None, :], other=0.0)
         tok_rank = tl.load(ranks_ptr + s * stride_rs + tl.maximum(tok_slot, 0) * stride_rt, mask=tok_slot >= 0,
                            other=0)
-        KB: tl.constexpr = GROUP * BLOCK_R
-        offs_k = tl.arange(0, KB)
-        kr = offs_k % BLOCK_R  # the rank row inside its slot
-        buf_rows = buf_ptr + s * stride_bs + rows[:, None].to(tl.int64) * stride_bm + kr[None, :]  # [BT, KB]
+        tok_rank = tl.minimum(tok_rank, R_MAX)
+        # Each token's own shrink result [BT, BR], summed over the K splits once.
+        bt = _split_sum(buf_ptr + s * stride_bs + rows[:, None].to(tl.int64) * stride_bm + offs_r[None, :],
+                        (offs_r[None, :] < tok_rank[:, None]), stride_bk, SPLIT_K)
+        b_rows = b_ptr + offs_r[:, None] * stride_r + offs_n[None, :] * stride_bn  # [BR, BN] of slot 0
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        for s0 in range(0, num_slots, GROUP):
-            sl = s0 + offs_k // BLOCK_R  # each K row's slot
-            valid = sl < num_slots
-            used = tl.load(meta_ptr + len_off + sl, mask=valid, other=0) > 0  # TokenGroups part 3: slot_len
-            rank = tl.minimum(tl.load(ranks_ptr + s * stride_rs + sl * stride_rt, mask=valid, other=0), R_MAX)
-            live = used & (kr < rank)  # rows of B that count (no padding, no idle slot is read)
-            sl64 = tl.minimum(sl, num_slots - 1).to(tl.int64)
-            wt = tl.load(b_ptr + sl64[:, None] * stride_b0 + kr[:, None] * stride_r + offs_n[None, :] * stride_bn,
-                         mask=live[:, None] & mask_n[None, :], other=0)  # [KB, BN]
-            mine = (tok_slot[:, None] == sl[None, :]) & live[None, :]  # each token's own slot's rows only
-            bt = _split_sum(buf_rows, mine, stride_bk, SPLIT_K)
-            part = _expand_dot(bt, wt, y_ptr.dtype.element_ty, FP32_DOT, FP8, False)
-            if FP8:  # per output row of B of slot s0 (an idle slot's scales are never read); 256 undoes
-                # _e4m3_as_f16's 2^-8
-                s0_used = tl.load(meta_ptr + len_off + s0 + offs_n * 0) > 0  # slot_len[s0], one per column
-                part = part * (tl.load(sc_base + s0 * sc_stride + offs_n, mask=mask_n & s0_used, other=0.0)
-                               * 256.0)[None, :]
+        for slot in range(0, num_slots):
+            rank = nxt  # loaded one slot ahead: the B load below waits on nothing of this iteration
+            nxt = _live_rank(meta_ptr, len_off, ranks_ptr, s, slot + 1, num_slots, stride_rs, stride_rt, R_MAX)
+            wt = tl.load(b_rows + slot * stride_b0, mask=(offs_r < rank)[:, None] & mask_n[None, :],
+                         other=0)
+            part = _expand_dot(tl.where((tok_slot == slot)[:, None], bt, 0.0), wt, y_ptr.dtype.element_ty,
+                               FP32_DOT, FP8, False)
+            if FP8:  # per output row of B (an idle slot's scales are not read); 256 undoes _e4m3_as_f16's 2^-8
+                live_n = mask_n & (tl.zeros_like(offs_n) < rank)
+                sc = tl.load(sc_base + slot * sc_stride + offs_n, mask=live_n, other=0.0)
+                part = part * (sc * 256.0)[None, :]
             acc += part
         out = acc.to(y_ptr.dtype.element_ty)
         if ADD_INPUTS:  # like torch's y += out.to(y.dtype): add in fp32, round once; a rank-0 add adds nothing

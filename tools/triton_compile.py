@@ -123,7 +123,7 @@ def run_all() -> None:
     """Launch every Triton kernel of the project through its launcher on small CPU problems (inside
     compile_only): the engine's start-up checks of the fused ops, paged attention (a split decode with its merge
     too) and int4 (each Triton backend, the dequantization), in bfloat16 and float32; the LoRA kernels split,
-    fused, with fp8 weights, with ranks above one rank tile and with one-token programs."""
+    fused, with fp8 weights, with ranks above one rank tile, with one-token programs and with the column expand."""
     import torch
 
     from engine.lora.token_groups import group_tokens
@@ -148,8 +148,9 @@ def run_all() -> None:
         dequant_triton(qw, torch.zeros(2, 8, dtype=torch.int32), torch.ones(2, 64, dtype=torch.float16), 128, 1, dt)
     t, slots_n, k = 8, 4, 256
     x = torch.randn(t, k, generator=g).to(torch.bfloat16)
-    for r_max, fp8, fused, run in ((16, False, False, 16), (16, True, False, 16), (16, False, True, 16),
-                                   (128, False, False, 16), (16, False, False, 1), (16, False, True, 1)):
+    for r_max, fp8, mode, run in ((16, False, "split", 16), (16, True, "split", 16), (16, False, "fused", 16),
+                                  (128, False, "split", 16), (16, False, "split", 1), (16, False, "fused", 1),
+                                  (16, False, "cols", 16), (16, True, "cols", 16)):
         info = group_tokens([0, 1, 2, 3, -1, 0, 1, 2], slots_n, block_m=run)
         wd = torch.float8_e4m3fn if fp8 else torch.bfloat16
         a = [torch.randn(slots_n, r_max, k, generator=g).to(wd) for _ in range(3)]
@@ -159,7 +160,7 @@ def run_all() -> None:
         ranks = torch.full((3, slots_n), min(r_max, 70), dtype=torch.int32)
         y = torch.zeros(t, 384, dtype=torch.bfloat16)
         before = dict(lora_triton.CONFIG_OVERRIDES)
-        lora_triton.CONFIG_OVERRIDES["fused"] = int(fused)
+        lora_triton.CONFIG_OVERRIDES.update(fused=int(mode == "fused"), cols=int(mode == "cols"))
         try:
             lora_triton.add_lora(y, x, a, b, info, [0, 256, 320], ranks, True, sa, sb)
         finally:
