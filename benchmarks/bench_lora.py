@@ -49,8 +49,8 @@ SWEEP = {"split": {"shrink_split_k": [2, 4, 8, 16], "shrink_block_k": [64, 256, 
                    "expand_warps": [8], "expand_stages": [3], "run_m": [1, 32, 64]},
          "fused": {"fused_block_k": [64, 256, 512], "fused_block_n": [128, 512], "fused_n_iters": [1, 2, 4, 16],
                    "fused_warps": [8], "fused_stages": [2, 4], "run_m": [32, 64]},
-         "cols": {"cols_block_n": [16, 32, 64, 128], "cols_warps": [2, 8],
-                  "cols_stages": [1, 2, 4], "shrink_split_k": [4, 16]}}
+         "cols": {"cols_block_n": [32, 64, 128], "cols_group": [1, 2, 8], "cols_warps": [2, 8],
+                  "cols_stages": [2, 3, 5]}}
 
 
 class Layer:

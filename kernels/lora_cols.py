@@ -19,7 +19,8 @@ if triton is not None:
 
     @triton.jit
     def _live_rank(meta_ptr, len_off, ranks_ptr, s, slot, num_slots, stride_rs, stride_rt, R_MAX):
-        """Slot `slot`'s rank in slice s if some token of the step uses it, else 0 (also past the last slot)."""
+        """Slot `slot`'s rank in slice s if some token of the step uses it, else 0 (also past the last slot); `slot`
+        may be a tensor of slots."""
         valid = slot < num_slots
         used = tl.load(meta_ptr + len_off + slot, mask=valid, other=0) > 0  # TokenGroups part 3: slot_len
         rank = tl.load(ranks_ptr + s * stride_rs + slot * stride_rt, mask=valid, other=0)
@@ -31,13 +32,13 @@ if triton is not None:
         num_tokens, len_off, R_MAX, num_slots,
         stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_bn, stride_rs, stride_rt,
         NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, ADD_INPUTS: tl.constexpr, BLOCK_T: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, B_RANK_MAJOR: tl.constexpr, ALIGNED: tl.constexpr,
-        FP32_DOT: tl.constexpr, FP8: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP: tl.constexpr, B_RANK_MAJOR: tl.constexpr,
+        ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr,
     ):  # fmt: skip
         """y[t, off_s + n] (+)= sum_{r < rank[s, slot[t]]} sum_ks buf[ks, s, t, r] * B_s[slot[t], n, r]
         * (fp8: scale_s[slot[t], n]); slot[t] >= 0, rank <= BLOCK_R. Program = one column block of one slice, all
-        T <= BLOCK_T tokens; it goes over the slots one dot each, reading only the B rows of slots that some token
-        uses, below their rank; each token's shrink result takes part in its own slot's dot only."""
+        T <= BLOCK_T tokens; it goes over the slots GROUP per dot, reading only the B rows of slots that some token
+        uses, below their rank; each token's shrink result takes part in its own slot's K rows only. FP8: GROUP 1."""
         pid_n = tl.program_id(0)
         s = _slice_index(pid_n, b_table_ptr, NUM_SLICES)
         tab = b_table_ptr + s * 8
@@ -51,7 +52,6 @@ if triton is not None:
         offs_n = (pid_n - first) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < n_s
         offs_r = tl.arange(0, BLOCK_R)
-        nxt = _live_rank(meta_ptr, len_off, ranks_ptr, s, 0, num_slots, stride_rs, stride_rt, R_MAX)
         y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + (y_off + offs_n)[None, :] * stride_yn
         if ADD_INPUTS:
             y_in = tl.load(y_ptrs, mask=mask_t[:, None] & mask_n[None, :], other=0.0)
@@ -61,18 +61,23 @@ if triton is not None:
         # Each token's own shrink result [BT, BR], summed over the K splits once.
         bt = _split_sum(buf_ptr + s * stride_bs + rows[:, None].to(tl.int64) * stride_bm + offs_r[None, :],
                         (offs_r[None, :] < tok_rank[:, None]), stride_bk, SPLIT_K)
-        b_rows = b_ptr + offs_r[:, None] * stride_r + offs_n[None, :] * stride_bn  # [BR, BN] of slot 0
+        # GROUP slots per dot: K row k is rank row k % BLOCK_R of slot s0 + k // BLOCK_R
+        offs_k = tl.arange(0, GROUP * BLOCK_R)
+        kg, kr = offs_k // BLOCK_R, offs_k % BLOCK_R
+        b_rows = b_ptr + kg[:, None] * stride_b0 + kr[:, None] * stride_r + offs_n[None, :] * stride_bn  # [KB, BN]
+        nxt = _live_rank(meta_ptr, len_off, ranks_ptr, s, kg, num_slots, stride_rs, stride_rt, R_MAX)
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        for slot in range(0, num_slots):
-            rank = nxt  # loaded one slot ahead: the B load below waits on nothing of this iteration
-            nxt = _live_rank(meta_ptr, len_off, ranks_ptr, s, slot + 1, num_slots, stride_rs, stride_rt, R_MAX)
-            wt = tl.load(b_rows + slot * stride_b0, mask=(offs_r < rank)[:, None] & mask_n[None, :],
-                         other=0)
-            part = _expand_dot(tl.where((tok_slot == slot)[:, None], bt, 0.0), wt, y_ptr.dtype.element_ty,
-                               FP32_DOT, FP8, False)
-            if FP8:  # per output row of B (an idle slot's scales are not read); 256 undoes _e4m3_as_f16's 2^-8
-                live_n = mask_n & (tl.zeros_like(offs_n) < rank)
-                sc = tl.load(sc_base + slot * sc_stride + offs_n, mask=live_n, other=0.0)
+        for s0 in range(0, num_slots, GROUP):
+            rank = nxt  # loaded one group ahead: the B load below waits on nothing of this iteration
+            nxt = _live_rank(meta_ptr, len_off, ranks_ptr, s, s0 + GROUP + kg, num_slots, stride_rs, stride_rt, R_MAX)
+            wt = tl.load(b_rows + s0 * stride_b0, mask=(kr < rank)[:, None] & mask_n[None, :], other=0)
+            mine = tok_slot[:, None, None] == (s0 + tl.arange(0, GROUP))[None, :, None]  # [BT, GROUP, 1]
+            p = tl.reshape(tl.where(mine, bt[:, None, :], 0.0), (BLOCK_T, GROUP * BLOCK_R))
+            part = _expand_dot(p, wt, y_ptr.dtype.element_ty, FP32_DOT, FP8, False)
+            if FP8:  # per output row of B of slot s0 (GROUP == 1; an idle slot's scales are not read); 256 undoes
+                # _e4m3_as_f16's 2^-8
+                live_n = mask_n & (tl.zeros_like(offs_n) < tl.max(rank, axis=0))
+                sc = tl.load(sc_base + s0 * sc_stride + offs_n, mask=live_n, other=0.0)
                 part = part * (sc * 256.0)[None, :]
             acc += part
         out = acc.to(y_ptr.dtype.element_ty)

@@ -89,7 +89,7 @@ def max_blocks(num_tokens: int, num_slots: int, block_m: int) -> int:
 
 CONFIG_KEYS = ("fused", "epilogue", "cols", "run_m", "block_m", "shrink_block_k", "shrink_split_k", "shrink_block_r",
                "shrink_warps", "shrink_stages", "expand_block_n", "expand_n_iters", "expand_warps", "expand_stages",
-               "cols_block_n", "cols_warps", "cols_stages", "fused_block_k", "fused_block_n",
+               "cols_block_n", "cols_group", "cols_warps", "cols_stages", "fused_block_k", "fused_block_n",
                "fused_n_iters", "fused_warps", "fused_stages")
 
 
@@ -165,11 +165,12 @@ def use_cols(num_tokens: int, r_max: int) -> bool:
     return bool(CONFIG_OVERRIDES.get("cols", 0)) and 0 < num_tokens <= 64 and r_max <= 64
 
 
-def _cols_config(num_tokens: int, n_total: int, r_max: int) -> dict[str, int]:
-    # At least ~128 programs (4096 columns: 32 wide)
-    return dict(block_t=max(16, triton.next_power_of_2(num_tokens)), block_r=_block_r(r_max),
+def _cols_config(num_tokens: int, n_total: int, r_max: int, fp8: bool) -> dict[str, int]:
+    block_r = _block_r(r_max)  # dots of K = 64 (4 slots of rank 16; fp8: 1 slot), >= ~128 programs (4096 columns: 32)
+    return dict(block_t=max(16, triton.next_power_of_2(num_tokens)), block_r=block_r,
                 block_n=CONFIG_OVERRIDES.get("cols_block_n", 64 if n_total >= 8192 else 32),
-                num_warps=CONFIG_OVERRIDES.get("cols_warps", 4), num_stages=CONFIG_OVERRIDES.get("cols_stages", 3))
+                group=1 if fp8 else CONFIG_OVERRIDES.get("cols_group", max(1, 64 // block_r)),
+                num_warps=CONFIG_OVERRIDES.get("cols_warps", 4), num_stages=CONFIG_OVERRIDES.get("cols_stages", 4))
 
 
 def _expand_config(n_max: int, num_tokens: int) -> dict[str, int]:
@@ -281,13 +282,13 @@ def _launch_cols(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tens
                  b_scales: Sequence[torch.Tensor] | None) -> None:
     """_launch_expand as kernels.lora_cols (use_cols): program = one column block of one slice."""
     fp8, b0, t, s = lora_b[0].dtype == torch.float8_e4m3fn, _raw(lora_b[0]), info.num_tokens, info.num_slots
-    cfg = _cols_config(t, sum(b.size(1) for b in lora_b), b0.size(-1))
+    cfg = _cols_config(t, sum(b.size(1) for b in lora_b), b0.size(-1), fp8)
     table, groups, aligned, rank_major = _b_table(lora_b, offsets, b_scales, cfg["block_n"], y.device)
     _lora_expand_cols_kernel[(groups,)](
         y, buf, table, b0, r, info.meta, t, 2 * t + s, b0.size(-1), s,
         y.stride(0), y.stride(1), buf.stride(0), buf.stride(1), buf.stride(2), b0.stride(1), r.stride(0), r.stride(1),
         NUM_SLICES=len(lora_b), SPLIT_K=buf.size(0), ADD_INPUTS=bool(add_inputs), BLOCK_T=cfg["block_t"],
-        BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r"], B_RANK_MAJOR=rank_major, ALIGNED=aligned,
+        BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r"], GROUP=cfg["group"], B_RANK_MAJOR=rank_major, ALIGNED=aligned,
         FP32_DOT=interpreting() or b0.dtype == torch.float32 or (fp8 and y.dtype == torch.float32), FP8=fp8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip

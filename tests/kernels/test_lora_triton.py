@@ -218,10 +218,12 @@ def test_no_lora_step_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize("num_tokens", [36, 65], ids=["cols", "too-many-tokens-for-cols"])
-def test_column_expand_takes_small_steps_only(monkeypatch: pytest.MonkeyPatch, num_tokens: int) -> None:
+@pytest.mark.parametrize(("num_tokens", "r_max"), [(36, 64), (36, 16), (65, 64)],
+                         ids=["cols", "cols-4-slots-per-dot", "too-many-tokens-for-cols"])
+def test_column_expand_takes_small_steps_only(monkeypatch: pytest.MonkeyPatch, num_tokens: int, r_max: int) -> None:
     """With cols=1 a step of <= 64 tokens expands through the column kernel alone (the split expand would raise),
-    bit for bit as the split expand; a larger step keeps the split expand (the column kernel would raise)."""
+    bit for bit as the split expand; a larger step keeps the split expand (the column kernel would raise). Rank 16
+    puts 4 slots in each dot, the last dot holding one of the 5 slots."""
     from kernels import lora_triton
 
     class _Boom:
@@ -229,7 +231,8 @@ def test_column_expand_takes_small_steps_only(monkeypatch: pytest.MonkeyPatch, n
             raise AssertionError("the wrong expand kernel was launched")
 
     assert DEV is not None
-    p = _problem(7, [48, 16, 24], torch.bfloat16, num_tokens=num_tokens)
+    p = _problem(7, [48, 16, 24], torch.bfloat16, num_tokens=num_tokens, r_max=r_max)
+    p["ranks"] = [[min(r, r_max) for r in row] for row in p["ranks"]]
     d, info, rt = _to(p, DEV), group_tokens(p["slots"].tolist(), p["num_slots"], device=DEV), _ranks(p["ranks"], DEV)
     monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "cols", 0)
     split = lora_triton.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt)
