@@ -5,9 +5,9 @@ takes it where it applies (use_cols: <= 64 tokens, ranks <= 64) and sizes its la
 
 Why: the split expand gives a decode program one token of one adapter (an 8 KB tile of B) behind a chain of
 dependent lookups (block -> slot -> rank -> token ids -> data), so its time is that chain times its waves, not
-its bytes. Here a program's B loads need only the loop counter and the slot's rank (zero for a slot no token uses),
-loaded one slot ahead. In each slot's dot the tokens of other slots take part with zero rows, so the sum over slots
-is exact: each token gets the same value as from the split expand.
+its bytes. Here a program's B loads need only the loop counter and the slots' ranks (zero for a slot no token uses),
+all loaded once before the loop, so they pipeline across its iterations. In each slot's rows of a dot the tokens of
+other slots take part with zeros, so the sum over slots is exact: each token gets the split expand's value.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ if triton is not None:
         num_tokens, len_off, R_MAX, num_slots,
         stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_bn, stride_rs, stride_rt,
         NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, ADD_INPUTS: tl.constexpr, BLOCK_T: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP: tl.constexpr, B_RANK_MAJOR: tl.constexpr,
-        ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr,
+        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP: tl.constexpr, S_PAD: tl.constexpr,
+        B_RANK_MAJOR: tl.constexpr, ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr,
     ):  # fmt: skip
         """y[t, off_s + n] (+)= sum_{r < rank[s, slot[t]]} sum_ks buf[ks, s, t, r] * B_s[slot[t], n, r]
         * (fp8: scale_s[slot[t], n]); slot[t] >= 0, rank <= BLOCK_R. Program = one column block of one slice, all
@@ -65,11 +65,13 @@ if triton is not None:
         offs_k = tl.arange(0, GROUP * BLOCK_R)
         kg, kr = offs_k // BLOCK_R, offs_k % BLOCK_R
         b_rows = b_ptr + kg[:, None] * stride_b0 + kr[:, None] * stride_r + offs_n[None, :] * stride_bn  # [KB, BN]
-        nxt = _live_rank(meta_ptr, len_off, ranks_ptr, s, kg, num_slots, stride_rs, stride_rt, R_MAX)
+        # Every slot's live rank, loaded once: the loop reads its group's from registers, so no B load waits on a
+        # lookup (an idle group's iteration costs only its dot) and the loads pipeline across iterations.
+        all_slots = tl.arange(0, S_PAD)
+        live = _live_rank(meta_ptr, len_off, ranks_ptr, s, all_slots, num_slots, stride_rs, stride_rt, R_MAX)
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         for s0 in range(0, num_slots, GROUP):
-            rank = nxt  # loaded one group ahead: the B load below waits on nothing of this iteration
-            nxt = _live_rank(meta_ptr, len_off, ranks_ptr, s, s0 + GROUP + kg, num_slots, stride_rs, stride_rt, R_MAX)
+            rank = tl.sum(tl.where((s0 + kg)[:, None] == all_slots[None, :], live[None, :], 0), axis=1)  # [KB]
             wt = tl.load(b_rows + s0 * stride_b0, mask=(kr < rank)[:, None] & mask_n[None, :], other=0)
             mine = tok_slot[:, None, None] == (s0 + tl.arange(0, GROUP))[None, :, None]  # [BT, GROUP, 1]
             p = tl.reshape(tl.where(mine, bt[:, None, :], 0.0), (BLOCK_T, GROUP * BLOCK_R))

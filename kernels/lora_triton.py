@@ -288,9 +288,9 @@ def _launch_cols(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tens
         y, buf, table, b0, r, info.meta, t, 2 * t + s, b0.size(-1), s,
         y.stride(0), y.stride(1), buf.stride(0), buf.stride(1), buf.stride(2), b0.stride(1), r.stride(0), r.stride(1),
         NUM_SLICES=len(lora_b), SPLIT_K=buf.size(0), ADD_INPUTS=bool(add_inputs), BLOCK_T=cfg["block_t"],
-        BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r"], GROUP=cfg["group"], B_RANK_MAJOR=rank_major, ALIGNED=aligned,
-        FP32_DOT=interpreting() or b0.dtype == torch.float32 or (fp8 and y.dtype == torch.float32), FP8=fp8,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r"], GROUP=cfg["group"], S_PAD=triton.next_power_of_2(s),
+        B_RANK_MAJOR=rank_major, ALIGNED=aligned, FP8=fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        FP32_DOT=interpreting() or b0.dtype == torch.float32 or (fp8 and y.dtype == torch.float32),
     )  # fmt: skip
 
 
