@@ -1,7 +1,7 @@
 """The column expand of batched multi-LoRA for small steps (decode): one program per column block of one slice,
 holding every token of the step, streams the B rows of all slots through one accumulator. kernels.lora_triton
-takes it where it applies (use_cols: <= 64 tokens, ranks <= 64) and sizes its launch; the shared conventions
-(TokenGroups meta, B table rows, rank masks, fp8 bytes) are kernels.lora_kernels'.
+takes it where it applies (use_cols: <= 64 tokens, ranks <= 64, no fp8) and sizes its launch; the shared conventions
+(TokenGroups meta, B table rows, rank masks) are kernels.lora_kernels'.
 
 Why: the split expand gives a decode program one token of one adapter (an 8 KB tile of B) behind a chain of
 dependent lookups (block -> slot -> rank -> token ids -> data), so its time is that chain times its waves, not
@@ -33,19 +33,16 @@ if triton is not None:
         stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_bn, stride_rs, stride_rt,
         NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, ADD_INPUTS: tl.constexpr, BLOCK_T: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP: tl.constexpr, S_PAD: tl.constexpr,
-        B_RANK_MAJOR: tl.constexpr, ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr,
+        B_RANK_MAJOR: tl.constexpr, ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr,
     ):  # fmt: skip
-        """y[t, off_s + n] (+)= sum_{r < rank[s, slot[t]]} sum_ks buf[ks, s, t, r] * B_s[slot[t], n, r]
-        * (fp8: scale_s[slot[t], n]); slot[t] >= 0, rank <= BLOCK_R. Program = one column block of one slice, all
+        """y[t, off_s + n] (+)= sum_{r < rank[s, slot[t]]} sum_ks buf[ks, s, t, r] * B_s[slot[t], n, r] for slot[t]
+        >= 0, rank <= BLOCK_R, B in a 16- or 32-bit float dtype. Program = one column block of one slice, all
         T <= BLOCK_T tokens; it goes over the slots GROUP per dot, reading only the B rows of slots that some token
-        uses, below their rank; each token's shrink result takes part in its own slot's K rows only. FP8: GROUP 1."""
+        uses, below their rank; each token's shrink result takes part in its own slot's K rows only."""
         pid_n = tl.program_id(0)
         s = _slice_index(pid_n, b_table_ptr, NUM_SLICES)
         tab = b_table_ptr + s * 8
         b_ptr, stride_b0, n_s, y_off, first, stride_r = _b_row(tab, b0_ptr, B_RANK_MAJOR, ALIGNED)
-        if FP8:
-            sc_base = tl.load(tab + 6).to(tl.pointer_type(tl.float32))
-            sc_stride = tl.load(tab + 7)
         rows = tl.arange(0, BLOCK_T)  # the step's tokens, in their own order
         mask_t = rows < num_tokens
         tok_slot = tl.load(meta_ptr + rows, mask=mask_t, other=-1)  # TokenGroups part 0: each token's slot
@@ -75,13 +72,7 @@ if triton is not None:
             wt = tl.load(b_rows + s0 * stride_b0, mask=(kr < rank)[:, None] & mask_n[None, :], other=0)
             mine = tok_slot[:, None, None] == (s0 + tl.arange(0, GROUP))[None, :, None]  # [BT, GROUP, 1]
             p = tl.reshape(tl.where(mine, bt[:, None, :], 0.0), (BLOCK_T, GROUP * BLOCK_R))
-            part = _expand_dot(p, wt, y_ptr.dtype.element_ty, FP32_DOT, FP8, False)
-            if FP8:  # per output row of B of slot s0 (GROUP == 1; an idle slot's scales are not read); 256 undoes
-                # _e4m3_as_f16's 2^-8
-                live_n = mask_n & (tl.zeros_like(offs_n) < tl.max(rank, axis=0))
-                sc = tl.load(sc_base + s0 * sc_stride + offs_n, mask=live_n, other=0.0)
-                part = part * (sc * 256.0)[None, :]
-            acc += part
+            acc += _expand_dot(p, wt, y_ptr.dtype.element_ty, FP32_DOT, False, False)
         out = acc.to(y_ptr.dtype.element_ty)
         if ADD_INPUTS:  # like torch's y += out.to(y.dtype): add in fp32, round once; a rank-0 add adds nothing
             out = (y_in.to(tl.float32) + out.to(tl.float32)).to(out.dtype)

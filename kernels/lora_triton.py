@@ -159,17 +159,17 @@ def _fused_config(k: int, n_max: int) -> dict[str, int]:
                 num_warps=CONFIG_OVERRIDES.get("fused_warps", 4), num_stages=CONFIG_OVERRIDES.get("fused_stages", 3))
 
 
-def use_cols(num_tokens: int, r_max: int) -> bool:
+def use_cols(num_tokens: int, r_max: int, fp8: bool) -> bool:
     """The expand as kernels.lora_cols (a program per column block streams every used slot's B for all tokens) for
-    steps of <= 64 tokens, ranks <= 64: XPULORA_LORA_CONFIG=cols=1 (docs/PERFORMANCE.md, 23rd session)."""
-    return bool(CONFIG_OVERRIDES.get("cols", 0)) and 0 < num_tokens <= 64 and r_max <= 64
+    steps of <= 64 tokens, ranks <= 64, B not fp8: XPULORA_LORA_CONFIG=cols=1 (docs/PERFORMANCE.md, 23rd session)."""
+    return bool(CONFIG_OVERRIDES.get("cols", 0)) and 0 < num_tokens <= 64 and r_max <= 64 and not fp8
 
 
-def _cols_config(num_tokens: int, n_total: int, r_max: int, fp8: bool) -> dict[str, int]:
-    block_r = _block_r(r_max)  # dots of K = 64 (4 slots of rank 16; fp8: 1 slot), >= ~128 programs (4096 columns: 32)
+def _cols_config(num_tokens: int, n_total: int, r_max: int) -> dict[str, int]:
+    block_r = _block_r(r_max)  # dots of K = 64 (4 slots of rank 16), >= ~128 programs (4096 columns: 32 wide)
     return dict(block_t=max(16, triton.next_power_of_2(num_tokens)), block_r=block_r,
                 block_n=CONFIG_OVERRIDES.get("cols_block_n", 64 if n_total >= 8192 else 32),
-                group=1 if fp8 else CONFIG_OVERRIDES.get("cols_group", max(1, 64 // block_r)),
+                group=CONFIG_OVERRIDES.get("cols_group", max(1, 64 // block_r)),
                 num_warps=CONFIG_OVERRIDES.get("cols_warps", 4), num_stages=CONFIG_OVERRIDES.get("cols_stages", 4))
 
 
@@ -258,8 +258,8 @@ def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Te
     """buf [split_k, n_slices, T, r_max] float32, summed over split_k in order inside the kernel."""
     fp8 = lora_b[0].dtype == torch.float8_e4m3fn
     b0 = _raw(lora_b[0])
-    if use_cols(y.size(0), b0.size(-1)):
-        _launch_cols(y, buf, lora_b, info, offsets, r, add_inputs, b_scales)
+    if use_cols(y.size(0), b0.size(-1), fp8):
+        _launch_cols(y, buf, lora_b, info, offsets, r, add_inputs)
         return
     cfg = _expand_config(max(b.size(1) for b in lora_b), y.size(0))
     block_n, n_iters = cfg["block_n"], cfg["n_iters"]
@@ -278,19 +278,18 @@ def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Te
 
 
 def _launch_cols(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: TokenGroups,
-                 offsets: Sequence[int], r: torch.Tensor, add_inputs: bool,
-                 b_scales: Sequence[torch.Tensor] | None) -> None:
-    """_launch_expand as kernels.lora_cols (use_cols): program = one column block of one slice."""
-    fp8, b0, t, s = lora_b[0].dtype == torch.float8_e4m3fn, _raw(lora_b[0]), info.num_tokens, info.num_slots
-    cfg = _cols_config(t, sum(b.size(1) for b in lora_b), b0.size(-1), fp8)
-    table, groups, aligned, rank_major = _b_table(lora_b, offsets, b_scales, cfg["block_n"], y.device)
+                 offsets: Sequence[int], r: torch.Tensor, add_inputs: bool) -> None:
+    """_launch_expand as kernels.lora_cols (use_cols: B not fp8): program = one column block of one slice."""
+    b0, t, s = lora_b[0], info.num_tokens, info.num_slots
+    cfg = _cols_config(t, sum(b.size(1) for b in lora_b), b0.size(-1))
+    table, groups, aligned, rank_major = _b_table(lora_b, offsets, None, cfg["block_n"], y.device)
     _lora_expand_cols_kernel[(groups,)](
         y, buf, table, b0, r, info.meta, t, 2 * t + s, b0.size(-1), s,
         y.stride(0), y.stride(1), buf.stride(0), buf.stride(1), buf.stride(2), b0.stride(1), r.stride(0), r.stride(1),
         NUM_SLICES=len(lora_b), SPLIT_K=buf.size(0), ADD_INPUTS=bool(add_inputs), BLOCK_T=cfg["block_t"],
         BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r"], GROUP=cfg["group"], S_PAD=triton.next_power_of_2(s),
-        B_RANK_MAJOR=rank_major, ALIGNED=aligned, FP8=fp8, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        FP32_DOT=interpreting() or b0.dtype == torch.float32 or (fp8 and y.dtype == torch.float32),
+        B_RANK_MAJOR=rank_major, ALIGNED=aligned, FP32_DOT=interpreting() or b0.dtype == torch.float32,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 
