@@ -7,7 +7,8 @@ Qwen3-8B wrapped layer, for Nsight Compute (issue 18: 32 rank-16 adapters at bat
 
 For each wrapped layer (qkv, o, gate_up, down) in the engine's buffer layout (benchmarks/bench_lora.Layer, bf16):
 the plain copy of the bytes the call must read (the bandwidth a streaming kernel gets on that size), then add_lora
-with the tokens dealt round-robin over each adapter count (default 32 and 1). Each case warms up, then runs once
+with the tokens dealt round-robin over each adapter count (default 32 and 1), once per expand variant (split, and
+the column expand of kernels.lora_cols). Each case warms up, then runs once
 between cudaProfilerStart and cudaProfilerStop; the cases, in order, are JSON lines on stderr. Every add_lora
 result is first compared with the torch reference (engine.lora.punica.ReferenceLoRABatch): exit 1 on a mismatch.
 `--quick --device cpu` (TRITON_INTERPRET=1): tiny shapes, float32, no profiler: the script's smoke test.
@@ -53,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny shapes in float32 (CPU smoke test)")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--adapters", type=int, nargs="*", default=[32, 1])
+    p.add_argument("--variants", nargs="+", default=["split", "cols"], choices=["split", "cols"],
+                   help="the expand: split, or the column expand (kernels.lora_cols)")
     a = p.parse_args(argv)
     dev = torch.device(a.device)
     dtype = torch.float32 if a.quick else torch.bfloat16
@@ -68,23 +71,24 @@ def main(argv: list[str] | None = None) -> int:
             ReferenceLoRABatch.build(slot_ids, adapters, dev).add_lora(
                 want, x, lay.a, lay.b, SlotRanks(lay.host, lay.ranks), lay.offsets)
             info = group_tokens(slot_ids, adapters, device=dev)
-            y = torch.zeros_like(want)
-            lora_triton.add_lora(y, x, lay.a, lay.b, info, lay.offsets, lay.ranks)
-            err, scale = (y.float() - want.float()).abs().max().item(), want.float().abs().max().item()
-            checked += 1
-            if not err <= (1e-4 if dtype == torch.float32 else 2e-2) * scale:
-                failures += 1
-                print(json.dumps({"mismatch": name, "adapters": adapters, "err": err, "scale": scale}),
-                      file=sys.stderr, flush=True)
-                continue
-            el = y.element_size()
             meta = dict(layer=name, K=k, N=n, tokens=a.tokens, adapters=adapters, rank=RANK,
-                        bytes=lay.bytes(adapters, a.tokens, el))
+                        bytes=lay.bytes(adapters, a.tokens, want.element_size()))
             src = torch.empty(meta["bytes"] // 2, dtype=torch.uint8, device=dev)  # read + written: the same bytes
             dst = torch.empty_like(src)
             profiled("copy", lambda d=dst, s=src: d.copy_(s), meta, dev)
-            profiled("add_lora", lambda y=y, x=x, lay=lay, info=info: lora_triton.add_lora(
-                y, x, lay.a, lay.b, info, lay.offsets, lay.ranks), meta, dev)
+            for variant in a.variants:
+                lora_triton.CONFIG_OVERRIDES["cols"] = int(variant == "cols")
+                y = torch.zeros_like(want)
+                lora_triton.add_lora(y, x, lay.a, lay.b, info, lay.offsets, lay.ranks)
+                err, scale = (y.float() - want.float()).abs().max().item(), want.float().abs().max().item()
+                checked += 1
+                if not err <= (1e-4 if dtype == torch.float32 else 2e-2) * scale:
+                    failures += 1
+                    print(json.dumps({"mismatch": name, "adapters": adapters, "variant": variant, "err": err,
+                                      "scale": scale}), file=sys.stderr, flush=True)
+                    continue
+                profiled("add_lora", lambda y=y, x=x, lay=lay, info=info: lora_triton.add_lora(
+                    y, x, lay.a, lay.b, info, lay.offsets, lay.ranks), {**meta, "variant": variant}, dev)
     print(json.dumps({"checked": checked, "failures": failures}), file=sys.stderr)
     return 1 if failures or not checked else 0
 

@@ -258,7 +258,8 @@ case "${1:-}" in
     grep -E '^\{' "$OUT/ncu_cases.txt" | tail -3; grep -c '"Duration"' "$OUT/ncu.csv"
     ;;
   ncu-lora)  # issue 18: Nsight Compute on add_lora's two launches per Qwen3-8B wrapped layer (32 tokens over 32 and
-             # over 1 rank-16 adapters, bf16), each beside a copy of the bytes it must read (benchmarks/ncu_lora.py)
+             # over 1 rank-16 adapters, bf16; split and column expand), each beside a copy of the bytes it must read
+             # (benchmarks/ncu_lora.py)
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     ncu_details "${2:-200}" \
       python3 benchmarks/ncu_lora.py > "$OUT/ncu_lora.csv" 2> "$OUT/ncu_lora_cases.txt"

@@ -539,6 +539,7 @@ def test_ncu_lora_script_checks_its_cases_on_cpu() -> None:
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
-    assert lines[-1] == {"checked": 8, "failures": 0}
-    cases = [(r["case"], r["layer"], r["adapters"]) for r in lines[:-1]]
-    assert cases == [(c, lay, n) for lay in ("qkv", "o", "gate_up", "down") for n in (4, 1) for c in ("copy", "add_lora")]
+    assert lines[-1] == {"checked": 16, "failures": 0}
+    cases = [(r["case"], r["layer"], r["adapters"], r.get("variant")) for r in lines[:-1]]
+    assert cases == [case for lay in ("qkv", "o", "gate_up", "down") for n in (4, 1)
+                     for case in [("copy", lay, n, None), ("add_lora", lay, n, "split"), ("add_lora", lay, n, "cols")]]
