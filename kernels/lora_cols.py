@@ -64,11 +64,13 @@ if triton is not None:
         b_rows = b_ptr + kg[:, None] * stride_b0 + kr[:, None] * stride_r + offs_n[None, :] * stride_bn  # [KB, BN]
         # Every slot's live rank, loaded once: the loop reads its group's from registers, so no B load waits on a
         # lookup (an idle group's iteration costs only its dot) and the loads pipeline across iterations.
-        all_slots = tl.arange(0, S_PAD)
-        live = _live_rank(meta_ptr, len_off, ranks_ptr, s, all_slots, num_slots, stride_rs, stride_rt, R_MAX)
+        groups = tl.arange(0, S_PAD // GROUP)  # [G]: slot group g holds slots g * GROUP ... (S_PAD >= GROUP)
+        slots2 = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        live = _live_rank(meta_ptr, len_off, ranks_ptr, s, slots2, num_slots, stride_rs, stride_rt, R_MAX)
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         for s0 in range(0, num_slots, GROUP):
-            rank = tl.sum(tl.where((s0 + kg)[:, None] == all_slots[None, :], live[None, :], 0), axis=1)  # [KB]
+            rank_g = tl.sum(tl.where((groups == s0 // GROUP)[:, None], live, 0), axis=0)  # [GROUP]
+            rank = tl.reshape(tl.broadcast_to(rank_g[:, None], (GROUP, BLOCK_R)), (GROUP * BLOCK_R,))  # [KB]
             wt = tl.load(b_rows + s0 * stride_b0, mask=(kr < rank)[:, None] & mask_n[None, :], other=0)
             mine = tok_slot[:, None, None] == (s0 + tl.arange(0, GROUP))[None, :, None]  # [BT, GROUP, 1]
             p = tl.reshape(tl.where(mine, bt[:, None, :], 0.0), (BLOCK_T, GROUP * BLOCK_R))

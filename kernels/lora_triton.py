@@ -165,11 +165,12 @@ def use_cols(num_tokens: int, r_max: int, fp8: bool) -> bool:
     return bool(CONFIG_OVERRIDES.get("cols", 0)) and 0 < num_tokens <= 64 and r_max <= 64 and not fp8
 
 
-def _cols_config(num_tokens: int, n_total: int, r_max: int) -> dict[str, int]:
+def _cols_config(num_tokens: int, num_slots: int, n_total: int, r_max: int) -> dict[str, int]:
     block_r = _block_r(r_max)  # dots of K = 64 (4 slots of rank 16), >= ~128 programs (4096 columns: 32 wide)
-    return dict(block_t=max(16, triton.next_power_of_2(num_tokens)), block_r=block_r,
+    group = CONFIG_OVERRIDES.get("cols_group", max(1, 64 // block_r))  # a power of 2
+    return dict(block_t=max(16, triton.next_power_of_2(num_tokens)), block_r=block_r, group=group,
+                s_pad=max(group, triton.next_power_of_2(num_slots)),
                 block_n=CONFIG_OVERRIDES.get("cols_block_n", 64 if n_total >= 8192 else 32),
-                group=CONFIG_OVERRIDES.get("cols_group", max(1, 64 // block_r)),
                 num_warps=CONFIG_OVERRIDES.get("cols_warps", 4), num_stages=CONFIG_OVERRIDES.get("cols_stages", 4))
 
 
@@ -281,13 +282,13 @@ def _launch_cols(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tens
                  offsets: Sequence[int], r: torch.Tensor, add_inputs: bool) -> None:
     """_launch_expand as kernels.lora_cols (use_cols: B not fp8): program = one column block of one slice."""
     b0, t, s = lora_b[0], info.num_tokens, info.num_slots
-    cfg = _cols_config(t, sum(b.size(1) for b in lora_b), b0.size(-1))
+    cfg = _cols_config(t, s, sum(b.size(1) for b in lora_b), b0.size(-1))
     table, groups, aligned, rank_major = _b_table(lora_b, offsets, None, cfg["block_n"], y.device)
     _lora_expand_cols_kernel[(groups,)](
         y, buf, table, b0, r, info.meta, t, 2 * t + s, b0.size(-1), s,
         y.stride(0), y.stride(1), buf.stride(0), buf.stride(1), buf.stride(2), b0.stride(1), r.stride(0), r.stride(1),
         NUM_SLICES=len(lora_b), SPLIT_K=buf.size(0), ADD_INPUTS=bool(add_inputs), BLOCK_T=cfg["block_t"],
-        BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r"], GROUP=cfg["group"], S_PAD=triton.next_power_of_2(s),
+        BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r"], GROUP=cfg["group"], S_PAD=cfg["s_pad"],
         B_RANK_MAJOR=rank_major, ALIGNED=aligned, FP32_DOT=interpreting() or b0.dtype == torch.float32,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip

@@ -218,12 +218,13 @@ def test_no_lora_step_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize(("num_tokens", "r_max"), [(36, 64), (36, 16), (65, 64)],
-                         ids=["cols", "cols-4-slots-per-dot", "too-many-tokens-for-cols"])
-def test_column_expand_takes_small_steps_only(monkeypatch: pytest.MonkeyPatch, num_tokens: int, r_max: int) -> None:
+@pytest.mark.parametrize(("num_tokens", "r_max", "num_slots"), [(36, 64, 5), (36, 16, 5), (36, 16, 2), (65, 64, 5)],
+                         ids=["cols", "cols-4-slots-per-dot", "cols-fewer-slots-than-a-dot", "too-many-tokens-for-cols"])
+def test_column_expand_takes_small_steps_only(monkeypatch: pytest.MonkeyPatch, num_tokens: int, r_max: int,
+                                              num_slots: int) -> None:
     """With cols=1 a step of <= 64 tokens expands through the column kernel alone (the split expand would raise),
     bit for bit as the split expand; a larger step keeps the split expand (the column kernel would raise). Rank 16
-    puts 4 slots in each dot, the last dot holding one of the 5 slots."""
+    puts 4 slots in each dot: of 5 slots the last dot holds one, of 2 the only dot holds both."""
     from kernels import lora_triton
 
     class _Boom:
@@ -231,7 +232,7 @@ def test_column_expand_takes_small_steps_only(monkeypatch: pytest.MonkeyPatch, n
             raise AssertionError("the wrong expand kernel was launched")
 
     assert DEV is not None
-    p = _problem(7, [48, 16, 24], torch.bfloat16, num_tokens=num_tokens, r_max=r_max)
+    p = _problem(7, [48, 16, 24], torch.bfloat16, num_tokens=num_tokens, r_max=r_max, num_slots=num_slots)
     p["ranks"] = [[min(r, r_max) for r in row] for row in p["ranks"]]
     d, info, rt = _to(p, DEV), group_tokens(p["slots"].tolist(), p["num_slots"], device=DEV), _ranks(p["ranks"], DEV)
     monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "cols", 0)
