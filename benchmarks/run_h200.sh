@@ -36,7 +36,7 @@ ncu_details() {
 config_ab() {
   for mode in $2; do
     # shellcheck disable=SC2086  # E2E_BATCHES: one or more batch sizes, split into words on purpose
-    XPULORA_LORA_CONFIG=$1=$mode timeout "${E2E_TIMEOUT:-${EPI_TIMEOUT:-200}}" python3 benchmarks/bench_e2e.py \
+    XPULORA_LORA_CONFIG=$1=$mode timeout "${E2E_TIMEOUT:-200}" python3 benchmarks/bench_e2e.py \
       --layers 36 --batches ${E2E_BATCHES:-32} --adapters 0 32 --int4-kernel tuned --peer-cases "" --root /tmp/e2e36l \
       2>&1 | grep --line-buffered -E '^\{"case": "(decode|int4_dispatch)|Error' | sed "s/^/$1=$mode /" \
       | tee -a "$OUT/$1_ab.txt" | cut -c1-420

@@ -81,7 +81,7 @@ if triton is not None:
             touched = (tok_slot >= 0) & (tok_rank > 0)
         else:  # a replace writes its zeros, rank 0 included
             touched = tok_slot >= 0
-        tl.store(y_ptrs, out, mask=(touched & mask_t)[:, None] & mask_n[None, :])
+        tl.store(y_ptrs, out, mask=touched[:, None] & mask_n[None, :])  # rows past T have slot -1: untouched
 
 else:  # pragma: no cover - without triton the bindings refuse to launch (kernels.lora_triton._require_triton)
     _lora_expand_cols_kernel = None

@@ -89,6 +89,16 @@ def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return request.param
 
 
+class _Boom:
+    """Stands in for a kernel that must not launch: `kernel[grid]` raises."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def __getitem__(self, grid: object) -> None:
+        raise AssertionError(self.why)
+
+
 def _reference(p: dict, add_inputs: bool) -> torch.Tensor:
     y = p["y"].clone()
     for a, b, r, off in zip(p["a"], p["b"], p["ranks"], p["offsets"]):
@@ -199,14 +209,11 @@ def test_shrink_split_k_sums_in_order(monkeypatch: pytest.MonkeyPatch, block_k: 
 def test_no_lora_step_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     from kernels import lora_triton
 
-    class _Boom:
-        def __getitem__(self, grid: object) -> None:
-            raise AssertionError("a kernel was launched for a step without LoRA tokens")
-
     assert DEV is not None
     p = _to(_problem(1, [16, 8], torch.float32, num_tokens=30), DEV)
-    monkeypatch.setattr(lora_triton, "_lora_shrink_kernel", _Boom())
-    monkeypatch.setattr(lora_triton, "_lora_expand_kernel", _Boom())
+    boom = _Boom("a kernel was launched for a step without LoRA tokens")
+    monkeypatch.setattr(lora_triton, "_lora_shrink_kernel", boom)
+    monkeypatch.setattr(lora_triton, "_lora_expand_kernel", boom)
     info, rt = group_tokens([-1] * 30, p["num_slots"], device=DEV), _ranks(p["ranks"], DEV)
     assert info.has_lora is False
     y = p["y"].clone()
@@ -227,10 +234,6 @@ def test_column_expand_takes_small_steps_only(monkeypatch: pytest.MonkeyPatch, n
     puts 4 slots in each dot: of 5 slots the last dot holds one, of 2 the only dot holds both."""
     from kernels import lora_triton
 
-    class _Boom:
-        def __getitem__(self, grid: object) -> None:
-            raise AssertionError("the wrong expand kernel was launched")
-
     assert DEV is not None
     p = _problem(7, [48, 16, 24], torch.bfloat16, num_tokens=num_tokens, r_max=r_max, num_slots=num_slots)
     p["ranks"] = [[min(r, r_max) for r in row] for row in p["ranks"]]
@@ -239,7 +242,8 @@ def test_column_expand_takes_small_steps_only(monkeypatch: pytest.MonkeyPatch, n
     split = lora_triton.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt)
     monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "cols", 1)
     small = num_tokens <= 64
-    monkeypatch.setattr(lora_triton, "_lora_expand_kernel" if small else "_lora_expand_cols_kernel", _Boom())
+    monkeypatch.setattr(lora_triton, "_lora_expand_kernel" if small else "_lora_expand_cols_kernel",
+                        _Boom("the wrong expand kernel was launched"))
     out = lora_triton.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt)
     _assert_close(out, _reference(p, True), torch.bfloat16, f"{num_tokens} tokens")
     assert torch.equal(out, split), "each token takes its own slot's rows only: the same value as the split expand"
