@@ -225,18 +225,24 @@ def test_no_lora_step_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize(("num_tokens", "r_max", "num_slots"), [(36, 64, 5), (36, 16, 5), (36, 16, 2), (65, 64, 5)],
-                         ids=["cols", "cols-4-slots-per-dot", "cols-fewer-slots-than-a-dot", "too-many-tokens-for-cols"])
+@pytest.mark.parametrize(("num_tokens", "r_max", "num_slots", "used"),
+                         [(36, 64, 5, None), (36, 16, 5, None), (36, 16, 2, None), (36, 16, 40, [3, 17, 21, 38, 39]),
+                          (65, 64, 5, None)],
+                         ids=["cols", "cols-4-slots-per-dot", "cols-fewer-slots-than-a-dot", "cols-sparse-slots",
+                              "too-many-tokens-for-cols"])
 def test_column_expand_takes_small_steps_only(monkeypatch: pytest.MonkeyPatch, num_tokens: int, r_max: int,
-                                              num_slots: int) -> None:
+                                              num_slots: int, used: list[int] | None) -> None:
     """With cols=1 a step of <= 64 tokens expands through the column kernel alone (the split expand would raise),
     bit for bit as the split expand; a larger step keeps the split expand (the column kernel would raise). Rank 16
-    puts 4 slots in each dot: of 5 slots the last dot holds one, of 2 the only dot holds both."""
+    puts 4 used slots in each dot: of 5 the last dot holds one, of 2 the only dot holds both; 5 used slots spread
+    over 40 (some of rank 0 in a slice) share dots across the idle ones between them."""
     from kernels import lora_triton
 
     assert DEV is not None
     p = _problem(7, [48, 16, 24], torch.bfloat16, num_tokens=num_tokens, r_max=r_max, num_slots=num_slots)
     p["ranks"] = [[min(r, r_max) for r in row] for row in p["ranks"]]
+    if used is not None:  # the tokens' slots drawn from `used` and -1 only
+        p["slots"] = torch.tensor([([-1] + used)[i % (len(used) + 1)] for i in range(num_tokens)])
     d, info, rt = _to(p, DEV), group_tokens(p["slots"].tolist(), p["num_slots"], device=DEV), _ranks(p["ranks"], DEV)
     monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "cols", 0)
     split = lora_triton.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt)
