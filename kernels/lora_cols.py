@@ -58,27 +58,26 @@ if triton is not None:
         # Each token's own shrink result [BT, BR], summed over the K splits once.
         bt = _split_sum(buf_ptr + s * stride_bs + rows[:, None].to(tl.int64) * stride_bm + offs_r[None, :],
                         (offs_r[None, :] < tok_rank[:, None]), stride_bk, SPLIT_K)
-        # GROUP slots per dot: K row k is rank row k % BLOCK_R of the iteration's used slot k // BLOCK_R
+        # GROUP slots per dot: K row k is rank row k % BLOCK_R of slot s0 + k // BLOCK_R
         offs_k = tl.arange(0, GROUP * BLOCK_R)
-        kr = offs_k % BLOCK_R
-        b_rows = b_ptr + kr[:, None] * stride_r + offs_n[None, :] * stride_bn  # [KB, BN], slot 0's rows
-        # The used slots (some token, rank > 0 in this slice), compacted once: iteration i reads used slots
-        # i * GROUP ... from registers, so an idle slot costs nothing, no B load waits on a lookup and the loads
-        # pipeline across iterations.
-        all_slots = tl.arange(0, S_PAD)
-        live = _live_rank(meta_ptr, len_off, ranks_ptr, s, all_slots, num_slots, stride_rs, stride_rt, R_MAX)
-        used = (live > 0).to(tl.int32)
-        pos = tl.where(live > 0, tl.cumsum(used, axis=0) - 1, -1)  # [S_PAD]: place among the used slots
-        lane = tl.arange(0, GROUP)
+        kg, kr = offs_k // BLOCK_R, offs_k % BLOCK_R
+        b_rows = b_ptr + kg[:, None] * stride_b0 + kr[:, None] * stride_r + offs_n[None, :] * stride_bn  # [KB, BN]
+        # Every slot's live rank, loaded once as [groups, GROUP]; the loop visits only the groups that hold a live
+        # slot (the i-th such group: a scalar chosen in registers), so an idle group costs nothing and no B load
+        # waits on a lookup: the loads pipeline across iterations.
+        groups = tl.arange(0, S_PAD // GROUP)  # [G]: slot group g holds slots g * GROUP ... (S_PAD >= GROUP)
+        slots2 = groups[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+        live = _live_rank(meta_ptr, len_off, ranks_ptr, s, slots2, num_slots, stride_rs, stride_rt, R_MAX)
+        busy = (tl.max(live, axis=1) > 0).to(tl.int32)  # [G]
+        place = tl.where(busy > 0, tl.cumsum(busy, axis=0) - 1, -1)  # [G]: place among the busy groups
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        for i in range(0, tl.cdiv(tl.sum(used, axis=0), GROUP)):
-            sel = pos[:, None] == i * GROUP + lane[None, :]  # [S_PAD, GROUP]: at most one slot per lane
-            slot_g = tl.sum(tl.where(sel, all_slots[:, None] + 1, 0), axis=0) - 1  # [GROUP]; -1: lane past the last
-            rank_g = tl.sum(tl.where(sel, live[:, None], 0), axis=0)  # 0 on an empty lane
-            slot_k = tl.reshape(tl.broadcast_to(tl.maximum(slot_g, 0)[:, None], (GROUP, BLOCK_R)), (GROUP * BLOCK_R,))
+        for i in range(0, tl.sum(busy, axis=0)):
+            g = tl.sum(tl.where(place == i, groups, 0), axis=0)  # the i-th busy group
+            rank_g = tl.sum(tl.where((place == i)[:, None], live, 0), axis=0)  # [GROUP]
             rank = tl.reshape(tl.broadcast_to(rank_g[:, None], (GROUP, BLOCK_R)), (GROUP * BLOCK_R,))  # [KB]
-            wt = tl.load(b_rows + slot_k[:, None] * stride_b0, mask=(kr < rank)[:, None] & mask_n[None, :], other=0)
-            mine = tok_slot[:, None, None] == slot_g[None, :, None]  # [BT, GROUP, 1]; slot -1 tokens: rank 0 rows
+            s0 = g * GROUP
+            wt = tl.load(b_rows + s0 * stride_b0, mask=(kr < rank)[:, None] & mask_n[None, :], other=0)
+            mine = tok_slot[:, None, None] == (s0 + tl.arange(0, GROUP))[None, :, None]  # [BT, GROUP, 1]
             p = tl.reshape(tl.where(mine, bt[:, None, :], 0.0), (BLOCK_T, GROUP * BLOCK_R))
             acc += _expand_dot(p, wt, y_ptr.dtype.element_ty, FP32_DOT, False, False)
         out = acc.to(y_ptr.dtype.element_ty)
