@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     def run(t: int, n: int, ld: str, variant: str, peers: bool, emit: bool) -> tuple[float, float]:
         """(graph µs, byte µs) of one decoder layer's four wrapped layers (one line per layer when emit)."""
         lora_triton.CONFIG_OVERRIDES["fused"] = int(variant == "fused")
-        lora_triton.CONFIG_OVERRIDES["cols"] = int(variant == "cols")
+        lora_triton.CONFIG_OVERRIDES["cols"] = 64 if variant == "cols" else 0
         slot_ids = [i % n for i in range(t)]
         total = total_bytes = 0.0
         for kind in kinds:

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             dst = torch.empty_like(src)
             profiled("copy", lambda d=dst, s=src: d.copy_(s), meta, dev)
             for variant in a.variants:
-                lora_triton.CONFIG_OVERRIDES["cols"] = int(variant == "cols")
+                lora_triton.CONFIG_OVERRIDES["cols"] = 64 if variant == "cols" else 0
                 y = torch.zeros_like(want)
                 lora_triton.add_lora(y, x, lay.a, lay.b, info, lay.offsets, lay.ranks)
                 err, scale = (y.float() - want.float()).abs().max().item(), want.float().abs().max().item()

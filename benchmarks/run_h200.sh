@@ -232,14 +232,14 @@ case "${1:-}" in
     config_ab epilogue "${EPI_MODES:-0 1}"
     ;;
   cols23)  # issue 18: the column expand (kernels/lora_cols.py): its CUDA tests, the per-layer LoRA table (split vs
-           # cols, decode 32 and 64 tokens, 1 and 32 adapters, bf16), then 36-layer decode per ${COLS_MODES:-0 1}
+           # cols, decode 32 and 64 tokens, 1 and 32 adapters, bf16), then 36-layer decode per ${COLS_MODES:-0 32} (cols=N: steps of up to N tokens)
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_lora_triton.py -k "cols or column" \
       > "$OUT/cols_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/cols_tests.txt"; tail -3 "$OUT/cols_tests.txt"
     # shellcheck disable=SC2086  # COLS_TOKENS, COLS_DTYPES: lists, split into words on purpose
     timeout 160 python3 benchmarks/bench_lora.py --tokens ${COLS_TOKENS:-32 64} --adapters 1 32 --no-peers \
       --lora-dtypes ${COLS_DTYPES:-model} --variants split cols 2>&1 | grep --line-buffered -E '^\{|Error' | tee "$OUT/cols_lora.txt" | grep -E '"step"|Error'
-    config_ab cols "${COLS_MODES:-0 1}"
+    config_ab cols "${COLS_MODES:-0 32}"
     ;;
   steps18)  # issue 18: 36 layers, batch 1 and 32: no adapters with the int4 kernel auto, then with tuned also 32 adapters
             # (bf16 and fp8 storage); the 64-layer 27B-shaped hybrid at TP=1 (batch 1 and 32, graphs, tuned int4)

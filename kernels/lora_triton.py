@@ -106,10 +106,10 @@ def _env_overrides(text: str) -> dict[str, int]:
 
 CONFIG_OVERRIDES: dict[str, int] = _env_overrides(os.environ.get("XPULORA_LORA_CONFIG", ""))
 """Force a launch parameter (CONFIG_KEYS): fused (add_lora in one launch), epilogue (the expand inside an int4
-mma base GEMM's store, see use_epilogue), cols (the column expand, see use_cols), run_m (tokens of one slot per
-program: TokenGroups.block_m, set by engine.lora.token_groups.group_tokens), block_m (the token tile a program steps
-through its run in), the kernels' shrink_* / expand_* / cols_* / fused_* sizes. For tuning runs (benchmarks, or
-XPULORA_LORA_CONFIG in the environment); empty normally."""
+mma base GEMM's store, see use_epilogue), cols (the most tokens of a column expand, see use_cols), run_m (tokens of
+one slot per program: TokenGroups.block_m, set by engine.lora.token_groups.group_tokens), block_m (the token tile a
+program steps through its run in), the kernels' shrink_* / expand_* / cols_* / fused_* sizes. For tuning runs
+(benchmarks, or XPULORA_LORA_CONFIG in the environment); empty normally."""
 
 
 def _block_r(r_max: int) -> int:
@@ -152,8 +152,7 @@ def _fused_config(k: int, n_max: int) -> dict[str, int]:
     block_k = CONFIG_OVERRIDES.get("fused_block_k", 128 if k >= 128 else 16)
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     block_n = CONFIG_OVERRIDES.get("fused_block_n", 256 if n_max >= 256 else 64 if n_max >= 64 else 16)
-    # Columns per program: each program re-reads its slot's A (from the cache after the first), so few, wide
-    # column groups per slice.
+    # Few, wide column groups per slice: each program re-reads its slot's A (from the cache after the first).
     n_iters = CONFIG_OVERRIDES.get("fused_n_iters", max(1, min(8, triton.cdiv(n_max, block_n))))
     return dict(block_k=block_k, block_n=block_n, n_iters=n_iters,
                 num_warps=CONFIG_OVERRIDES.get("fused_warps", 4), num_stages=CONFIG_OVERRIDES.get("fused_stages", 3))
@@ -161,8 +160,12 @@ def _fused_config(k: int, n_max: int) -> dict[str, int]:
 
 def use_cols(num_tokens: int, r_max: int, fp8: bool) -> bool:
     """The expand as kernels.lora_cols (a program per column block streams every used slot's B for all tokens) for
-    steps of <= 64 tokens, ranks <= 64, B not fp8: XPULORA_LORA_CONFIG=cols=1 (docs/PERFORMANCE.md, 23rd session)."""
-    return bool(CONFIG_OVERRIDES.get("cols", 0)) and 0 < num_tokens <= 64 and r_max <= 64 and not fp8
+    steps of up to `cols` tokens (default 32, at most 64; 0: never), ranks <= 64, B not fp8: faster than the split
+    expand at 32 tokens for 1-32 adapters on an H100, a tie at 64 (docs/PERFORMANCE.md, twenty-fourth session)."""
+    limit = CONFIG_OVERRIDES.get("cols", 32)
+    if not 0 <= limit <= 64:
+        raise ValueError(f"XPULORA_LORA_CONFIG: cols is the most tokens of a column expand, 0..64; got {limit}")
+    return 0 < num_tokens <= limit and r_max <= 64 and not fp8
 
 
 def _cols_config(num_tokens: int, num_slots: int, n_total: int, r_max: int) -> dict[str, int]:
@@ -192,8 +195,7 @@ def nothing_to_do(info: TokenGroups) -> bool:
 
 def _meta_offsets(info: TokenGroups) -> tuple[int, int, int]:
     """(sorted_tokens offset, block arrays offset, num_blocks) inside info.meta."""
-    t, s = info.num_tokens, info.num_slots
-    return t, 2 * t + 2 * s, info.num_blocks
+    return info.num_tokens, 2 * info.num_tokens + 2 * info.num_slots, info.num_blocks
 
 
 def _launch_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGroups, r: torch.Tensor,
@@ -228,8 +230,8 @@ def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGrou
 
     x [T, K]; lora_a[s] [S, r_max, K] (same shape for every slice, last dim contiguous; fp8 e4m3 with
     a_scales[s] [S, r_max] float32, one scale per rank row) -> float32 [n_slices, T, r_max]. Entries not
-    computed (slot -1 rows, columns past a slot's rank) are zero, as in the reference. (add_lora skips this
-    function's zero fill and K-split sum: its expand reads the per-split partials directly.)
+    computed (slot -1 rows, columns past a slot's rank) are zero, as in the reference (add_lora skips the zero
+    fill and the K-split sum: its expand reads the partials).
     """
     _require_triton()
     check_shrink(x, lora_a, info, a_scales)
@@ -260,8 +262,7 @@ def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Te
     fp8 = lora_b[0].dtype == torch.float8_e4m3fn
     b0 = _raw(lora_b[0])
     if use_cols(y.size(0), b0.size(-1), fp8):
-        _launch_cols(y, buf, lora_b, info, offsets, r, add_inputs)
-        return
+        return _launch_cols(y, buf, lora_b, info, offsets, r, add_inputs)
     cfg = _expand_config(max(b.size(1) for b in lora_b), y.size(0))
     block_n, n_iters = cfg["block_n"], cfg["n_iters"]
     table, groups, aligned, rank_major = _b_table(lora_b, offsets, b_scales, block_n * n_iters, y.device)
@@ -357,14 +358,13 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], l
     n_slices, r_max = len(lora_a), lora_a[0].size(1)
     if lora_b[0].size(-1) != r_max:
         raise ValueError(f"add_lora: A rank dim {r_max} != B rank dim {lora_b[0].size(-1)}")
-    if use_fused(r_max):
-        check_expand(y, None, lora_b, info, offsets, b_scales)
-        r = check_ranks(ranks, n_slices, info.num_slots, x.device)
-        _launch_fused(y, x, lora_a, lora_b, info, offsets, r, add_inputs, a_scales, b_scales)
-        return y
-    check_expand(y, None, lora_b, info, offsets, b_scales)  # the buffer below is made to fit
+    check_expand(y, None, lora_b, info, offsets, b_scales)  # the shrink's buffer is made to fit
     r = check_ranks(ranks, n_slices, info.num_slots, x.device)
-    _launch_expand(y, _shrink_partials(x, lora_a, info, r, a_scales), lora_b, info, offsets, r, add_inputs, b_scales)
+    if use_fused(r_max):
+        _launch_fused(y, x, lora_a, lora_b, info, offsets, r, add_inputs, a_scales, b_scales)
+    else:
+        buf = _shrink_partials(x, lora_a, info, r, a_scales)
+        _launch_expand(y, buf, lora_b, info, offsets, r, add_inputs, b_scales)
     return y
 
 

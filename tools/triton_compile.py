@@ -160,7 +160,7 @@ def run_all() -> None:
         ranks = torch.full((3, slots_n), min(r_max, 70), dtype=torch.int32)
         y = torch.zeros(t, 384, dtype=torch.bfloat16)
         before = dict(lora_triton.CONFIG_OVERRIDES)
-        lora_triton.CONFIG_OVERRIDES.update(fused=int(mode == "fused"), cols=int(mode == "cols"))
+        lora_triton.CONFIG_OVERRIDES.update(fused=int(mode == "fused"), cols=64 if mode == "cols" else 0)
         try:
             lora_triton.add_lora(y, x, a, b, info, [0, 256, 320], ranks, True, sa, sb)
         finally:

@@ -85,7 +85,7 @@ def variant(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     from kernels import lora_triton
 
     monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "fused", int(request.param == "fused"))
-    monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "cols", int(request.param == "cols"))
+    monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "cols", 64 if request.param == "cols" else 0)
     return request.param
 
 
@@ -214,6 +214,7 @@ def test_no_lora_step_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     boom = _Boom("a kernel was launched for a step without LoRA tokens")
     monkeypatch.setattr(lora_triton, "_lora_shrink_kernel", boom)
     monkeypatch.setattr(lora_triton, "_lora_expand_kernel", boom)
+    monkeypatch.setattr(lora_triton, "_lora_expand_cols_kernel", boom)
     info, rt = group_tokens([-1] * 30, p["num_slots"], device=DEV), _ranks(p["ranks"], DEV)
     assert info.has_lora is False
     y = p["y"].clone()
@@ -232,7 +233,7 @@ def test_no_lora_step_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
                               "too-many-tokens-for-cols"])
 def test_column_expand_takes_small_steps_only(monkeypatch: pytest.MonkeyPatch, num_tokens: int, r_max: int,
                                               num_slots: int, used: list[int] | None) -> None:
-    """With cols=1 a step of <= 64 tokens expands through the column kernel alone (the split expand would raise),
+    """With cols=64 a step of <= 64 tokens expands through the column kernel alone (the split expand would raise),
     bit for bit as the split expand; a larger step keeps the split expand (the column kernel would raise). Rank 16
     puts 4 used slots in each dot: of 5 the last dot holds one, of 2 the only dot holds both; 5 used slots spread
     over 40 (some of rank 0 in a slice) share dots across the idle ones between them."""
@@ -242,11 +243,11 @@ def test_column_expand_takes_small_steps_only(monkeypatch: pytest.MonkeyPatch, n
     p = _problem(7, [48, 16, 24], torch.bfloat16, num_tokens=num_tokens, r_max=r_max, num_slots=num_slots)
     p["ranks"] = [[min(r, r_max) for r in row] for row in p["ranks"]]
     if used is not None:  # the tokens' slots drawn from `used` and -1 only
-        p["slots"] = torch.tensor([([-1] + used)[i % (len(used) + 1)] for i in range(num_tokens)])
+        p["slots"] = torch.tensor([[-1, *used][i % (len(used) + 1)] for i in range(num_tokens)])
     d, info, rt = _to(p, DEV), group_tokens(p["slots"].tolist(), p["num_slots"], device=DEV), _ranks(p["ranks"], DEV)
     monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "cols", 0)
     split = lora_triton.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt)
-    monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "cols", 1)
+    monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "cols", 64)
     small = num_tokens <= 64
     monkeypatch.setattr(lora_triton, "_lora_expand_kernel" if small else "_lora_expand_cols_kernel",
                         _Boom("the wrong expand kernel was launched"))
