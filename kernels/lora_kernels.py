@@ -1,5 +1,6 @@
-"""The Triton kernels of batched multi-LoRA (bindings, shape checks and launch sizes: kernels.lora_triton; the
-opt-in one-launch fused kernel: kernels.lora_fused).
+"""The split Triton kernels of batched multi-LoRA (bindings and shape checks: kernels.lora_triton; launch sizes:
+kernels.lora_config; the column kernels for decode steps: kernels.lora_cols; the opt-in one-launch fused kernel:
+kernels.lora_fused).
 
 Each program reads its M-block's slot, true rank and token run from the step's TokenGroups meta tensor (see
 kernels.lora_triton) and touches only rank columns below the slot's rank; masked loads past it fetch

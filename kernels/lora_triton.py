@@ -23,24 +23,34 @@ r_max, output widths), so no launch needs a host sync and all of them can be cap
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kernels.lora_checks import check_expand, check_ranks, check_shrink
-from kernels.lora_cols import _lora_expand_cols_kernel
+from kernels.lora_cols import _lora_expand_cols_kernel, _lora_shrink_cols_kernel
+from kernels.lora_config import (
+    CONFIG_KEYS,
+    CONFIG_OVERRIDES,
+    block_m,
+    block_r,
+    cols_expand_config,
+    cols_shrink_config,
+    expand_config,
+    fused_config,
+    shrink_config,
+    use_cols,
+    use_epilogue,
+    use_fused,
+)
 from kernels.lora_fused import _lora_fused_kernel
 from kernels.lora_kernels import _lora_expand_kernel, _lora_shrink_kernel
 from kernels.lora_tables import _b_table, _ptr_table, _raw
 from kernels.triton_env import interpreting, triton
 
-__all__ = ["TokenGroups", "add_lora", "expand_partials", "lora_expand", "lora_shrink", "max_blocks",
-           "shrink_partials", "use_epilogue"]
-
-_BLOCK_R = 16  # rank chunk: tl.dot needs every dim >= 16; ranks below 16 run one masked chunk
-
+__all__ = ["CONFIG_KEYS", "CONFIG_OVERRIDES", "TokenGroups", "add_lora", "expand_partials", "lora_expand",
+           "lora_shrink", "max_blocks", "shrink_partials", "use_epilogue"]
 
 def _require_triton() -> None:
     if triton is None:
@@ -85,106 +95,6 @@ def max_blocks(num_tokens: int, num_slots: int, block_m: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------
-# launch configuration (sizes chosen by measurement on an H200; `CONFIG_OVERRIDES` is for tuning runs)
-
-CONFIG_KEYS = ("fused", "epilogue", "cols", "run_m", "block_m", "shrink_block_k", "shrink_split_k", "shrink_block_r",
-               "shrink_warps", "shrink_stages", "expand_block_n", "expand_n_iters", "expand_warps", "expand_stages",
-               "cols_block_n", "cols_group", "cols_warps", "cols_stages", "fused_block_k", "fused_block_n",
-               "fused_n_iters", "fused_warps", "fused_stages")
-
-
-def _env_overrides(text: str) -> dict[str, int]:
-    """XPULORA_LORA_CONFIG="fused=1,expand_n_iters=4" -> {"fused": 1, "expand_n_iters": 4} (tuning runs)."""
-    out: dict[str, int] = {}
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        key, _, val = item.partition("=")
-        if key not in CONFIG_KEYS or not val.lstrip("-").isdigit():
-            raise ValueError(f"XPULORA_LORA_CONFIG: {item!r} is not KEY=INT with KEY one of {', '.join(CONFIG_KEYS)}")
-        out[key] = int(val)
-    return out
-
-
-CONFIG_OVERRIDES: dict[str, int] = _env_overrides(os.environ.get("XPULORA_LORA_CONFIG", ""))
-"""Force a launch parameter (CONFIG_KEYS): fused (add_lora in one launch), epilogue (the expand inside an int4
-mma base GEMM's store, see use_epilogue), cols (the most tokens of a column expand, see use_cols), run_m (tokens of
-one slot per program: TokenGroups.block_m, set by engine.lora.token_groups.group_tokens), block_m (the token tile a
-program steps through its run in), the kernels' shrink_* / expand_* / cols_* / fused_* sizes. For tuning runs
-(benchmarks, or XPULORA_LORA_CONFIG in the environment); empty normally."""
-
-
-def _block_r(r_max: int) -> int:
-    # One rank chunk covers every rank up to 64 (masked past the slot's true rank: no padding is read); tl.dot
-    # needs every dim >= 16.
-    return CONFIG_OVERRIDES.get("shrink_block_r", min(64, max(_BLOCK_R, triton.next_power_of_2(r_max))))
-
-
-def _block_m(info: TokenGroups) -> int:
-    return min(CONFIG_OVERRIDES.get("block_m", 16), info.block_m)
-
-
-def _shrink_config(k: int, r_max: int = _BLOCK_R) -> dict[str, int]:
-    # Split K so that each program runs ~4-6 K steps (an H200 sweep: 4096 -> 8 splits, 12288 -> 16), deterministic
-    # because the expand sums the splits' partials in a fixed order.
-    block_k = CONFIG_OVERRIDES.get("shrink_block_k", 128 if k >= 128 else 16)
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    iters = triton.cdiv(k, block_k)
-    split = CONFIG_OVERRIDES.get("shrink_split_k", max(1, min(16, iters // 4)))
-    split = max(1, min(split, iters))
-    return dict(block_k=block_k, split_k=split, k_per_split=triton.cdiv(iters, split) * block_k,
-                block_r=_block_r(r_max),
-                num_warps=CONFIG_OVERRIDES.get("shrink_warps", 4), num_stages=CONFIG_OVERRIDES.get("shrink_stages", 3))
-
-
-def use_epilogue() -> bool:
-    """Whether wrapped layers whose base GEMM can take it (kernels.int4_mma.LoRAEpilogue) fuse the expand into that
-    GEMM's store instead of launching it (the shrink still runs first): opt-in (XPULORA_LORA_CONFIG=epilogue=1), as
-    neither triton_mma's nor cuda_mma's is faster in decode (docs/PERFORMANCE.md, 11th and 22nd sessions)."""
-    return bool(CONFIG_OVERRIDES.get("epilogue", 0))
-
-
-def use_fused(r_max: int) -> bool:
-    """add_lora in one launch (each program computes its tokens' whole shrink, then expands its columns) instead
-    of two (a K-split shrink, then the expand); ranks up to 64 only (one rank chunk held in registers)."""
-    return bool(CONFIG_OVERRIDES.get("fused", 0)) and r_max <= 64
-
-
-def _fused_config(k: int, n_max: int) -> dict[str, int]:
-    block_k = CONFIG_OVERRIDES.get("fused_block_k", 128 if k >= 128 else 16)
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
-    block_n = CONFIG_OVERRIDES.get("fused_block_n", 256 if n_max >= 256 else 64 if n_max >= 64 else 16)
-    # Few, wide column groups per slice: each program re-reads its slot's A (from the cache after the first).
-    n_iters = CONFIG_OVERRIDES.get("fused_n_iters", max(1, min(8, triton.cdiv(n_max, block_n))))
-    return dict(block_k=block_k, block_n=block_n, n_iters=n_iters,
-                num_warps=CONFIG_OVERRIDES.get("fused_warps", 4), num_stages=CONFIG_OVERRIDES.get("fused_stages", 3))
-
-
-def use_cols(num_tokens: int, r_max: int, fp8: bool) -> bool:
-    """The expand as kernels.lora_cols (a program per column block streams every used slot's B for all tokens) for
-    steps of up to `cols` tokens (default 32, at most 64; 0: never), ranks <= 64, B not fp8: faster than the split
-    expand at 32 tokens for 1-32 adapters on an H100, a tie at 64 (docs/PERFORMANCE.md, twenty-fourth session)."""
-    limit = CONFIG_OVERRIDES.get("cols", 32)
-    if not 0 <= limit <= 64:
-        raise ValueError(f"XPULORA_LORA_CONFIG: cols is the most tokens of a column expand, 0..64; got {limit}")
-    return 0 < num_tokens <= limit and r_max <= 64 and not fp8
-
-
-def _cols_config(num_tokens: int, num_slots: int, n_total: int, r_max: int) -> dict[str, int]:
-    block_r = _block_r(r_max)  # dots of K = 64 (4 slots of rank 16), >= ~128 programs (4096 columns: 32 wide)
-    group = CONFIG_OVERRIDES.get("cols_group", max(1, 64 // block_r))  # a power of 2
-    return dict(block_t=max(16, triton.next_power_of_2(num_tokens)), block_r=block_r, group=group,
-                s_pad=max(group, triton.next_power_of_2(num_slots)),
-                block_n=CONFIG_OVERRIDES.get("cols_block_n", 64 if n_total >= 8192 else 32),
-                num_warps=CONFIG_OVERRIDES.get("cols_warps", 4), num_stages=CONFIG_OVERRIDES.get("cols_stages", 4))
-
-
-def _expand_config(n_max: int, num_tokens: int) -> dict[str, int]:
-    block_n = CONFIG_OVERRIDES.get("expand_block_n", 256 if n_max >= 256 else 64 if n_max >= 64 else 16)
-    n_iters = CONFIG_OVERRIDES.get("expand_n_iters", 1 if num_tokens <= 256 else 2)
-    return dict(block_n=block_n, n_iters=n_iters,
-                num_warps=CONFIG_OVERRIDES.get("expand_warps", 4), num_stages=CONFIG_OVERRIDES.get("expand_stages", 2))
-
-
-# ----------------------------------------------------------------------------------------------------
 # bindings
 
 
@@ -206,6 +116,8 @@ def _launch_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenG
     num_slots, r_max, k = a0.shape
     scales = a_scales if a_scales is not None else lora_a
     table = _ptr_table([[a.data_ptr(), sc.data_ptr()] for a, sc in zip(lora_a, scales)], x.device)
+    if use_cols(x.size(0), r_max, fp8, "cols_shrink"):
+        return _launch_shrink_cols(x, lora_a, info, r, buf, table, cfg)
     num_rb = triton.cdiv(r_max, cfg["block_r"])
     sorted_off, blocks_off, nb = _meta_offsets(info)
     grid = (nb, len(lora_a) * num_rb, cfg["split_k"])
@@ -216,9 +128,28 @@ def _launch_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenG
         k, cfg["k_per_split"], r_max, num_slots,
         x.stride(0), x.stride(1), a0.stride(0), a0.stride(1), s0.stride(0), s0.stride(1),
         buf.stride(0), buf.stride(1), buf.stride(2), r.stride(0), r.stride(1),
-        NUM_RB=num_rb, BLOCK_M=_block_m(info), BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
+        NUM_RB=num_rb, BLOCK_M=block_m(info.block_m), BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
         EVEN_K=k % cfg["block_k"] == 0, ALIGNED=all(a.data_ptr() % 16 == 0 for a in lora_a),
         FP32_DOT=interpreting() or x.dtype == torch.float32 or (not fp8 and x.dtype != a0.dtype), FP8=fp8,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+
+
+def _launch_shrink_cols(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGroups, r: torch.Tensor,
+                        buf: torch.Tensor, table: torch.Tensor, shrink_cfg: dict[str, int]) -> None:
+    """_launch_shrink as kernels.lora_cols' column shrink (A not fp8): program = (slice, K split, every programs-th
+    busy slot group), the split shrink's K split."""
+    a0, t, s = lora_a[0], info.num_tokens, info.num_slots
+    block_k, split_k = shrink_cfg["block_k"], shrink_cfg["split_k"]
+    cfg = cols_shrink_config(t, s, a0.size(1), len(lora_a), split_k)
+    _lora_shrink_cols_kernel[(len(lora_a), split_k, cfg["programs"])](
+        x, table, a0, buf, r, info.meta,
+        t, 2 * t + s, a0.size(2), shrink_cfg["k_per_split"], a0.size(1), s, cfg["programs"],
+        x.stride(0), x.stride(1), a0.stride(0), a0.stride(1),
+        buf.stride(0), buf.stride(1), buf.stride(2), r.stride(0), r.stride(1),
+        BLOCK_T=cfg["block_t"], BLOCK_R=cfg["block_r"], BLOCK_K=block_k, GROUP=cfg["group"], S_PAD=cfg["s_pad"],
+        EVEN_K=a0.size(2) % block_k == 0, ALIGNED=all(a.data_ptr() % 16 == 0 for a in lora_a),
+        FP32_DOT=interpreting() or x.dtype == torch.float32 or x.dtype != a0.dtype,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
@@ -245,7 +176,7 @@ def lora_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGrou
         out.zero_()
     if nothing_to_do(info) or r_max == 0:
         return out
-    cfg = _shrink_config(k, r_max)
+    cfg = shrink_config(k, r_max)
     if cfg["split_k"] == 1:
         _launch_shrink(x, lora_a, info, r, out.unsqueeze(0), cfg, a_scales)
     else:
@@ -263,7 +194,7 @@ def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Te
     b0 = _raw(lora_b[0])
     if use_cols(y.size(0), b0.size(-1), fp8):
         return _launch_cols(y, buf, lora_b, info, offsets, r, add_inputs)
-    cfg = _expand_config(max(b.size(1) for b in lora_b), y.size(0))
+    cfg = expand_config(max(b.size(1) for b in lora_b), y.size(0))
     block_n, n_iters = cfg["block_n"], cfg["n_iters"]
     table, groups, aligned, rank_major = _b_table(lora_b, offsets, b_scales, block_n * n_iters, y.device)
     sorted_off, blocks_off, nb = _meta_offsets(info)
@@ -272,10 +203,10 @@ def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Te
         sorted_off, blocks_off, nb, info.block_m,
         b0.size(-1), b0.size(0),
         y.stride(0), y.stride(1), buf.stride(0), buf.stride(1), buf.stride(2), b0.stride(1), r.stride(0), r.stride(1),
-        NUM_SLICES=len(lora_b), SPLIT_K=buf.size(0), ADD_INPUTS=bool(add_inputs), BLOCK_M=_block_m(info),
-        BLOCK_N=block_n, N_ITERS=n_iters, BLOCK_R=_block_r(b0.size(-1)), B_RANK_MAJOR=rank_major, ALIGNED=aligned,
+        NUM_SLICES=len(lora_b), SPLIT_K=buf.size(0), ADD_INPUTS=bool(add_inputs), BLOCK_M=block_m(info.block_m),
+        BLOCK_N=block_n, N_ITERS=n_iters, BLOCK_R=block_r(b0.size(-1)), B_RANK_MAJOR=rank_major, ALIGNED=aligned,
         FP32_DOT=interpreting() or b0.dtype == torch.float32 or (fp8 and y.dtype == torch.float32), FP8=fp8,
-        ONE_CHUNK=_block_r(b0.size(-1)) >= b0.size(-1), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        ONE_CHUNK=block_r(b0.size(-1)) >= b0.size(-1), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 
 
@@ -283,7 +214,7 @@ def _launch_cols(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tens
                  offsets: Sequence[int], r: torch.Tensor, add_inputs: bool) -> None:
     """_launch_expand as kernels.lora_cols (use_cols: B not fp8): program = one column block of one slice."""
     b0, t, s = lora_b[0], info.num_tokens, info.num_slots
-    cfg = _cols_config(t, s, sum(b.size(1) for b in lora_b), b0.size(-1))
+    cfg = cols_expand_config(t, s, sum(b.size(1) for b in lora_b), b0.size(-1))
     table, groups, aligned, rank_major = _b_table(lora_b, offsets, None, cfg["block_n"], y.device)
     _lora_expand_cols_kernel[(groups,)](
         y, buf, table, b0, r, info.meta, t, 2 * t + s, b0.size(-1), s,
@@ -302,7 +233,7 @@ def _launch_fused(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tenso
     fp8 = lora_a[0].dtype == torch.float8_e4m3fn
     a0, b0 = _raw(lora_a[0]), _raw(lora_b[0])
     num_slots, r_max, k = a0.shape
-    cfg = _fused_config(k, max(b.size(1) for b in lora_b))
+    cfg = fused_config(k, max(b.size(1) for b in lora_b))
     sc_a = a_scales if a_scales is not None else lora_a
     a_table = _ptr_table([[a.data_ptr(), sc.data_ptr()] for a, sc in zip(lora_a, sc_a)], x.device)
     b_table, groups, aligned, rank_major = _b_table(lora_b, offsets, b_scales, cfg["block_n"] * cfg["n_iters"],
@@ -315,8 +246,8 @@ def _launch_fused(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tenso
         k, r_max, num_slots,
         x.stride(0), x.stride(1), a0.stride(0), a0.stride(1), s0.stride(0), s0.stride(1),
         y.stride(0), y.stride(1), b0.stride(1), r.stride(0), r.stride(1),
-        NUM_SLICES=len(lora_b), ADD_INPUTS=bool(add_inputs), BLOCK_M=_block_m(info), BLOCK_N=cfg["block_n"],
-        N_ITERS=cfg["n_iters"], BLOCK_R=_block_r(r_max), BLOCK_K=cfg["block_k"], EVEN_K=k % cfg["block_k"] == 0,
+        NUM_SLICES=len(lora_b), ADD_INPUTS=bool(add_inputs), BLOCK_M=block_m(info.block_m), BLOCK_N=cfg["block_n"],
+        N_ITERS=cfg["n_iters"], BLOCK_R=block_r(r_max), BLOCK_K=cfg["block_k"], EVEN_K=k % cfg["block_k"] == 0,
         B_RANK_MAJOR=rank_major, ALIGNED=aligned and all(a.data_ptr() % 16 == 0 for a in lora_a),
         FP32_DOT=interpreting() or x.dtype == torch.float32 or (not fp8 and (x.dtype != a0.dtype or
                                                                             b0.dtype == torch.float32)),
@@ -372,7 +303,7 @@ def _shrink_partials(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: Toke
                      a_scales: Sequence[torch.Tensor] | None) -> torch.Tensor:
     """shrink_partials on checked inputs (r: check_ranks' view)."""
     _, r_max, k = lora_a[0].shape
-    cfg = _shrink_config(k, r_max)
+    cfg = shrink_config(k, r_max)
     buf = torch.empty(cfg["split_k"], len(lora_a), x.size(0), r_max, dtype=torch.float32, device=x.device)
     _launch_shrink(x, lora_a, info, r, buf, cfg, a_scales)
     return buf
