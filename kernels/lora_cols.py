@@ -151,4 +151,4 @@ if triton is not None:
         tl.store(y_ptrs, out, mask=touched[:, None] & mask_n[None, :])  # rows past T have slot -1: untouched
 
 else:  # pragma: no cover - without triton the bindings refuse to launch (kernels.lora_triton._require_triton)
-    _lora_expand_cols_kernel = None
+    _lora_expand_cols_kernel = _lora_shrink_cols_kernel = None
