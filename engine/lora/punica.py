@@ -346,13 +346,14 @@ rounds the shrink result and the output once more than the reference (see tests/
 def choose_impl(candidates: Sequence[str], in_features: int, out_sizes: list[int], r_max: int, num_slots: int,
                 dtype: torch.dtype, device: torch.device, weight_dtype: torch.dtype | None = None
                 ) -> tuple[type[LoRABatch], Choice]:
-    """The first candidate whose add_lora matches the reference on a small problem of a real layer's shapes
-    (a few tokens over two slots and slot -1, ranks r_max and below, rank-major B as the wrappers store it,
-    A and B in the wrappers' storage dtype `weight_dtype` (default: dtype), fp8 with its scales)."""
+    """The first candidate whose add_lora matches the reference on small problems of a real layer's shapes
+    (tokens over two slots and slot -1, ranks r_max and below, rank-major B as the wrappers store it, A and B in
+    the wrappers' storage dtype `weight_dtype` (default: dtype), fp8 with its scales): a decode-sized step of 8
+    tokens and one of 72, past the column kernels' 64, so both kinds of launch are checked."""
     wd = weight_dtype or dtype
     g = torch.Generator().manual_seed(0)
     s = min(num_slots, 2)
-    slots = [i % (s + 1) - 1 for i in range(8)]  # -1, 0, (1,) ...
+    slots = [i % (s + 1) - 1 for i in range(72)]  # -1, 0, (1,) ...
     x = torch.randn(len(slots), in_features, generator=g).to(dtype).to(device)
 
     def store(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -372,9 +373,12 @@ def choose_impl(candidates: Sequence[str], in_features: int, out_sizes: list[int
     y = torch.randn(len(slots), sum(out_sizes), generator=g).to(dtype).to(device)
     offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
 
-    def run(name: str) -> torch.Tensor:
-        batch = LORA_IMPLS[name].build(slots, num_slots, device)  # type: ignore[index]
-        return batch.add_lora(y.clone(), x, list(a), b, ranks, offsets, scales=scales)
+    def run(name: str) -> dict[str, torch.Tensor]:
+        out = {}
+        for t in (8, 72):
+            batch = LORA_IMPLS[name].build(slots[:t], num_slots, device)  # type: ignore[index]
+            out[f"{t} tokens"] = batch.add_lora(y[:t].clone(), x[:t], list(a), b, ranks, offsets, scales=scales)
+        return out
 
     choice = choose("lora", candidates, run, CHECK_TOLERANCE[dtype])
     return LORA_IMPLS[choice.chosen], choice  # type: ignore[index]

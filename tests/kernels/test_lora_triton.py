@@ -274,6 +274,25 @@ def test_column_kernels_take_small_steps_only(monkeypatch: pytest.MonkeyPatch, n
 
 
 @needs_kernels
+@pytest.mark.parametrize("broken", [None, "_lora_expand_kernel", "_lora_expand_cols_kernel"])
+def test_start_up_check_runs_both_expands(monkeypatch: pytest.MonkeyPatch, broken: str | None) -> None:
+    """The engine's start-up check (engine.lora.punica.choose_impl) runs a decode-sized step and one past the column
+    kernels' 64 tokens, so a broken split expand or a broken column expand alone sends LoRA to the reference."""
+    from engine.lora.punica import ReferenceLoRABatch, TritonLoRABatch, choose_impl
+    from kernels import lora_triton
+
+    assert DEV is not None
+    if broken is not None:
+        monkeypatch.setattr(lora_triton, broken, _Boom(f"{broken} is broken"))
+    impl, choice = choose_impl(["triton", "reference"], 64, [32, 16], 16, 4, torch.float32, DEV)
+    if broken is None:
+        assert impl is TritonLoRABatch and choice.chosen == "triton" and choice.checked
+    else:
+        assert impl is ReferenceLoRABatch and choice.chosen == "reference"
+        assert choice.rejected[0][0] == "triton" and f"{broken} is broken" in choice.rejected[0][1], choice
+
+
+@needs_kernels
 def test_group_tokens_schedule_and_in_place_update() -> None:
     from kernels.lora_triton import max_blocks
 
