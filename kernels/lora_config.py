@@ -5,6 +5,7 @@ forces any of them for tuning runs (benchmarks, or XPULORA_LORA_CONFIG in the en
 from __future__ import annotations
 
 import os
+from typing import Literal
 
 from kernels.triton_env import interpreting, triton
 
@@ -87,7 +88,7 @@ def fused_config(k: int, n_max: int) -> dict[str, int]:
                 num_warps=CONFIG_OVERRIDES.get("fused_warps", 4), num_stages=CONFIG_OVERRIDES.get("fused_stages", 3))
 
 
-def use_cols(num_tokens: int, r_max: int, fp8: bool, key: str = "cols") -> bool:
+def use_cols(num_tokens: int, r_max: int, fp8: bool, key: Literal["cols", "cols_shrink"] = "cols") -> bool:
     """The expand (key "cols") or the shrink ("cols_shrink") as kernels.lora_cols' column kernel (every program
     holds all the step's tokens and streams the used slots' weights) for steps of up to CONFIG_OVERRIDES[key]
     tokens (at most 64; 0: never), ranks <= 64, weights not fp8. The expand's default, 32, beat the split expand at
