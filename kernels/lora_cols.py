@@ -30,6 +30,12 @@ if triton is not None:
         return tl.where(used, tl.minimum(rank, R_MAX), 0)
 
     @triton.jit
+    def _tok_rank(ranks_ptr, s, tok_slot, stride_rs, stride_rt, R_MAX):
+        """Each token's slot's rank in slice s, at most R_MAX; 0 for slot -1."""
+        rank = tl.load(ranks_ptr + s * stride_rs + tl.maximum(tok_slot, 0) * stride_rt, mask=tok_slot >= 0, other=0)
+        return tl.minimum(rank, R_MAX)
+
+    @triton.jit
     def _busy_groups(meta_ptr, len_off, ranks_ptr, s, num_slots, stride_rs, stride_rt, R_MAX, GROUP: tl.constexpr,
                      S_PAD: tl.constexpr):
         """Slice s's slot groups (GROUP slots each): (groups [G], live ranks [G, GROUP], place [G]: a busy group's
@@ -77,24 +83,24 @@ if triton is not None:
         k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
         offs_k = k_lo + tl.arange(0, BLOCK_K)
         offs_c = tl.arange(0, GROUP * BLOCK_R)  # product column c: rank row c % BLOCK_R of slot s0 + c // BLOCK_R
+        cr = offs_c % BLOCK_R
         x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk  # [BT, BK]
-        a_cols = a_ptr + (offs_c // BLOCK_R)[None, :] * stride_a0 + (offs_c % BLOCK_R)[None, :] * stride_a1 \
+        a_cols = a_ptr + (offs_c // BLOCK_R)[None, :] * stride_a0 + cr[None, :] * stride_a1 \
             + offs_k[:, None]  # [BK, GROUP * BR] of slot group 0
         own = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
         for i in range(pid_p, n_busy, num_programs):
             s0, rank = _group_at(groups, live, place, i, GROUP, BLOCK_R)
-            acc = _shrink_tile(x_ptrs, a_cols + s0 * stride_a0, mask_t, (offs_c % BLOCK_R) < rank, k_lo, k_hi, K,
+            acc = _shrink_tile(x_ptrs, a_cols + s0 * stride_a0, mask_t, cr < rank, k_lo, k_hi, K,
                                stride_xk, BLOCK_T, GROUP * BLOCK_R, BLOCK_K, EVEN_K, FP32_DOT, False)
             mine = tok_slot[:, None, None] == (s0 + tl.arange(0, GROUP))[None, :, None]  # [BT, GROUP, 1]
             own += tl.sum(tl.where(mine, tl.reshape(acc, (BLOCK_T, GROUP, BLOCK_R)), 0.0), axis=1)
         # A token of a live slot is this program's if its group's place is; slot -1 and rank-0 tokens store nothing.
         tok_place = tl.sum(tl.where(groups[None, :] == (tok_slot // GROUP)[:, None], place[None, :], 0), axis=1)
-        tok_rank = tl.load(ranks_ptr + s * stride_rs + tl.maximum(tok_slot, 0) * stride_rt, mask=tok_slot >= 0,
-                           other=0)
+        tok_rank = _tok_rank(ranks_ptr, s, tok_slot, stride_rs, stride_rt, R_MAX)
         offs_r = tl.arange(0, BLOCK_R)
         keep = (tok_slot >= 0) & (tok_place % num_programs == pid_p)
         out = buf_ptr + pid_k * stride_bk + s * stride_bs + rows[:, None].to(tl.int64) * stride_bm + offs_r[None, :]
-        tl.store(out, own, mask=keep[:, None] & (offs_r[None, :] < tl.minimum(tok_rank, R_MAX)[:, None]))
+        tl.store(out, own, mask=keep[:, None] & (offs_r[None, :] < tok_rank[:, None]))
 
     @triton.jit
     def _lora_expand_cols_kernel(
@@ -122,9 +128,7 @@ if triton is not None:
         y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + (y_off + offs_n)[None, :] * stride_yn
         if ADD_INPUTS:
             y_in = tl.load(y_ptrs, mask=mask_t[:, None] & mask_n[None, :], other=0.0)
-        tok_rank = tl.load(ranks_ptr + s * stride_rs + tl.maximum(tok_slot, 0) * stride_rt, mask=tok_slot >= 0,
-                           other=0)
-        tok_rank = tl.minimum(tok_rank, R_MAX)
+        tok_rank = _tok_rank(ranks_ptr, s, tok_slot, stride_rs, stride_rt, R_MAX)
         # Each token's own shrink result [BT, BR], summed over the K splits once.
         bt = _split_sum(buf_ptr + s * stride_bs + rows[:, None].to(tl.int64) * stride_bm + offs_r[None, :],
                         (offs_r[None, :] < tok_rank[:, None]), stride_bk, SPLIT_K)
