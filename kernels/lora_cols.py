@@ -90,7 +90,7 @@ if triton is not None:
         own = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
         for i in range(pid_p, n_busy, num_programs):
             s0, rank = _group_at(groups, live, place, i, GROUP, BLOCK_R)
-            acc = _shrink_tile(x_ptrs, a_cols + s0 * stride_a0, mask_t, cr < rank, k_lo, k_hi, K,
+            acc = _shrink_tile(x_ptrs, a_cols + s0.to(tl.int64) * stride_a0, mask_t, cr < rank, k_lo, k_hi, K,
                                stride_xk, BLOCK_T, GROUP * BLOCK_R, BLOCK_K, EVEN_K, FP32_DOT, False)
             mine = tok_slot[:, None, None] == (s0 + tl.arange(0, GROUP))[None, :, None]  # [BT, GROUP, 1]
             own += tl.sum(tl.where(mine, tl.reshape(acc, (BLOCK_T, GROUP, BLOCK_R)), 0.0), axis=1)
