@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,9 +97,16 @@ def compile_only(arch: int = 90) -> Iterator[Compiled]:
 
     done = Compiled()
     launch = JITFunction.run
+    # A JITFunction keeps its compiled kernels and target per device number, and the stub's device is 0: each one
+    # launched here gets an empty cache for the block and its own back after, so a GPU's kernels are neither reused
+    # for the stub's target nor replaced by the stub's (which its GPU could not load).
+    saved: dict[int, tuple[JITFunction, object]] = {}
 
     def compile_instead(self: JITFunction, *args: object, grid: object, warmup: bool, **kwargs: object) -> object:
         name = self.fn.__name__
+        if id(self) not in saved:
+            saved[id(self)] = (self, self.device_caches)
+            self.device_caches = defaultdict(self.create_binder)
         try:
             kernel = launch(self, *args, grid=grid, warmup=True, **kwargs)
         except Exception as e:  # recorded, then raised as the launch would have
@@ -116,6 +124,8 @@ def compile_only(arch: int = 90) -> Iterator[Compiled]:
     finally:
         JITFunction.run = launch  # type: ignore[method-assign]
         drivers._active = before
+        for fn, caches in saved.values():
+            fn.device_caches = caches
         triton_env.usable_on.cache_clear()  # it may have cached an answer for the stub's target
 
 

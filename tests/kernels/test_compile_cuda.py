@@ -60,6 +60,30 @@ def test_a_kernel_that_cannot_compile_is_reported() -> None:
     assert [name for name, _ in done.errors] == ["_broken_kernel"]
 
 
+@pytest.mark.skipif(not ptxas_available(), reason="needs triton with its NVIDIA backend, outside the interpreter")
+def test_each_block_compiles_for_its_own_target() -> None:
+    """A kernel compiled for sm_80 in one block is not reused in the next block's sm_90, and the process keeps its
+    own caches: on a GPU machine the sm_80 cubins once stayed in triton's per-device cache, and every later launch
+    of those kernels on the H200 failed with "no kernel image is available" (twenty-fifth session's check)."""
+    import torch
+
+    from kernels.triton_env import tl, triton
+
+    @triton.jit
+    def _copy_kernel(x_ptr, y_ptr, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        tl.store(y_ptr + offs, tl.load(x_ptr + offs))
+
+    x = torch.zeros(16)
+    before = _copy_kernel.device_caches
+    for arch in (80, 90):
+        with compile_only(arch) as done:
+            _copy_kernel[(1,)](x, x, BLOCK=16)
+        (_, kernel), = done.kernels
+        assert kernel.metadata.target.arch == arch
+    assert _copy_kernel.device_caches is before and not before
+
+
 @pytest.mark.skipif(not cuda_compile.available(), reason="needs nvidia-cuda-nvrtc-cu12 and triton's NVIDIA backend")
 @pytest.mark.parametrize("arch", [90, 80])
 def test_every_cuda_c_kernel_compiles(arch: int) -> None:

@@ -579,6 +579,8 @@ def test_bench_quick_runs_on_cpu(script: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the script's add_lora needs triton (the interpreter on a CPU)")
+@pytest.mark.skipif(DEV is not None, reason="a CPU test (make test runs it); the GPU image's triton 3.6 interpreter "
+                    "hands loop bounds to numpy 2.5 as one-element arrays, which int() refuses")
 def test_ncu_lora_script_checks_its_cases_on_cpu() -> None:
     """benchmarks/ncu_lora.py --quick: every layer and adapter count checked against the torch reference before its
     (here unprofiled) launch; the case lines name what a profile's kernels belong to."""
