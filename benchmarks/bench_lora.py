@@ -50,9 +50,7 @@ SWEEP = {"split": {"shrink_split_k": [2, 4, 8, 16], "shrink_block_k": [64, 256, 
          "fused": {"fused_block_k": [64, 256, 512], "fused_block_n": [128, 512], "fused_n_iters": [1, 2, 4, 16],
                    "fused_warps": [8], "fused_stages": [2, 4], "run_m": [32, 64]},
          "cols": {"cols_block_n": [32, 64, 128], "cols_group": [1, 2, 8], "cols_warps": [2, 8],
-                  "cols_stages": [2, 3, 5]},
-         "cols2": {"cols_shrink_programs": [1, 2, 4, 16], "cols_group": [2, 8], "cols_shrink_warps": [2, 8],
-                   "cols_shrink_stages": [2, 4], "shrink_split_k": [4, 16], "shrink_block_k": [64, 256]}}
+                  "cols_stages": [2, 3, 5]}}
 
 
 class Layer:
@@ -149,9 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--lora-dtypes", nargs="+", default=["model", "fp8"], choices=["model", "fp8"],
                    help="A/B storage: the layer dtype, fp8 e4m3 + scales")
-    p.add_argument("--variants", nargs="+", default=["split", "fused"], choices=["split", "fused", "cols", "cols2"],
-                   help="split (K-split shrink, split expand), fused (one launch), cols (the column expand), cols2 "
-                        "(the column shrink and expand)")
+    p.add_argument("--variants", nargs="+", default=["split", "fused"], choices=["split", "fused", "cols"],
+                   help="split (K-split shrink, split expand), fused (one launch), cols (the column expand)")
     p.add_argument("--layer-kinds", default=None, help="comma-separated subset of qkv,o,gate_up,down")
     p.add_argument("--tokens", type=int, nargs="+", default=[32, 1024])
     p.add_argument("--adapters", type=int, nargs="+", default=[1, 32])
@@ -184,8 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     def run(t: int, n: int, ld: str, variant: str, peers: bool, emit: bool) -> tuple[float, float]:
         """(graph µs, byte µs) of one decoder layer's four wrapped layers (one line per layer when emit)."""
         lora_triton.CONFIG_OVERRIDES["fused"] = int(variant == "fused")
-        lora_triton.CONFIG_OVERRIDES["cols"] = 64 if variant.startswith("cols") else 0
-        lora_triton.CONFIG_OVERRIDES["cols_shrink"] = 64 if variant == "cols2" else 0
+        lora_triton.CONFIG_OVERRIDES["cols"] = 64 if variant == "cols" else 0
         slot_ids = [i % n for i in range(t)]
         total = total_bytes = 0.0
         for kind in kinds:

@@ -8,7 +8,7 @@ Qwen3-8B wrapped layer, for Nsight Compute (issue 18: 32 rank-16 adapters at bat
 For each wrapped layer (qkv, o, gate_up, down) in the engine's buffer layout (benchmarks/bench_lora.Layer, bf16):
 the plain copy of the bytes the call must read (the bandwidth a streaming kernel gets on that size), then add_lora
 with the tokens dealt round-robin over each adapter count (default 32 and 1), once per variant (split; cols: the
-column expand of kernels.lora_cols; cols2: its column shrink too). Each case warms up, then runs once
+column expand of kernels.lora_cols). Each case warms up, then runs once
 between cudaProfilerStart and cudaProfilerStop; the cases, in order, are JSON lines on stderr. Every add_lora
 result is first compared with the torch reference (engine.lora.punica.ReferenceLoRABatch): exit 1 on a mismatch.
 `--quick --device cpu` (TRITON_INTERPRET=1): tiny shapes, float32, no profiler: the script's smoke test.
@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny shapes in float32 (CPU smoke test)")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--adapters", type=int, nargs="*", default=[32, 1])
-    p.add_argument("--variants", nargs="+", default=["split", "cols"], choices=["split", "cols", "cols2"],
-                   help="split, the column expand, or the column shrink and expand (kernels.lora_cols)")
+    p.add_argument("--variants", nargs="+", default=["split", "cols"], choices=["split", "cols"],
+                   help="split, or the column expand (kernels.lora_cols)")
     a = p.parse_args(argv)
     dev = torch.device(a.device)
     dtype = torch.float32 if a.quick else torch.bfloat16
@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             dst = torch.empty_like(src)
             profiled("copy", lambda d=dst, s=src: d.copy_(s), meta, dev)
             for variant in a.variants:
-                lora_triton.CONFIG_OVERRIDES["cols"] = 64 if variant.startswith("cols") else 0
-                lora_triton.CONFIG_OVERRIDES["cols_shrink"] = 64 if variant == "cols2" else 0
+                lora_triton.CONFIG_OVERRIDES["cols"] = 64 if variant == "cols" else 0
                 y = torch.zeros_like(want)
                 lora_triton.add_lora(y, x, lay.a, lay.b, info, lay.offsets, lay.ranks)
                 err, scale = (y.float() - want.float()).abs().max().item(), want.float().abs().max().item()

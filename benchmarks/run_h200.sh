@@ -31,7 +31,7 @@ ncu_details() {
   timeout "$limit" ncu --profile-from-start off --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section WarpStateStats --section MemoryWorkloadAnalysis --metrics "${stalls%,}" --csv --page details "$@"
 }
-# One XPULORA_LORA_CONFIG key's modes side by side (epi21, epi22: epilogue; cols23: cols; cols24: cols_shrink):
+# One XPULORA_LORA_CONFIG key's modes side by side (epi21, epi22: epilogue; cols23: cols):
 # 36-layer decode per mode, the tuned tables shared on the machine. Usage: config_ab KEY "MODES"
 config_ab() {
   for mode in $2; do
@@ -175,7 +175,7 @@ case "${1:-}" in
     timeout 220 python3 benchmarks/bench_lora.py --tokens 32 --adapters 1 32 --no-peers 2>&1 | grep --line-buffered -E '^\{|Error' \
       | tee "$OUT/lora_kernels.txt"
     ;;
-  lora-sweep)  # issue 18: launch parameters one at a time (${2:-split}: split, fused, cols or cols2), decode, 32 tokens
+  lora-sweep)  # issue 18: launch parameters one at a time (${2:-split}: split, fused or cols), decode, 32 tokens
     timeout 230 python3 benchmarks/bench_lora.py --sweep --variants "${2:-split}" --lora-dtypes model 2>&1 \
       | grep --line-buffered -E '^\{|Error' | tee "$OUT/lora_sweep_${2:-split}.txt"
     ;;
@@ -240,19 +240,6 @@ case "${1:-}" in
     timeout 160 python3 benchmarks/bench_lora.py --tokens ${COLS_TOKENS:-32 64} --adapters 1 32 --no-peers \
       --lora-dtypes ${COLS_DTYPES:-model} --variants split cols 2>&1 | grep --line-buffered -E '^\{|Error' | tee "$OUT/cols_lora.txt" | grep -E '"step"|Error'
     config_ab cols "${COLS_MODES:-0 32}"
-    ;;
-  cols24)  # issue 18: the column shrink (kernels/lora_cols.py, opt-in cols_shrink): the column kernels' CUDA tests, the
-           # per-layer LoRA table (split, cols: column expand, cols2: column shrink too; 32 and 64 decode tokens over
-           # 1, 8 and 32 adapters, bf16), then 36-layer decode per cols_shrink ${COLS_MODES:-0 32}
-    export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_lora_triton.py \
-      -k "column or cols2 or shrink_split" > "$OUT/cols_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/cols_tests.txt"
-    tail -3 "$OUT/cols_tests.txt"
-    # shellcheck disable=SC2086  # COLS_TOKENS: a list, split into words on purpose
-    timeout 200 python3 benchmarks/bench_lora.py --tokens ${COLS_TOKENS:-32 64} --adapters 1 8 32 --no-peers \
-      --lora-dtypes model --variants split cols cols2 2>&1 | grep --line-buffered -E '^\{|Error' \
-      | tee "$OUT/cols_lora.txt" | grep -E '"step"|Error'
-    config_ab cols_shrink "${COLS_MODES:-0 32}"
     ;;
   steps18)  # issue 18: 36 layers, batch 1 and 32: no adapters with the int4 kernel auto, then with tuned also 32 adapters
             # (bf16 and fp8 storage); the 64-layer 27B-shaped hybrid at TP=1 (batch 1 and 32, graphs, tuned int4)
@@ -392,5 +379,5 @@ case "${1:-}" in
         | tee -a "$OUT/burst.txt"; date +%T
     done
     ;;
-  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18|prefill18|graphs4096|split18|lora-ab|cols23|cols24"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18|prefill18|graphs4096|split18|lora-ab|cols23"; exit 2 ;;
 esac

@@ -1,16 +1,16 @@
-"""The column kernels of batched multi-LoRA for small steps (decode): every program holds all the step's tokens and
-streams the weights of the used slots, GROUP slots per dot. The expand: a program per column block of one slice,
-B rows into one accumulator. The shrink: a program per (slice, K split, share of the busy slot groups), x times A
-rows, each token keeping its own slot's columns; it writes the split shrink's partials, so either expand reads them.
-kernels.lora_triton takes them where they apply (kernels.lora_config.use_cols: <= 64 tokens, ranks <= 64, no fp8);
-the shared conventions (TokenGroups meta, pointer tables, rank masks) are kernels.lora_kernels'.
+"""The column expand of batched multi-LoRA for small steps (decode): a program per column block of one slice holds all
+the step's tokens and streams the B rows of the used slots, GROUP slots per dot, into one accumulator. It reads the
+split shrink's partials. kernels.lora_triton takes it where it applies (kernels.lora_config.use_cols: <= 32 tokens by
+default, ranks <= 64, no fp8); the shared conventions (TokenGroups meta, pointer tables, rank masks) are
+kernels.lora_kernels'. (A column shrink of the same form was measured slower than the split shrink on an H200 and
+removed: docs/PERFORMANCE.md, twenty-fifth session.)
 
 Why: the split kernels give a decode program one token of one adapter (an 8 KB tile of B, a 16 KB run of A) behind
 a chain of dependent lookups (block -> slot -> rank -> token ids -> data), so their time is that chain times their
 waves, not their bytes. Here a program's weight loads need only the loop counter and the slots' ranks (zero for a
 slot no token uses), all loaded once before the loop, so they pipeline across its iterations. In each slot's rows
-of a dot the tokens of other slots take part with zeros (expand), or drop the other slots' columns (shrink), so the
-sums are exact: each token gets its own slot's value.
+of a dot the tokens of other slots take part with zeros, so the sums are exact: each token gets its own slot's
+value.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 from kernels.triton_env import tl, triton
 
 if triton is not None:
-    from kernels.lora_kernels import _b_row, _expand_dot, _shrink_tile, _slice_index, _split_sum
+    from kernels.lora_kernels import _b_row, _expand_dot, _slice_index, _split_sum
 
     @triton.jit
     def _live_rank(meta_ptr, len_off, ranks_ptr, s, slot, num_slots, stride_rs, stride_rt, R_MAX):
@@ -54,53 +54,6 @@ if triton is not None:
         g = tl.sum(tl.where(place == i, groups, 0), axis=0)
         rank_g = tl.sum(tl.where((place == i)[:, None], live, 0), axis=0)  # [GROUP]
         return g * GROUP, tl.reshape(tl.broadcast_to(rank_g[:, None], (GROUP, BLOCK_R)), (GROUP * BLOCK_R,))
-
-    @triton.jit
-    def _lora_shrink_cols_kernel(
-        x_ptr, a_table_ptr, a0_ptr, buf_ptr, ranks_ptr, meta_ptr,
-        num_tokens, len_off, K, K_PER_SPLIT, R_MAX, num_slots, num_programs,
-        stride_xm, stride_xk, stride_a0, stride_a1,
-        stride_bk, stride_bs, stride_bm, stride_rs, stride_rt,
-        BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr,
-        S_PAD: tl.constexpr, EVEN_K: tl.constexpr, ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr,
-    ):  # fmt: skip
-        """buf[ks, s, t, r] = sum_{k in split ks} x[t, k] * A_s[slot[t], r, k] for slot[t] >= 0, r < rank[s, slot[t]]
-        <= BLOCK_R, A in a 16- or 32-bit float dtype. Program = (slice, K split, p < num_programs): all T <= BLOCK_T
-        tokens against the A rows of busy slot groups p, p + num_programs, ... (GROUP slots per dot); each token keeps
-        its own slot's columns of the product, and is stored by the program that holds its slot's group."""
-        s = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        pid_p = tl.program_id(2)
-        a_ptr = tl.load(a_table_ptr + 2 * s).to(tl.pointer_type(a0_ptr.dtype.element_ty))
-        if ALIGNED:  # the host checked: 16-byte aligned bases (lets the loads vectorise)
-            a_ptr = tl.multiple_of(a_ptr, 16)
-        rows = tl.arange(0, BLOCK_T)
-        mask_t = rows < num_tokens
-        tok_slot = tl.load(meta_ptr + rows, mask=mask_t, other=-1)  # TokenGroups part 0
-        groups, live, place, n_busy = _busy_groups(meta_ptr, len_off, ranks_ptr, s, num_slots, stride_rs, stride_rt,
-                                                   R_MAX, GROUP, S_PAD)
-        k_lo = pid_k * K_PER_SPLIT  # K_PER_SPLIT is a multiple of BLOCK_K
-        k_hi = tl.minimum(k_lo + K_PER_SPLIT, K)
-        offs_k = k_lo + tl.arange(0, BLOCK_K)
-        offs_c = tl.arange(0, GROUP * BLOCK_R)  # product column c: rank row c % BLOCK_R of slot s0 + c // BLOCK_R
-        cr = offs_c % BLOCK_R
-        x_ptrs = x_ptr + rows[:, None].to(tl.int64) * stride_xm + offs_k[None, :] * stride_xk  # [BT, BK]
-        a_cols = a_ptr + (offs_c // BLOCK_R)[None, :] * stride_a0 + cr[None, :] * stride_a1 \
-            + offs_k[:, None]  # [BK, GROUP * BR] of slot group 0
-        own = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-        for i in range(pid_p, n_busy, num_programs):
-            s0, rank = _group_at(groups, live, place, i, GROUP, BLOCK_R)
-            acc = _shrink_tile(x_ptrs, a_cols + s0.to(tl.int64) * stride_a0, mask_t, cr < rank, k_lo, k_hi, K,
-                               stride_xk, BLOCK_T, GROUP * BLOCK_R, BLOCK_K, EVEN_K, FP32_DOT, False)
-            mine = tok_slot[:, None, None] == (s0 + tl.arange(0, GROUP))[None, :, None]  # [BT, GROUP, 1]
-            own += tl.sum(tl.where(mine, tl.reshape(acc, (BLOCK_T, GROUP, BLOCK_R)), 0.0), axis=1)
-        # A token of a live slot is this program's if its group's place is; slot -1 and rank-0 tokens store nothing.
-        tok_place = tl.sum(tl.where(groups[None, :] == (tok_slot // GROUP)[:, None], place[None, :], 0), axis=1)
-        tok_rank = _tok_rank(ranks_ptr, s, tok_slot, stride_rs, stride_rt, R_MAX)
-        offs_r = tl.arange(0, BLOCK_R)
-        keep = (tok_slot >= 0) & (tok_place % num_programs == pid_p)
-        out = buf_ptr + pid_k * stride_bk + s * stride_bs + rows[:, None].to(tl.int64) * stride_bm + offs_r[None, :]
-        tl.store(out, own, mask=keep[:, None] & (offs_r[None, :] < tok_rank[:, None]))
 
     @triton.jit
     def _lora_expand_cols_kernel(
@@ -155,4 +108,4 @@ if triton is not None:
         tl.store(y_ptrs, out, mask=touched[:, None] & mask_n[None, :])  # rows past T have slot -1: untouched
 
 else:  # pragma: no cover - without triton the bindings refuse to launch (kernels.lora_triton._require_triton)
-    _lora_expand_cols_kernel = _lora_shrink_cols_kernel = None
+    _lora_expand_cols_kernel = None

@@ -5,17 +5,15 @@ forces any of them for tuning runs (benchmarks, or XPULORA_LORA_CONFIG in the en
 from __future__ import annotations
 
 import os
-from typing import Literal
 
 from kernels.triton_env import interpreting, triton
 
 BLOCK_R = 16  # rank chunk: tl.dot needs every dim >= 16; ranks below 16 run one masked chunk
 
-CONFIG_KEYS = ("fused", "epilogue", "cols", "cols_shrink", "run_m", "block_m", "shrink_block_k", "shrink_split_k",
+CONFIG_KEYS = ("fused", "epilogue", "cols", "run_m", "block_m", "shrink_block_k", "shrink_split_k",
                "shrink_block_r", "shrink_warps", "shrink_stages", "expand_block_n", "expand_n_iters", "expand_warps",
-               "expand_stages", "cols_block_n", "cols_group", "cols_warps", "cols_stages", "cols_shrink_programs",
-               "cols_shrink_warps", "cols_shrink_stages", "fused_block_k", "fused_block_n", "fused_n_iters",
-               "fused_warps", "fused_stages")
+               "expand_stages", "cols_block_n", "cols_group", "cols_warps", "cols_stages", "fused_block_k",
+               "fused_block_n", "fused_n_iters", "fused_warps", "fused_stages")
 
 
 def _env_overrides(text: str) -> dict[str, int]:
@@ -31,10 +29,9 @@ def _env_overrides(text: str) -> dict[str, int]:
 
 CONFIG_OVERRIDES: dict[str, int] = _env_overrides(os.environ.get("XPULORA_LORA_CONFIG", ""))
 """Force a launch parameter (CONFIG_KEYS): fused (add_lora in one launch), epilogue (the expand inside an int4
-mma base GEMM's store, see use_epilogue), cols / cols_shrink (the most tokens of a column expand / shrink, see
-use_cols), run_m (tokens of one slot per program: TokenGroups.block_m, set by engine.lora.token_groups.group_tokens),
-block_m (the token tile a program steps through its run in), the kernels' shrink_* / expand_* / cols_* / fused_*
-sizes."""
+mma base GEMM's store, see use_epilogue), cols (the most tokens of a column expand, see use_cols), run_m (tokens of
+one slot per program: TokenGroups.block_m, set by engine.lora.token_groups.group_tokens), block_m (the token tile a
+program steps through its run in), the kernels' shrink_* / expand_* / cols_* / fused_* sizes."""
 
 
 def block_r(r_max: int) -> int:
@@ -88,21 +85,20 @@ def fused_config(k: int, n_max: int) -> dict[str, int]:
                 num_warps=CONFIG_OVERRIDES.get("fused_warps", 4), num_stages=CONFIG_OVERRIDES.get("fused_stages", 3))
 
 
-def use_cols(num_tokens: int, r_max: int, fp8: bool, key: Literal["cols", "cols_shrink"] = "cols") -> bool:
-    """The expand (key "cols") or the shrink ("cols_shrink") as kernels.lora_cols' column kernel (every program
-    holds all the step's tokens and streams the used slots' weights) for steps of up to CONFIG_OVERRIDES[key]
-    tokens (at most 64; 0: never), ranks <= 64, weights not fp8. The expand's default, 32, beat the split expand at
-    32 tokens for 1-32 adapters on an H100 and tied at 64 (docs/PERFORMANCE.md, twenty-fourth session); the shrink
-    is unmeasured, so off (0) by default."""
-    limit = CONFIG_OVERRIDES.get(key, 32 if key == "cols" else 0)
+def use_cols(num_tokens: int, r_max: int, fp8: bool) -> bool:
+    """The expand as kernels.lora_cols' column kernel (every program holds all the step's tokens and streams the
+    used slots' B rows) for steps of up to CONFIG_OVERRIDES["cols"] tokens (at most 64; 0: never), ranks <= 64,
+    weights not fp8. The default, 32, beat the split expand at 32 tokens for 1-32 adapters on an H100 and an H200
+    and tied at 64 (docs/PERFORMANCE.md, twenty-fourth and twenty-fifth sessions)."""
+    limit = CONFIG_OVERRIDES.get("cols", 32)
     if not 0 <= limit <= 64:
-        raise ValueError(f"XPULORA_LORA_CONFIG: {key} is the most tokens of a column kernel, 0..64; got {limit}")
+        raise ValueError(f"XPULORA_LORA_CONFIG: cols is the most tokens of a column expand, 0..64; got {limit}")
     return 0 < num_tokens <= limit and r_max <= 64 and not fp8
 
 
 def cols_config(num_tokens: int, num_slots: int, r_max: int) -> dict[str, int]:
-    """The column kernels' tiles: all tokens in one tile, the whole rank in one chunk, GROUP slots per dot (64 rows
-    of B, or 64 columns of the shrink's product: 4 slots of rank 16)."""
+    """The column expand's tiles: all tokens in one tile, the whole rank in one chunk, GROUP slots per dot (64 rows
+    of B: 4 slots of rank 16)."""
     br = _one_chunk(r_max)
     group = CONFIG_OVERRIDES.get("cols_group", max(1, 64 // br))  # a power of 2
     return dict(block_t=max(16, triton.next_power_of_2(num_tokens)), block_r=br, group=group,
@@ -115,17 +111,6 @@ def cols_expand_config(num_tokens: int, num_slots: int, n_total: int, r_max: int
     block_n = 256 if interpreting() else 64 if n_total >= 8192 else 32
     return dict(cols_config(num_tokens, num_slots, r_max), block_n=CONFIG_OVERRIDES.get("cols_block_n", block_n),
                 num_warps=CONFIG_OVERRIDES.get("cols_warps", 4), num_stages=CONFIG_OVERRIDES.get("cols_stages", 4))
-
-
-def cols_shrink_config(num_tokens: int, num_slots: int, r_max: int, n_slices: int, split_k: int) -> dict[str, int]:
-    """The column shrink keeps the split shrink's K split (the expand reads the same partials); each (slice, K split)
-    is shared by `programs` programs, each taking every programs-th busy slot group: ~256 programs (untuned)."""
-    cfg = cols_config(num_tokens, num_slots, r_max)
-    groups = cfg["s_pad"] // cfg["group"]
-    programs = max(1, min(groups, 256 // (n_slices * split_k)))
-    return dict(cfg, programs=CONFIG_OVERRIDES.get("cols_shrink_programs", programs),
-                num_warps=CONFIG_OVERRIDES.get("cols_shrink_warps", 4),
-                num_stages=CONFIG_OVERRIDES.get("cols_shrink_stages", 3))
 
 
 def expand_config(n_max: int, num_tokens: int) -> dict[str, int]:

@@ -6,7 +6,7 @@ launches.
 The launchers read the step's tokens grouped by adapter slot (`TokenGroups`, built once per step by engine.lora.punica
 from the host slot list, rewritten in place for graph replay) and each layer's true ranks as an int32 device tensor
 [n_slices, S] (any strides); a wrapped layer runs two launches whatever its number of slices: add_lora = lora_shrink
-(K-split partials; split, or use_cols' column shrink) + lora_expand (split or column): y[:, off_s:off_s+n_s] (+)= ...,
+(K-split partials) + lora_expand (split, or use_cols' column form): y[:, off_s:off_s+n_s] (+)= ...,
 or one with the fused variant (use_fused: each program computes its tokens' whole shrink, then expands it).
 
 Layouts: A_s [S, r_max, K] (K contiguous; the engine's slices are column ranges of one [S, r_max, n*K]
@@ -30,14 +30,13 @@ from dataclasses import dataclass
 import torch
 
 from kernels.lora_checks import check_expand, check_ranks, check_shrink
-from kernels.lora_cols import _lora_expand_cols_kernel, _lora_shrink_cols_kernel
+from kernels.lora_cols import _lora_expand_cols_kernel
 from kernels.lora_config import (
     CONFIG_KEYS,
     CONFIG_OVERRIDES,
     block_m,
     block_r,
     cols_expand_config,
-    cols_shrink_config,
     expand_config,
     fused_config,
     shrink_config,
@@ -117,8 +116,6 @@ def _launch_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenG
     num_slots, r_max, k = a0.shape
     scales = a_scales if a_scales is not None else lora_a
     table = _ptr_table([[a.data_ptr(), sc.data_ptr()] for a, sc in zip(lora_a, scales)], x.device)
-    if use_cols(x.size(0), r_max, fp8, "cols_shrink"):
-        return _launch_shrink_cols(x, lora_a, info, r, buf, table, cfg)
     num_rb = triton.cdiv(r_max, cfg["block_r"])
     sorted_off, blocks_off, nb = _meta_offsets(info)
     grid = (nb, len(lora_a) * num_rb, cfg["split_k"])
@@ -132,25 +129,6 @@ def _launch_shrink(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenG
         NUM_RB=num_rb, BLOCK_M=block_m(info.block_m), BLOCK_R=cfg["block_r"], BLOCK_K=cfg["block_k"],
         EVEN_K=k % cfg["block_k"] == 0, ALIGNED=all(a.data_ptr() % 16 == 0 for a in lora_a),
         FP32_DOT=interpreting() or x.dtype == torch.float32 or (not fp8 and x.dtype != a0.dtype), FP8=fp8,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
-
-
-def _launch_shrink_cols(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGroups, r: torch.Tensor,
-                        buf: torch.Tensor, table: torch.Tensor, shrink_cfg: dict[str, int]) -> None:
-    """_launch_shrink as kernels.lora_cols' column shrink (A not fp8): program = (slice, K split, every programs-th
-    busy slot group), the split shrink's K split."""
-    a0, t, s = lora_a[0], info.num_tokens, info.num_slots
-    block_k, split_k = shrink_cfg["block_k"], shrink_cfg["split_k"]
-    cfg = cols_shrink_config(t, s, a0.size(1), len(lora_a), split_k)
-    _lora_shrink_cols_kernel[(len(lora_a), split_k, cfg["programs"])](
-        x, table, a0, buf, r, info.meta,
-        t, 2 * t + s, a0.size(2), shrink_cfg["k_per_split"], a0.size(1), s, cfg["programs"],
-        x.stride(0), x.stride(1), a0.stride(0), a0.stride(1),
-        buf.stride(0), buf.stride(1), buf.stride(2), r.stride(0), r.stride(1),
-        BLOCK_T=cfg["block_t"], BLOCK_R=cfg["block_r"], BLOCK_K=block_k, GROUP=cfg["group"], S_PAD=cfg["s_pad"],
-        EVEN_K=a0.size(2) % block_k == 0, ALIGNED=all(a.data_ptr() % 16 == 0 for a in lora_a),
-        FP32_DOT=interpreting() or x.dtype == torch.float32 or x.dtype != a0.dtype,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 

@@ -160,7 +160,7 @@ def run_all() -> None:
     x = torch.randn(t, k, generator=g).to(torch.bfloat16)
     for r_max, fp8, mode, run in ((16, False, "split", 16), (16, True, "split", 16), (16, False, "fused", 16),
                                   (128, False, "split", 16), (16, False, "split", 1), (16, False, "fused", 1),
-                                  (16, False, "cols", 16), (16, False, "cols2", 16)):
+                                  (16, False, "cols", 16)):
         info = group_tokens([0, 1, 2, 3, -1, 0, 1, 2], slots_n, block_m=run)
         wd = torch.float8_e4m3fn if fp8 else torch.bfloat16
         a = [torch.randn(slots_n, r_max, k, generator=g).to(wd) for _ in range(3)]
@@ -170,8 +170,7 @@ def run_all() -> None:
         ranks = torch.full((3, slots_n), min(r_max, 70), dtype=torch.int32)
         y = torch.zeros(t, 384, dtype=torch.bfloat16)
         before = dict(lora_triton.CONFIG_OVERRIDES)
-        lora_triton.CONFIG_OVERRIDES.update(fused=int(mode == "fused"), cols=64 if mode.startswith("cols") else 0,
-                                            cols_shrink=64 if mode == "cols2" else 0)
+        lora_triton.CONFIG_OVERRIDES.update(fused=int(mode == "fused"), cols=64 if mode == "cols" else 0)
         try:
             lora_triton.add_lora(y, x, a, b, info, [0, 256, 320], ranks, True, sa, sb)
         finally:
