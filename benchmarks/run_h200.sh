@@ -101,6 +101,14 @@ case "${1:-}" in
     if [ -n "$failed" ]; then echo "run_h200 check: FAIL ($failed )"; exit 1; fi
     echo "run_h200 check: PASS"
     ;;
+  pytest)  # check's pytest part alone (kernels, layers and the GPU engine tests, 8 xdist workers); exit 1 on a failure
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/env.txt"
+    OMP_NUM_THREADS=2 timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
+      --timeout 240 -n 8 tests/kernels tests/layers tests/e2e/test_fused_engine.py tests/e2e/test_kernel_fallback.py \
+      tests/e2e/test_lora_engine.py tests/e2e/test_qwen35.py > "$OUT/tests.txt" 2>&1
+    rc=$?; tail -n 6 "$OUT/tests.txt"; echo "pytest rc=$rc"; [ $rc = 0 ] || exit 1
+    ;;
   final)  # e2e decode (36 layers: batch 1 and 32 without adapters; 8 layers: batch x adapters with the peer), int4 table
     timeout 110 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 --adapters 0 --peer-cases "" \
       --root /tmp/e2e36 2>&1 | grep --line-buffered -E '^\{|Error' | tee "$OUT/e2e36.txt"
@@ -379,5 +387,5 @@ case "${1:-}" in
         | tee -a "$OUT/burst.txt"; date +%T
     done
     ;;
-  *) echo "usage: run_h200.sh tests|check|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18|prefill18|graphs4096|split18|lora-ab|cols23"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|pytest|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18|prefill18|graphs4096|split18|lora-ab|cols23"; exit 2 ;;
 esac
