@@ -96,20 +96,17 @@ def use_cols(num_tokens: int, r_max: int, fp8: bool) -> bool:
     return 0 < num_tokens <= limit and r_max <= 64 and not fp8
 
 
-def cols_config(num_tokens: int, num_slots: int, r_max: int) -> dict[str, int]:
+def cols_expand_config(num_tokens: int, num_slots: int, n_total: int, r_max: int) -> dict[str, int]:
     """The column expand's tiles: all tokens in one tile, the whole rank in one chunk, GROUP slots per dot (64 rows
-    of B: 4 slots of rank 16)."""
+    of B: 4 slots of rank 16), block_n columns per program."""
     br = _one_chunk(r_max)
     group = CONFIG_OVERRIDES.get("cols_group", max(1, 64 // br))  # a power of 2
-    return dict(block_t=max(16, triton.next_power_of_2(num_tokens)), block_r=br, group=group,
-                s_pad=max(group, triton.next_power_of_2(num_slots)))
-
-
-def cols_expand_config(num_tokens: int, num_slots: int, n_total: int, r_max: int) -> dict[str, int]:
     # >= ~128 programs on a GPU (4096 columns 32 wide); the interpreter runs the programs one after another, so
     # there a few wide ones (the CPU tests' time: 3-6x per launch at 32 wide)
     block_n = 256 if interpreting() else 64 if n_total >= 8192 else 32
-    return dict(cols_config(num_tokens, num_slots, r_max), block_n=CONFIG_OVERRIDES.get("cols_block_n", block_n),
+    return dict(block_t=max(16, triton.next_power_of_2(num_tokens)), block_r=br, group=group,
+                s_pad=max(group, triton.next_power_of_2(num_slots)),
+                block_n=CONFIG_OVERRIDES.get("cols_block_n", block_n),
                 num_warps=CONFIG_OVERRIDES.get("cols_warps", 4), num_stages=CONFIG_OVERRIDES.get("cols_stages", 4))
 
 
