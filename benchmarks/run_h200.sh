@@ -42,6 +42,16 @@ config_ab() {
       | tee -a "$OUT/$1_ab.txt" | cut -c1-420
   done
 }
+# check's pytest part: kernels, layers and the GPU engine tests, 8 xdist workers where xdist is installed; the log
+# in $OUT/tests.txt. Usage: gpu_pytest SECONDS
+gpu_pytest() {
+  local xdist=()
+  python3 -c "import xdist" 2>/dev/null && xdist=(-n 8)
+  OMP_NUM_THREADS=2 timeout "$1" python3 -m pytest -v -p no:cacheprovider -rfE --tb=short --timeout 240 --durations=25 \
+    --junitxml="$OUT/tests.xml" "${xdist[@]}" tests/kernels tests/layers \
+    tests/e2e/test_fused_engine.py tests/e2e/test_kernel_fallback.py tests/e2e/test_lora_engine.py \
+    tests/e2e/test_qwen35.py > "$OUT/tests.txt" 2>&1
+}
 case "${1:-}" in
   tests)
     nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/env.txt"
@@ -64,8 +74,6 @@ case "${1:-}" in
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/env.txt"
     python3 -c "import torch, triton, transformers, numpy; print(torch.__version__, triton.__version__, transformers.__version__, numpy.__version__)" | tee -a "$OUT/env.txt"
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    xdist=()
-    python3 -c "import xdist" 2>/dev/null && xdist=(-n 8)
     failed=""
     rm -f /tmp/rc_engine /tmp/rc_engine40 /tmp/rc_hybrid /tmp/rc_fla /tmp/rc_device
     # cuda_mma compiles here first (NVRTC, kept in the kernel cache; the others would wait on its lock), so that its
@@ -87,10 +95,7 @@ case "${1:-}" in
     (timeout 200 python3 benchmarks/check_fla.py > "$OUT/fla.txt" 2>&1; echo $? > /tmp/rc_fla) &
     (timeout 200 python3 -c "import sys; from server.cli import main; sys.exit(main())" check-device \
        > "$OUT/check_device.txt" 2>&1; echo $? > /tmp/rc_device) &
-    OMP_NUM_THREADS=2 timeout $(( left - 40 )) python3 -m pytest -v -p no:cacheprovider -rfE --tb=short --timeout 240 --durations=25 \
-      --junitxml="$OUT/tests.xml" "${xdist[@]}" tests/kernels tests/layers \
-      tests/e2e/test_fused_engine.py tests/e2e/test_kernel_fallback.py tests/e2e/test_lora_engine.py \
-      tests/e2e/test_qwen35.py > "$OUT/tests.txt" 2>&1 || failed="$failed tests"
+    gpu_pytest $(( left - 40 )) || failed="$failed tests"
     wait
     for part in engine engine40 hybrid fla device; do [ "$(cat /tmp/rc_$part 2>/dev/null)" = 0 ] || failed="$failed $part"; done
     if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
@@ -101,12 +106,10 @@ case "${1:-}" in
     if [ -n "$failed" ]; then echo "run_h200 check: FAIL ($failed )"; exit 1; fi
     echo "run_h200 check: PASS"
     ;;
-  pytest)  # check's pytest part alone (kernels, layers and the GPU engine tests, 8 xdist workers); exit 1 on a failure
+  pytest)  # check's pytest part alone (gpu_pytest); exit 1 on a failure
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/env.txt"
-    OMP_NUM_THREADS=2 timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rfE --tb=short \
-      --timeout 240 -n 8 tests/kernels tests/layers tests/e2e/test_fused_engine.py tests/e2e/test_kernel_fallback.py \
-      tests/e2e/test_lora_engine.py tests/e2e/test_qwen35.py > "$OUT/tests.txt" 2>&1
+    gpu_pytest "${PYTEST_TIMEOUT:-300}"
     rc=$?; tail -n 6 "$OUT/tests.txt"; echo "pytest rc=$rc"; [ $rc = 0 ] || exit 1
     ;;
   final)  # e2e decode (36 layers: batch 1 and 32 without adapters; 8 layers: batch x adapters with the peer), int4 table

@@ -6,8 +6,8 @@ launches.
 The launchers read the step's tokens grouped by adapter slot (`TokenGroups`, built once per step by engine.lora.punica
 from the host slot list, rewritten in place for graph replay) and each layer's true ranks as an int32 device tensor
 [n_slices, S] (any strides); a wrapped layer runs two launches whatever its number of slices: add_lora = lora_shrink
-(K-split partials) + lora_expand (split, or use_cols' column form): y[:, off_s:off_s+n_s] (+)= ...,
-or one with the fused variant (use_fused: each program computes its tokens' whole shrink, then expands it).
+(K-split partials) + lora_expand (split, or use_cols' column expand): y[:, off_s:off_s+n_s] (+)= ..., or one with
+the fused variant (use_fused: each program computes its tokens' whole shrink, then expands it).
 
 Layouts: A_s [S, r_max, K] (K contiguous; the engine's slices are column ranges of one [S, r_max, n*K]
 store). B_s [S, n_s, r_max] either r-contiguous or, ~2x faster for small ranks (measured on an H200), a

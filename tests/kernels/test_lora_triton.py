@@ -234,9 +234,9 @@ def test_no_lora_step_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_column_expand_takes_small_steps_only(monkeypatch: pytest.MonkeyPatch, num_tokens: int, r_max: int,
                                               num_slots: int, used: list[int] | None) -> None:
     """With cols=64 a step of <= 64 tokens expands through the column kernel alone (the split kernel would raise),
-    bit for bit as the split expand; a larger step keeps the split kernel (the column kernel would raise). Rank 16 puts 4 used slots in each dot: of 5 the
-    last dot holds one, of 2 the only dot holds both; 5 used slots spread over 40 (some of rank 0 in a slice)
-    share dots across the idle ones between them."""
+    bit for bit as the split expand; a larger step keeps the split kernel (the column kernel would raise). Rank 16
+    puts 4 used slots in each dot: of 5 the last dot holds one, of 2 the only dot holds both; 5 used slots spread
+    over 40 (some of rank 0 in a slice) share dots across the idle ones between them."""
     from kernels import lora_triton
 
     assert DEV is not None
