@@ -171,7 +171,8 @@ def check_attention(chosen: str, s: CheckShapes, dtype: torch.dtype, device: tor
 
 
 def check_fused(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.device) -> Choice:
-    """RMSNorm with and without the residual add, per-head q/k norm + rotary, silu-and-mul."""
+    """RMSNorm with and without the residual add, per-head q/k norm + rotary (alone, and with the KV write),
+    silu-and-mul."""
     g = _gen()
     x, res = (_randn(g, TOKENS, s.hidden, dtype=dtype, device=device) for _ in range(2))
     w = (1.0 + 0.1 * torch.randn(s.hidden, generator=g)).to(dtype).to(device)
@@ -182,12 +183,18 @@ def check_fused(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.d
     angles = torch.arange(64).float()[:, None] * 10000.0 ** (-torch.arange(half).float() / half)
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
     positions = torch.tensor([0, 7, 63], device=device)[:TOKENS]
+    k, v = (_randn(g, TOKENS, s.num_kv_heads, s.head_dim, dtype=dtype, device=device) for _ in range(2))
+    slots = torch.tensor([s.block_size + 1, 0, 2], device=device)[:TOKENS]
 
     def run(name: str) -> Result:
         y, h = fused.rms_norm(x, w, 1e-6, s.zero_centered, res, name)
+        kc, vc = (torch.zeros(2, s.block_size, s.num_kv_heads, s.head_dim, dtype=dtype, device=device) for _ in "kv")
+        q_rot = fused.rope_write_kv(heads, k, v, positions, cos_sin, s.rotary_dim, hw, hw, 1e-6, s.zero_centered, kc,
+                                    vc, slots, name)
         return {"rms_norm": y, "residual_add": h, "rms_norm_alone": fused.rms_norm(x, w, 1e-6, s.zero_centered, None,
                                                                                    name)[0],
                 "norm_rope": fused.norm_rope(heads, positions, cos_sin, s.rotary_dim, hw, 1e-6, s.zero_centered, name),
+                "rope_write_kv": torch.cat([q_rot.flatten(), kc.flatten(), vc.flatten()]),
                 "silu_and_mul": fused.silu_and_mul(gate_up, name)}
 
     return _choose("fused", chosen, run, dtype)

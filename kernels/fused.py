@@ -1,6 +1,7 @@
 """The small per-layer ops (RMSNorm with the residual add, per-head norm + rotary, silu-and-mul, the KV
-cache write) behind one interface: `backend` is "reference" (kernels.reference, any device) or "triton"
-(kernels.fused_triton, one launch per op). The caller (engine/device.py) picks the backend."""
+cache write, and q / k's norm + rotary with that write) behind one interface: `backend` is "reference"
+(kernels.reference, any device) or "triton" (kernels.fused_triton, one launch per op). The caller
+(engine/device.py) picks the backend."""
 
 from __future__ import annotations
 
@@ -32,10 +33,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: b
     return ref.rms_norm(x, weight, eps, zero_centered, residual)
 
 
-def norm_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int,
-              weight: torch.Tensor | None, eps: float, zero_centered: bool, backend: str) -> torch.Tensor:
-    """rope_neox(rms_norm(x) if weight is given else x) per head: x [T, H, D] -> [T, H, D]."""
-    _check(backend)
+def _check_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int,
+                weight: torch.Tensor | None) -> None:
     d = x.size(-1)
     if (x.dim() != 3 or rotary_dim % 2 or not 0 < rotary_dim <= d or cos_sin.dim() != 2
             or cos_sin.size(-1) != rotary_dim or not cos_sin.is_contiguous() or positions.shape != (x.size(0),)):
@@ -43,6 +42,13 @@ def norm_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, r
                          f"{rotary_dim}, cos_sin {tuple(cos_sin.shape)} (contiguous)")
     if weight is not None and (weight.shape != (d,) or not weight.is_contiguous()):
         raise ValueError(f"norm_rope: weight {tuple(weight.shape)} (contiguous) for head_dim {d}")
+
+
+def norm_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int,
+              weight: torch.Tensor | None, eps: float, zero_centered: bool, backend: str) -> torch.Tensor:
+    """rope_neox(rms_norm(x) if weight is given else x) per head: x [T, H, D] -> [T, H, D]."""
+    _check(backend)
+    _check_rope(x, positions, cos_sin, rotary_dim, weight)
     if backend == "triton":
         from kernels.fused_triton import norm_rope_triton
 
@@ -64,17 +70,50 @@ def silu_and_mul(x: torch.Tensor, backend: str) -> torch.Tensor:
     return ref.silu_and_mul(x)
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor, backend: str) -> None:
-    """kernels.attention.write_kv: k_cache.flat[slot_mapping[t]] = k[t]; v likewise."""
-    _check(backend)
+def _check_write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
     if (v_cache.shape != k_cache.shape or not k_cache.is_contiguous() or not v_cache.is_contiguous()
             or slot_mapping.shape != (k.size(0),) or v.size(0) != k.size(0)):
         raise ValueError(f"write_kv: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} (contiguous), k "
                          f"{tuple(k.shape)}, v {tuple(v.shape)}, slot_mapping {tuple(slot_mapping.shape)}")
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor, backend: str) -> None:
+    """kernels.attention.write_kv: k_cache.flat[slot_mapping[t]] = k[t]; v likewise."""
+    _check(backend)
+    _check_write_kv(k_cache, v_cache, k, v, slot_mapping)
     if backend == "triton":
         from kernels.fused_triton import write_kv_triton
 
         write_kv_triton(k_cache, v_cache, k, v, slot_mapping)
     else:
         write_kv_ref(k_cache, v_cache, k, v, slot_mapping)
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                  rotary_dim: int, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                  zero_centered: bool, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  backend: str) -> torch.Tensor:
+    """Returns norm_rope(q); writes norm_rope(k) and v into the caches at slot_mapping (write_kv). q [T, Hq, D],
+    k / v [T, Hkv, D], caches [blocks, block_size, Hkv, D], all in one dtype; both norms (one dtype) or neither.
+    Triton: one launch where the separate ops take three (a decode step at batch 1 is mostly launches)."""
+    _check(backend)
+    _check_rope(q, positions, cos_sin, rotary_dim, q_weight)
+    _check_rope(k, positions, cos_sin, rotary_dim, k_weight)
+    _check_write_kv(k_cache, v_cache, k, v, slot_mapping)
+    dtypes = {q.dtype, k.dtype, v.dtype, k_cache.dtype, v_cache.dtype}
+    if (v.shape != k.shape or q.size(2) != k.size(2) or k_cache.shape[-2:] != k.shape[1:] or len(dtypes) != 1
+            or (q_weight is None) != (k_weight is None)
+            or (q_weight is not None and k_weight is not None and q_weight.dtype != k_weight.dtype)):
+        raise ValueError(f"rope_write_kv: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, caches "
+                         f"{tuple(k_cache.shape)}, dtypes {sorted(map(str, dtypes))}, norm weights "
+                         f"{[None if w is None else w.dtype for w in (q_weight, k_weight)]}")
+    if backend == "triton":
+        from kernels.fused_triton import rope_write_kv_triton
+
+        return rope_write_kv_triton(q, k, v, positions, cos_sin, rotary_dim, q_weight, k_weight, eps, zero_centered,
+                                    k_cache, v_cache, slot_mapping)
+    rot_k = norm_rope(k, positions, cos_sin, rotary_dim, k_weight, eps, zero_centered, backend)
+    write_kv(k_cache, v_cache, rot_k, v, slot_mapping, backend)
+    return norm_rope(q, positions, cos_sin, rotary_dim, q_weight, eps, zero_centered, backend)

@@ -8,7 +8,7 @@ import torch
 
 from kernels.triton_env import tl, triton
 
-__all__ = ["norm_rope_triton", "rms_norm_triton", "silu_and_mul_triton", "write_kv_triton"]
+__all__ = ["norm_rope_triton", "rms_norm_triton", "rope_write_kv_triton", "silu_and_mul_triton", "write_kv_triton"]
 
 if triton is not None:
 
@@ -32,19 +32,16 @@ if triton is not None:
         tl.store(y_ptr + row * D + offs, (hf * inv * w).to(y_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _norm_rope_kernel(src_ptr, pos_ptr, cs_ptr, w_ptr, out_ptr, H, D, RD, stride_t, stride_h, eps,
-                          HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_PASS: tl.constexpr,
-                          BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
-        """out[t, h] = rope(rms_norm(src[t, h]) if HAS_NORM else src[t, h]) at positions[t], on dims < RD.
+    def _norm_rope_head(src, w_ptr, cs_row, dst, D, RD, eps, HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                        HAS_PASS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
+        """dst[:D] = rope(rms_norm(src[:D]) if HAS_NORM else src[:D]) with [cos, sin] = cs_row, on dims < RD.
 
-        Grid (T, H). The head is read as three pieces: x1 = dims [0, RD/2), x2 = [RD/2, RD), pass = [RD, D).
+        The head is read as three pieces: x1 = dims [0, RD/2), x2 = [RD/2, RD), pass = [RD, D).
         """
-        t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
         half = RD // 2
         offs = tl.arange(0, BLOCK_H)
         m = offs < half
-        src = src_ptr + t * stride_t + h * stride_h
-        dt = out_ptr.dtype.element_ty
+        dt = dst.dtype.element_ty
         x1 = tl.load(src + offs, mask=m, other=0.0).to(tl.float32)
         x2 = tl.load(src + half + offs, mask=m, other=0.0).to(tl.float32)
         offs_p = tl.arange(0, BLOCK_P)
@@ -69,14 +66,50 @@ if triton is not None:
                 if ZERO_CENTERED:
                     wp += 1.0
                 xp = xp * inv * wp
-        pos = tl.load(pos_ptr + t)
-        c = tl.load(cs_ptr + pos * RD + offs, mask=m, other=0.0)
-        s = tl.load(cs_ptr + pos * RD + half + offs, mask=m, other=0.0)
-        dst = out_ptr + (t * H + h) * D
+        c = tl.load(cs_row + offs, mask=m, other=0.0)
+        s = tl.load(cs_row + half + offs, mask=m, other=0.0)
         tl.store(dst + offs, (x1 * c - x2 * s).to(dt), mask=m)
         tl.store(dst + half + offs, (x2 * c + x1 * s).to(dt), mask=m)
         if HAS_PASS:
             tl.store(dst + RD + offs_p, xp.to(dt), mask=mp)
+
+    @triton.jit
+    def _norm_rope_kernel(src_ptr, pos_ptr, cs_ptr, w_ptr, out_ptr, H, D, RD, stride_t, stride_h, eps,
+                          HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_PASS: tl.constexpr,
+                          BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
+        """out[t, h] = rope(rms_norm(src[t, h]) if HAS_NORM else src[t, h]) at positions[t], on dims < RD.
+        Grid (T, H)."""
+        t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        pos = tl.load(pos_ptr + t)
+        _norm_rope_head(src_ptr + t * stride_t + h * stride_h, w_ptr, cs_ptr + pos * RD, out_ptr + (t * H + h) * D,
+                        D, RD, eps, HAS_NORM, ZERO_CENTERED, HAS_PASS, BLOCK_H, BLOCK_P)
+
+    @triton.jit
+    def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr,
+                              HQ, D, RD, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, eps, HAS_NORM: tl.constexpr,
+                              ZERO_CENTERED: tl.constexpr, HAS_PASS: tl.constexpr, BLOCK_H: tl.constexpr,
+                              BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+        """h < HQ: out[t, h] = norm_rope(q[t, h]); else, with j = h - HQ: k_cache.flat[slot[t], j] =
+        norm_rope(k[t, j]) and v_cache.flat[slot[t], j] = v[t, j] (the cache rows [kv_heads, D]). Grid (T, HQ + HKV):
+        the query heads, the key rotation and both cache writes of a layer in one launch."""
+        t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        pos = tl.load(pos_ptr + t)
+        hkv = tl.num_programs(1) - HQ
+        if h < HQ:
+            src = q_ptr + t * sq_t + h * sq_h
+            w_ptr = qw_ptr
+            dst = out_ptr + (t * HQ + h) * D
+        else:
+            j = h - HQ
+            row = tl.load(slot_ptr + t).to(tl.int64) * hkv + j
+            src = k_ptr + t * sk_t + j * sk_h
+            w_ptr = kw_ptr
+            dst = kc_ptr + row * D
+            offs = tl.arange(0, BLOCK_D)
+            md = offs < D
+            tl.store(vc_ptr + row * D + offs, tl.load(v_ptr + t * sv_t + j * sv_h + offs, mask=md), mask=md)
+        _norm_rope_head(src, w_ptr, cs_ptr + pos * RD, dst, D, RD, eps, HAS_NORM, ZERO_CENTERED, HAS_PASS, BLOCK_H,
+                        BLOCK_P)
 
     @triton.jit
     def _silu_and_mul_kernel(x_ptr, y_ptr, D, stride_x, BLOCK: tl.constexpr):
@@ -141,6 +174,25 @@ def norm_rope_triton(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Te
                                   ZERO_CENTERED=zero_centered, HAS_PASS=rotary_dim < d,
                                   BLOCK_H=triton.next_power_of_2(half),
                                   BLOCK_P=triton.next_power_of_2(max(1, d - rotary_dim)), num_warps=1)
+    return out
+
+
+def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                         cos_sin: torch.Tensor, rotary_dim: int, q_weight: torch.Tensor | None,
+                         k_weight: torch.Tensor | None, eps: float, zero_centered: bool, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """q [T, Hq, D], k / v [T, Hkv, D] (any strides over T and heads) -> the rotated q, contiguous [T, Hq, D]."""
+    t, hq, d = q.shape
+    q, k, v = (x if x.stride(2) == 1 else x.contiguous() for x in (q, k, v))
+    out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    if t:
+        half = rotary_dim // 2
+        _rope_write_kv_kernel[(t, hq + k.size(1))](
+            q, k, v, positions, cos_sin, q if q_weight is None else q_weight, q if k_weight is None else k_weight,
+            out, k_cache, v_cache, slot_mapping, hq, d, rotary_dim, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), eps, HAS_NORM=q_weight is not None, ZERO_CENTERED=zero_centered,
+            HAS_PASS=rotary_dim < d, BLOCK_H=triton.next_power_of_2(half),
+            BLOCK_P=triton.next_power_of_2(max(1, d - rotary_dim)), BLOCK_D=triton.next_power_of_2(d), num_warps=1)
     return out
 
 

@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache: writes this step's k/v, then attends (kernel chosen per device)."""
+"""Attention over the paged KV cache: rotates this step's q and k, writes k/v, then attends (kernels chosen per
+device)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import torch
 from torch import nn
 
 from engine.forward_context import AttentionMetadata, get_context
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
 from kernels.attention import BatchIndex, batch_index, batch_pays, paged_attention
 from kernels.fused import write_kv
 
@@ -40,19 +43,23 @@ class Attention(nn.Module):
         self.backend = backend
         """Attention kernels (kernels.attention, engine.device.Kernels.attention), given when the model is built."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq*D], k/v [T, Hkv*D] -> [T, Hq*D]."""
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                rotary: RotaryEmbedding, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k / v [T, Hkv, D] before the rotary (and the per-head norms where given) -> [T, Hq*D]."""
         ctx = get_context()
         assert ctx.attn is not None, "attention needs attention metadata"
-        return self.attend(q, k, v, ctx.attn)
+        meta = ctx.attn
+        if rotary.writes_cache:
+            q = rotary.rotate_into_cache(positions, q, k, v, q_norm, k_norm, self.k_cache, self.v_cache,
+                                         meta.slot_mapping)
+        else:
+            q, k = rotary(positions, q, k, q_norm, k_norm)
+            write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping, self.backend)
+        return self.attend(q, meta)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Write this step's k/v into the cache, then attend over it."""
+    def attend(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of the rotated q [T, Hq, D] over the cache (this step's k/v already in it) -> [T, Hq*D]."""
         t = q.size(0)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping, self.backend)
         index = _StepIndex.of(meta, self.k_cache.size(1)) if self.backend == "reference" else None
         o = paged_attention(q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_q, meta.context_lens,
                             meta.cu_q_list, meta.context_lens_list, meta.max_q_len, self.scale, self.backend, index)

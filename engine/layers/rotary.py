@@ -9,7 +9,7 @@ from torch import nn
 
 from engine.errors import RopeConfigError
 from engine.layers.norm import RMSNorm
-from kernels.fused import norm_rope
+from kernels.fused import norm_rope, rope_write_kv
 from kernels.reference import qk_norm_rope, rope_tables
 
 
@@ -63,3 +63,21 @@ class RotaryEmbedding(nn.Module):
     def _apply(self, positions: torch.Tensor, x: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
         w, eps, zero_centered = (norm.weight, norm.eps, norm.zero_centered) if norm is not None else (None, 0.0, False)
         return norm_rope(x, positions, self.cos_sin, self.rotary_dim, w, eps, zero_centered, self.backend)
+
+    @property
+    def writes_cache(self) -> bool:
+        """Whether rotate_into_cache is one op here (Triton: one launch for the layer's rotary and cache write);
+        else the attention layer rotates (forward), then writes the cache."""
+        return self.backend == "triton"
+
+    def rotate_into_cache(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          q_norm: RMSNorm | None, k_norm: RMSNorm | None, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """forward's rotated q; the rotated k and v written into the caches at slot_mapping instead of returned."""
+        if (q_norm is None) != (k_norm is None) or (q_norm is not None and k_norm is not None and (
+                q_norm.eps != k_norm.eps or q_norm.zero_centered != k_norm.zero_centered)):
+            raise ValueError("rotate_into_cache: q and k norms must both be given, with one eps and form, or neither")
+        w_q, w_k = (None, None) if q_norm is None or k_norm is None else (q_norm.weight, k_norm.weight)
+        eps, zero_centered = (q_norm.eps, q_norm.zero_centered) if q_norm is not None else (0.0, False)
+        return rope_write_kv(q, k, v, positions, self.cos_sin, self.rotary_dim, w_q, w_k, eps, zero_centered,
+                             k_cache, v_cache, slot_mapping, self.backend)

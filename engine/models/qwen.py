@@ -87,15 +87,14 @@ class QwenAttention(nn.Module):
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype, backend=kernels.fused)
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype, backend=kernels.fused)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: nn.Module) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = x.size(0)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
-        q, k = rotary(positions, q, k, *norms)
-        o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v)
+        o = self.attn(positions, q, k, v.reshape(t, self.num_kv_heads, self.head_dim), rotary, *norms)
         return self.o_proj(o)
 
 
@@ -124,7 +123,7 @@ class QwenDecoderLayer(nn.Module):
         self.mlp = QwenMLP(a, quant, kernels, dtype, f"{prefix}.mlp")
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
-                rotary: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+                rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = h
             h = self.input_layernorm(h)
@@ -134,7 +133,7 @@ class QwenDecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
-    def mix(self, positions: torch.Tensor, h: torch.Tensor, rotary: nn.Module) -> torch.Tensor:
+    def mix(self, positions: torch.Tensor, h: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         """The token-mixing sublayer (attention here; hybrid layers override it)."""
         return self.self_attn(positions, h, rotary)
 

@@ -98,12 +98,12 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype, zero_centered=True, backend=kernels.fused)
         self.attn = Attention(self.num_heads, self.num_kv_heads, a.head_dim, a.head_dim**-0.5, kernels.attention)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: nn.Module) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         t, hd = x.size(0), self.head_dim
         qg, k, v = self.qkv_proj(x).split([2 * self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd], -1)
         q, gate = qg.view(t, self.num_heads, 2 * hd).split([hd, hd], dim=-1)
-        q, k = rotary(positions, q, k.reshape(t, self.num_kv_heads, hd), self.q_norm, self.k_norm)
-        o = self.attn(q.reshape(t, -1), k.reshape(t, -1), v)
+        kv_heads = (t, self.num_kv_heads, hd)
+        o = self.attn(positions, q, k.reshape(kv_heads), v.reshape(kv_heads), rotary, self.q_norm, self.k_norm)
         return self.o_proj(o * torch.sigmoid(gate.reshape(t, -1)))
 
 
@@ -125,7 +125,7 @@ class HybridDecoderLayer(QwenDecoderLayer):
             self.self_attn = GatedAttention(a, quant, kernels, dtype, f"{ckpt}.self_attn")
         self.mlp = QwenMLP(a, quant, kernels, dtype, f"{ckpt}.mlp")  # type: ignore[arg-type]
 
-    def mix(self, positions: torch.Tensor, h: torch.Tensor, rotary: nn.Module) -> torch.Tensor:
+    def mix(self, positions: torch.Tensor, h: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         return self.linear_attn(h) if self.is_linear else self.self_attn(positions, h, rotary)
 
 

@@ -173,6 +173,58 @@ def test_write_kv_triton(dtype: torch.dtype) -> None:
     assert torch.equal(got_k.cpu(), want_k) and torch.equal(got_v.cpu(), want_v)
 
 
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("d", "rotary_dim"), [(128, 128), (64, 32), (96, 40)])
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_rope_write_kv_triton(dtype: torch.dtype, d: int, rotary_dim: int, with_norm: bool) -> None:
+    """The joint op (one launch) against the separate reference ops: the rotated q returned, the rotated k and v
+    in the caches at their slots, every other cache row untouched."""
+    assert DEV is not None
+    t, hq, hkv, blocks, bs = 5, 4, 2, 6, 4
+    # q strided as a gated query ([query, gate] per head); k, v strided as slices of one fused qkv row
+    q = _rand(t, hq, 2 * d, dtype=dtype)[:, :, :d]
+    kv = _rand(t, 3 * hkv * d, dtype=dtype, seed=1)
+    k, v = kv[:, hkv * d:2 * hkv * d].view(t, hkv, d), kv[:, 2 * hkv * d:].view(t, hkv, d)
+    wq, wk = (_rand(d, dtype=dtype, seed=s) if with_norm else None for s in (2, 3))
+    pos = torch.tensor([0, 9, 3, 511, 40])
+    inv = 1.0 / 1e6 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    freqs = torch.outer(torch.arange(512).float(), inv)
+    cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1)
+    slots = torch.tensor([17, 2, 23, 0, 9])
+    for zero_centered in (False, True):
+        want_k, want_v = _rand(blocks, bs, hkv, d, dtype=dtype, seed=4), _rand(blocks, bs, hkv, d, dtype=dtype, seed=5)
+        got_k, got_v = want_k.to(DEV), want_v.to(DEV)
+        want_q = fused.rope_write_kv(q, k, v, pos, cos_sin, rotary_dim, wq, wk, 1e-6, zero_centered, want_k, want_v,
+                                     slots, "reference")
+        got_q = fused.rope_write_kv(*(x.to(DEV) for x in (q, k, v, pos, cos_sin)), rotary_dim,
+                                    *(None if w is None else w.to(DEV) for w in (wq, wk)), 1e-6, zero_centered,
+                                    got_k, got_v, slots.to(DEV), "triton")
+        assert got_q.is_contiguous() and got_q.shape == want_q.shape
+        assert_close_rel(got_q, want_q, TOL[dtype], f"q, zero_centered={zero_centered}")
+        assert_close_rel(got_k, want_k, TOL[dtype], f"k cache, zero_centered={zero_centered}")
+        assert torch.equal(got_v.cpu(), want_v), "v is copied, not computed"
+        untouched = torch.ones(blocks * bs, dtype=torch.bool)
+        untouched[slots] = False
+        seed_k = _rand(blocks, bs, hkv, d, dtype=dtype, seed=4).view(-1, hkv, d)
+        assert torch.equal(got_k.cpu().view(-1, hkv, d)[untouched], seed_k[untouched])
+
+
+def test_rope_write_kv_rejects_mismatched_inputs() -> None:
+    q, k = _rand(2, 4, 8), _rand(2, 2, 8)
+    cache = _rand(2, 2, 2, 8)
+    cos_sin, pos, slots = _rand(16, 8), torch.zeros(2, dtype=torch.long), torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="rope_write_kv"):  # one norm without the other
+        fused.rope_write_kv(q, k, k, pos, cos_sin, 8, _rand(8), None, 1e-6, False, cache, cache.clone(), slots,
+                            "reference")
+    with pytest.raises(ValueError, match="rope_write_kv"):  # a cache in another dtype than the projections
+        fused.rope_write_kv(q, k, k, pos, cos_sin, 8, None, None, 1e-6, False, cache.double(), cache.double(), slots,
+                            "reference")
+    with pytest.raises(ValueError, match="rope_write_kv"):  # v heads unlike k's
+        fused.rope_write_kv(q, k, _rand(2, 1, 8), pos, cos_sin, 8, None, None, 1e-6, False, cache, cache.clone(),
+                            slots, "reference")
+
+
 @pytest.mark.skipif(not HAS_TRITON or INTERPRETING or DEV is not None, reason="CPU-only machines with triton")
 def test_kernels_under_interpreter() -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1",
