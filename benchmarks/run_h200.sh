@@ -112,6 +112,12 @@ case "${1:-}" in
     gpu_pytest "${PYTEST_TIMEOUT:-300}"
     rc=$?; tail -n 6 "$OUT/tests.txt"; echo "pytest rc=$rc"; [ $rc = 0 ] || exit 1
     ;;
+  ab)  # 36-layer decode (no adapters, tuned int4) at ${AB_BATCHES:-1 32} from .old (carry it: `git archive <commit
+      # before>`) and from this tree, alternated twice: old, new, old, new
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    # shellcheck disable=SC2086  # AB_BATCHES: a list, split into words on purpose
+    decode_old_new ${AB_BATCHES:-1 32}; decode_old_new ${AB_BATCHES:-1 32}
+    ;;
   final)  # e2e decode (36 layers: batch 1 and 32 without adapters; 8 layers: batch x adapters with the peer), int4 table
     timeout 110 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 --adapters 0 --peer-cases "" \
       --root /tmp/e2e36 2>&1 | grep --line-buffered -E '^\{|Error' | tee "$OUT/e2e36.txt"
@@ -390,5 +396,5 @@ case "${1:-}" in
         | tee -a "$OUT/burst.txt"; date +%T
     done
     ;;
-  *) echo "usage: run_h200.sh tests|check|pytest|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18|prefill18|graphs4096|split18|lora-ab|cols23"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|pytest|ab|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18|prefill18|graphs4096|split18|lora-ab|cols23"; exit 2 ;;
 esac
