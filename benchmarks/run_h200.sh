@@ -113,10 +113,10 @@ case "${1:-}" in
     rc=$?; tail -n 6 "$OUT/tests.txt"; echo "pytest rc=$rc"; [ $rc = 0 ] || exit 1
     ;;
   ab)  # 36-layer decode (no adapters, tuned int4) at ${AB_BATCHES:-1 32} from .old (carry it: `git archive <commit
-      # before>`) and from this tree, alternated twice: old, new, old, new
+      # before>`) and from this tree, alternated ${AB_ROUNDS:-2} times: old, new, old, new
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     # shellcheck disable=SC2086  # AB_BATCHES: a list, split into words on purpose
-    decode_old_new ${AB_BATCHES:-1 32}; decode_old_new ${AB_BATCHES:-1 32}
+    for _ in $(seq "${AB_ROUNDS:-2}"); do decode_old_new ${AB_BATCHES:-1 32}; done
     ;;
   final)  # e2e decode (36 layers: batch 1 and 32 without adapters; 8 layers: batch x adapters with the peer), int4 table
     timeout 110 python3 benchmarks/bench_e2e.py --layers 36 --batches 1 32 --adapters 0 --peer-cases "" \
