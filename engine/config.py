@@ -93,7 +93,8 @@ class LoRAConfig:
     fully_sharded_loras: bool = False
     """Shard LoRA A of column layers (and B of row layers) over TP ranks too."""
     lora_dtype: LoRADTypeName = "auto"
-    """How adapter A and B are stored in the device slots: auto (the model dtype), a float dtype, or fp8 (e4m3
+    """How adapter A and B are stored in the device slots: auto (the model dtype; float32 on the CPU, where the
+    LoRA GEMMs are faster in it), a float dtype, or fp8 (e4m3
     with a float32 scale per rank row of A and per output row of B: half of bf16's bytes, dequantized by the
     LoRA kernels)."""
     lora_modules: tuple[tuple[str, str], ...] = ()

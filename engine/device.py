@@ -125,6 +125,12 @@ class Device:
         # float32 on the CPU: bf16 matmuls are slow there and exactness helps tests.
         return torch.float32 if self.kind == "cpu" else torch.bfloat16
 
+    def lora_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """How LoRA slots store A and B under lora_dtype "auto": in the model dtype, except on the CPU, where they
+        stay float32 whatever the model's: the CPU's LoRA runs a few GEMMs of a step's rows by the slots' ranks,
+        which take longer in 16 bits there than in float32, and 16-bit slots would be converted on every call."""
+        return torch.float32 if self.kind == "cpu" else model_dtype
+
     @property
     def pins_memory(self) -> bool:
         """Host staging buffers are pinned (page-locked) so their copies to the device run asynchronously."""

@@ -83,7 +83,8 @@ class ModelRunner:
         self.model.eval()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.lora_layers: list[BaseLayerWithLoRA] = []
-        self.lora_dtype = self.dtype if config.lora.lora_dtype == "auto" else LORA_DTYPES[config.lora.lora_dtype]
+        auto = config.lora.lora_dtype == "auto"
+        self.lora_dtype = device.lora_dtype(self.dtype) if auto else LORA_DTYPES[config.lora.lora_dtype]
         """How adapter A/B are stored in the slots (fp8: e4m3 + per-row scales)."""
         if config.lora.enable_lora:
             self.lora_layers = wrap_model(self.model, self.model.lora_targets, config.lora.max_loras,

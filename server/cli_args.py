@@ -141,8 +141,8 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-cpu-loras", type=int, default=None, help="adapters cached in host memory")
     g.add_argument("--fully-sharded-loras", action="store_true", help="shard LoRA A/B over TP ranks too")
     g.add_argument("--lora-dtype", choices=("auto", "bfloat16", "float16", "float32", "fp8"), default="auto",
-                   help="adapter weights in the device slots: auto (the model dtype), a float dtype, or fp8 (e4m3 "
-                        "with a scale per row: half the bytes of bf16)")
+                   help="adapter weights in the device slots: auto (the model dtype; float32 on the CPU), a float "
+                        "dtype, or fp8 (e4m3 with a scale per row: half the bytes of bf16)")
     g.add_argument("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH|JSON",
                    help='adapters to load at start: NAME=PATH or {"name": ..., "path": ..., "base_model_name": ...}')
     g.add_argument("--lora-root", action="append", default=[], metavar="DIR",

@@ -64,7 +64,8 @@ def _dequant_fp8(t: torch.Tensor) -> torch.Tensor:
 
 
 def dense_oracle(base, x: torch.Tensor, slots: list[int], adapters: list[dict[str, LoRAModule]], names: list[str],
-                 sizes: list[int], dtype: torch.dtype, fp8: bool = False) -> torch.Tensor:
+                 sizes: list[int], dtype: torch.dtype, fp8: bool = False,
+                 slot_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x W^T + b + (x A^T) B^T per row's slot, in float32 from the layer's dense weight and the adapters."""
     y = x.float() @ base.dense_weight().float().t() + (base.bias.float() if base.bias is not None else 0)
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -74,24 +75,28 @@ def dense_oracle(base, x: torch.Tensor, slots: list[int], adapters: list[dict[st
         for n, off, o in zip(names, offsets, sizes):
             m = adapters[s].get(n)
             if m is not None:
-                # The buffers hold A and B in the layer's dtype (or fp8 + a scale per row of A and of B): the
-                # oracle uses the same rounded values.
+                # The buffers hold A and B in the layer's dtype, or slot_dtype (or fp8 + a scale per row of A and
+                # of B): the oracle uses the same rounded values.
                 if fp8:
                     a, b = _dequant_fp8(m.a), _dequant_fp8(m.b)
                 else:
-                    a, b = m.a.to(dtype).float(), m.b.to(dtype).float()
+                    a, b = m.a.to(slot_dtype or dtype).float(), m.b.to(slot_dtype or dtype).float()
                 y[i, off:off + o] += (x[i].float() @ a.t()) @ b.t()
     return y
 
 
-@pytest.mark.parametrize(("quant", "dtype", "fp8"), [(False, torch.float32, False), (False, torch.bfloat16, False),
-                                                     (True, torch.float32, False), (False, torch.float32, True),
-                                                     (False, torch.bfloat16, True)],
-                         ids=["fp32", "bf16", "int4", "fp8-fp32", "fp8-bf16"])
+@pytest.mark.parametrize(("quant", "dtype", "slots"), [(False, torch.float32, None), (False, torch.bfloat16, None),
+                                                       (True, torch.float32, None),
+                                                       (False, torch.float32, torch.float8_e4m3fn),
+                                                       (False, torch.bfloat16, torch.float8_e4m3fn),
+                                                       (False, torch.bfloat16, torch.float32)],
+                         ids=["fp32", "bf16", "int4", "fp8-fp32", "fp8-bf16", "bf16-fp32slots"])
 @pytest.mark.parametrize("kind", ["qkv", "gate_up", "column", "row"])
-def test_wrapper_equals_dense_formula(kind: str, quant: bool, dtype: torch.dtype, fp8: bool) -> None:
+def test_wrapper_equals_dense_formula(kind: str, quant: bool, dtype: torch.dtype, slots: torch.dtype | None) -> None:
+    """bf16-fp32slots: a bf16 model with float32 slots, what lora_dtype "auto" gives on the CPU."""
+    fp8 = slots == torch.float8_e4m3fn
     gen = torch.Generator().manual_seed(zlib.crc32(f"{kind}-{quant}".encode()))  # hash() varies per process
-    base, wrapped, names, sizes = _make(kind, quant, gen, dtype, torch.float8_e4m3fn if fp8 else None)
+    base, wrapped, names, sizes = _make(kind, quant, gen, dtype, slots)
     k = base.in_features
     adapters: list[dict[str, LoRAModule]] = []
     for slot, r in enumerate(RANKS):
@@ -102,15 +107,15 @@ def test_wrapper_equals_dense_formula(kind: str, quant: bool, dtype: torch.dtype
         adapters.append(mods)
         wrapped.set_slot(slot, mods)
     t = 40
-    slots = torch.tensor([-1, 0, 1, 2, 3] * 8)[torch.randperm(t, generator=gen)].tolist()
+    token_slots = torch.tensor([-1, 0, 1, 2, 3] * 8)[torch.randperm(t, generator=gen)].tolist()
     x = torch.randn(t, k, generator=gen).to(dtype)
-    y_ref = dense_oracle(base, x, slots, adapters, names, sizes, dtype, fp8)
-    with forward_context(ForwardContext(attn=None, lora=build_mapping(slots, x.device))):
+    y_ref = dense_oracle(base, x, token_slots, adapters, names, sizes, dtype, fp8, None if fp8 else slots)
+    with forward_context(ForwardContext(attn=None, lora=build_mapping(token_slots, x.device))):
         y = wrapped(x)
     # fp32: accumulation order only. bf16: the output and the shrink result are rounded to bf16 (8 bits).
     tol = dict(atol=2e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=3e-2, rtol=2e-2)
     torch.testing.assert_close(y.float(), y_ref, **tol)
-    base_rows = [i for i, s in enumerate(slots) if s < 0]
+    base_rows = [i for i, s in enumerate(token_slots) if s < 0]
     with forward_context(ForwardContext(attn=None, lora=None)):
         y_base = base(x)
     # Base-model tokens in a mixed batch get exactly the base output (seed bug 4: no slot -1 -> last slot).
@@ -194,7 +199,7 @@ for kind in ("qkv", "gate_up", "row"):
         ref = dense_oracle(base, x, slots, adapters, names, sizes, dtype)  # the dense formula, not our kernels
         torch.testing.assert_close(outs[1], ref, **tol)
         torch.testing.assert_close(outs[0], ref, **tol)
-        base_rows = [i for i, s in enumerate(slots) if s < 0]
+        base_rows = [i for i, s in enumerate(token_slots) if s < 0]
         with forward_context(ForwardContext(attn=None, lora=None)):
             y_base = base(x).float()
         assert torch.equal(outs[1][base_rows], y_base[base_rows]), kind  # base tokens: the base output exactly

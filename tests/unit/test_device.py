@@ -14,3 +14,15 @@ def test_tp_larger_than_the_visible_devices_is_a_config_error() -> None:
     check_tp_fits("cuda", 2, 2)
     check_tp_fits("xpu", 1, 1)
     check_tp_fits("cpu", 4, None)  # CPU ranks share the host
+
+
+def test_lora_slots_stay_float32_on_the_cpu_only() -> None:
+    """lora_dtype "auto": the model dtype on GPUs; float32 on the CPU, whose LoRA GEMMs are faster in it."""
+    import torch
+
+    from engine.device import Device
+
+    assert Device("cpu").lora_dtype(torch.bfloat16) == torch.float32
+    assert Device("cpu").lora_dtype(torch.float32) == torch.float32
+    assert Device("cuda").lora_dtype(torch.bfloat16) == torch.bfloat16
+    assert Device("xpu").lora_dtype(torch.float16) == torch.float16
