@@ -286,3 +286,14 @@ def test_stalls_cpu() -> None:
     assert all(r["frozen"] > 10_000 and len(r["full_gc_ms"]) == 3 for r in gc_rows.values()), rows
     client = [r for r in rows if r["stall"] == "client"]
     assert len(client) == 2 and all(len(r["rounds_of_8_streams_ms"]) == 4 for r in client), rows
+
+
+def test_cpu_engine_quick() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cpu_engine.py"), "--quick", "--dtypes",
+                           "bfloat16", "--lora-dtypes", "auto", "bfloat16"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    # "auto" keeps the CPU's LoRA slots in float32 under a bf16 model; an explicit dtype is taken as given
+    assert [(r["lora_dtype"], r["slots"]) for r in rows] == [("auto", "torch.float32"), ("bfloat16", "torch.bfloat16")]
+    assert all(r[f"{c}_us_per_token"][s] > 0 for r in rows for c in ("base", "adapters") for s in ("min", "median"))
