@@ -199,7 +199,7 @@ for kind in ("qkv", "gate_up", "row"):
         ref = dense_oracle(base, x, slots, adapters, names, sizes, dtype)  # the dense formula, not our kernels
         torch.testing.assert_close(outs[1], ref, **tol)
         torch.testing.assert_close(outs[0], ref, **tol)
-        base_rows = [i for i, s in enumerate(token_slots) if s < 0]
+        base_rows = [i for i, s in enumerate(slots) if s < 0]
         with forward_context(ForwardContext(attn=None, lora=None)):
             y_base = base(x).float()
         assert torch.equal(outs[1][base_rows], y_base[base_rows]), kind  # base tokens: the base output exactly
