@@ -122,13 +122,12 @@ class Device:
         return None if self.kind == "cpu" else self.torch_device
 
     def default_dtype(self) -> torch.dtype:
-        # float32 on the CPU: bf16 matmuls are slow there and exactness helps tests.
+        # float32 on the CPU: its oracles compare in it (bf16 is faster only where the CPU has AMX)
         return torch.float32 if self.kind == "cpu" else torch.bfloat16
 
     def lora_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
-        """How LoRA slots store A and B under lora_dtype "auto": in the model dtype, except on the CPU, where they
-        stay float32 whatever the model's: the CPU's LoRA runs a few GEMMs of a step's rows by the slots' ranks,
-        which take longer in 16 bits there than in float32, and 16-bit slots would be converted on every call."""
+        """LoRA slots' dtype under lora_dtype "auto": the model's; float32 on the CPU, whose few-row LoRA GEMMs
+        run faster in it than in 16 bits (and 16-bit slots would be converted on every call)."""
         return torch.float32 if self.kind == "cpu" else model_dtype
 
     @property
@@ -138,11 +137,9 @@ class Device:
 
     def new_event(self) -> object | None:
         """An event to wait for one queued copy (None on the CPU, where copies finish when issued)."""
-        if self.kind == "cuda":
-            return torch.cuda.Event()
-        if self.kind == "xpu":
-            return torch.xpu.Event()
-        return None
+        if self.kind == "cpu":
+            return None
+        return torch.cuda.Event() if self.kind == "cuda" else torch.xpu.Event()
 
     def new_graph(self) -> object:
         return torch.cuda.CUDAGraph() if self.kind == "cuda" else torch.xpu.XPUGraph()
@@ -187,11 +184,7 @@ class Device:
 
     @property
     def supports_graphs(self) -> bool:
-        if self.kind == "cuda":
-            return True
-        if self.kind == "xpu":
-            return hasattr(torch.xpu, "XPUGraph")
-        return False
+        return self.kind == "cuda" or (self.kind == "xpu" and hasattr(torch.xpu, "XPUGraph"))
 
     def kernels(self, attention: str, fused: str, gdn: str, int4: str, hybrid: bool) -> Kernels:
         """Resolve each op's configured name ("auto": this device's choice); gdn only for hybrid models."""
