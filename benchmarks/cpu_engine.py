@@ -23,18 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine import (
-    CacheConfig,
-    EngineConfig,
-    KernelConfig,
-    LLMEngine,
-    LoRAConfig,
-    ModelConfig,
-    ParallelConfig,
-    SamplingParams,
-    SchedulerConfig,
-)
-from tests.helpers import kv_blocks
+from engine import SamplingParams
+from tests.helpers import make_lora_engine
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,12 +51,10 @@ def main() -> None:
     prompts = [[5 + i, 17, 42, 9, 100, 3, 77, 8, 9, 10] for i in range(16)]
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     cases: dict[str, list[str | None]] = {"base": [None] * 16, "adapters": [names[i % len(names)] for i in range(16)]}
-    engines = {(dtype, lora_dtype): LLMEngine(EngineConfig(
-        ModelConfig(model, dtype=dtype, max_model_len=512), cache=CacheConfig(num_blocks=kv_blocks(512, 16)),
-        scheduler=SchedulerConfig(max_num_seqs=16), parallel=ParallelConfig(device="cpu"),
-        lora=LoRAConfig(enable_lora=True, max_loras=len(names), max_lora_rank=max_rank,
-                        lora_modules=tuple(adapters.items()), lora_dtype=lora_dtype),  # type: ignore[arg-type]
-        kernels=KernelConfig())) for dtype in a.dtypes for lora_dtype in a.lora_dtypes}
+    engines = {(dtype, lora_dtype): make_lora_engine(model, adapters, max_loras=len(names), max_lora_rank=max_rank,
+                                                     max_model_len=512, max_num_seqs=16, lora_dtype=lora_dtype,
+                                                     dtype=dtype, device="cpu")
+               for dtype in a.dtypes for lora_dtype in a.lora_dtypes}
     times: dict[tuple[str, str, str], list[float]] = {(*k, c): [] for k in engines for c in cases}
     for i in range(rounds + 1):  # round 0 warms up; each round runs every engine and case once, in turn
         for key, engine in engines.items():

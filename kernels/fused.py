@@ -1,7 +1,7 @@
-"""The small per-layer ops (RMSNorm with the residual add, per-head norm + rotary, silu-and-mul, the KV
-cache write, and q / k's norm + rotary with that write) behind one interface: `backend` is "reference"
-(kernels.reference, any device) or "triton" (kernels.fused_triton, one launch per op). The caller
-(engine/device.py) picks the backend."""
+"""The small per-layer ops (RMSNorm with the residual add, silu-and-mul, the KV cache write, and q / k's norm +
+rotary with that write) behind one interface: `backend` is "reference" (kernels.reference, any device) or "triton"
+(kernels.fused_triton, one launch per op). The caller (engine/device.py) picks the backend. norm_rope alone is the
+reference's: the Triton backend only runs it joined with the cache write (rope_write_kv)."""
 
 from __future__ import annotations
 
@@ -45,14 +45,9 @@ def _check_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
 
 
 def norm_rope(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int,
-              weight: torch.Tensor | None, eps: float, zero_centered: bool, backend: str) -> torch.Tensor:
-    """rope_neox(rms_norm(x) if weight is given else x) per head: x [T, H, D] -> [T, H, D]."""
-    _check(backend)
+              weight: torch.Tensor | None, eps: float, zero_centered: bool) -> torch.Tensor:
+    """rope_neox(rms_norm(x) if weight is given else x) per head: x [T, H, D] -> [T, H, D] (torch ops)."""
     _check_rope(x, positions, cos_sin, rotary_dim, weight)
-    if backend == "triton":
-        from kernels.fused_triton import norm_rope_triton
-
-        return norm_rope_triton(x, positions, cos_sin, rotary_dim, weight, eps, zero_centered)
     if weight is not None:
         x = ref.rms_norm(x, weight, eps, zero_centered)[0]
     return ref.rope_neox(x, cos_sin, positions, rotary_dim)
@@ -114,6 +109,6 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: 
 
         return rope_write_kv_triton(q, k, v, positions, cos_sin, rotary_dim, q_weight, k_weight, eps, zero_centered,
                                     k_cache, v_cache, slot_mapping)
-    rot_k = norm_rope(k, positions, cos_sin, rotary_dim, k_weight, eps, zero_centered, backend)
-    write_kv(k_cache, v_cache, rot_k, v, slot_mapping, backend)
-    return norm_rope(q, positions, cos_sin, rotary_dim, q_weight, eps, zero_centered, backend)
+    write_kv(k_cache, v_cache, norm_rope(k, positions, cos_sin, rotary_dim, k_weight, eps, zero_centered), v,
+             slot_mapping, backend)
+    return norm_rope(q, positions, cos_sin, rotary_dim, q_weight, eps, zero_centered)

@@ -8,7 +8,7 @@ import torch
 
 from kernels.triton_env import tl, triton
 
-__all__ = ["norm_rope_triton", "rms_norm_triton", "rope_write_kv_triton", "silu_and_mul_triton", "write_kv_triton"]
+__all__ = ["rms_norm_triton", "rope_write_kv_triton", "silu_and_mul_triton", "write_kv_triton"]
 
 if triton is not None:
 
@@ -72,17 +72,6 @@ if triton is not None:
         tl.store(dst + half + offs, (x2 * c + x1 * s).to(dt), mask=m)
         if HAS_PASS:
             tl.store(dst + RD + offs_p, xp.to(dt), mask=mp)
-
-    @triton.jit
-    def _norm_rope_kernel(src_ptr, pos_ptr, cs_ptr, w_ptr, out_ptr, H, D, RD, stride_t, stride_h, eps,
-                          HAS_NORM: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_PASS: tl.constexpr,
-                          BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr):
-        """out[t, h] = rope(rms_norm(src[t, h]) if HAS_NORM else src[t, h]) at positions[t], on dims < RD.
-        Grid (T, H)."""
-        t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        pos = tl.load(pos_ptr + t)
-        _norm_rope_head(src_ptr + t * stride_t + h * stride_h, w_ptr, cs_ptr + pos * RD, out_ptr + (t * H + h) * D,
-                        D, RD, eps, HAS_NORM, ZERO_CENTERED, HAS_PASS, BLOCK_H, BLOCK_P)
 
     @triton.jit
     def _rope_write_kv_kernel(q_ptr, k_ptr, v_ptr, pos_ptr, cs_ptr, qw_ptr, kw_ptr, out_ptr, kc_ptr, vc_ptr, slot_ptr,
@@ -158,23 +147,6 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
                                         HAS_RES=residual is not None, ZERO_CENTERED=zero_centered, BLOCK_D=block,
                                         num_warps=min(8, max(1, block // 512)))
     return y.view(x.shape), h.view(x.shape)
-
-
-def norm_rope_triton(x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, rotary_dim: int,
-                     weight: torch.Tensor | None, eps: float, zero_centered: bool) -> torch.Tensor:
-    """x [T, H, D] with unit stride along D (any stride over T and H) -> contiguous [T, H, D]."""
-    t, h, d = x.shape
-    if x.stride(2) != 1:
-        x = x.contiguous()
-    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
-    if t and h:
-        half = rotary_dim // 2
-        _norm_rope_kernel[(t, h)](x, positions, cos_sin, weight if weight is not None else x, out, h, d, rotary_dim,
-                                  x.stride(0), x.stride(1), eps, HAS_NORM=weight is not None,
-                                  ZERO_CENTERED=zero_centered, HAS_PASS=rotary_dim < d,
-                                  BLOCK_H=triton.next_power_of_2(half),
-                                  BLOCK_P=triton.next_power_of_2(max(1, d - rotary_dim)), num_warps=1)
-    return out
 
 
 def rope_write_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

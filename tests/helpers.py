@@ -62,15 +62,15 @@ def make_lora_engine(path: str, adapters: dict[str, str] | None = None, max_lora
                      num_blocks: int | None = None, tp: int = 1, fully_sharded: bool = False,
                      prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
                      kernels: KernelConfig | None = None, async_scheduling: bool | None = None,
-                     lora_dtype: str = "auto") -> LLMEngine:
+                     lora_dtype: str = "auto", dtype: str = "float32", device: DeviceName | None = None) -> LLMEngine:
     from engine import LoRAConfig
 
     return LLMEngine(EngineConfig(
-        ModelConfig(path, dtype="float32", max_model_len=max_model_len),
+        ModelConfig(path, dtype=dtype, max_model_len=max_model_len),
         cache=CacheConfig(num_blocks=kv_blocks(max_model_len, max_num_seqs) if num_blocks is None else num_blocks,
                           enable_prefix_caching=prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
-        parallel=ParallelConfig(tensor_parallel_size=tp, device=tp_device(tp)),
+        parallel=ParallelConfig(tensor_parallel_size=tp, device=device or tp_device(tp)),
         lora=LoRAConfig(enable_lora=True, max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
                         fully_sharded_loras=fully_sharded, lora_modules=tuple((adapters or {}).items()),
                         lora_dtype=lora_dtype),  # type: ignore[arg-type]

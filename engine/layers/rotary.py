@@ -46,12 +46,12 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None = None,
                 k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated q and k, each first RMS-normed per head by q_norm / k_norm where given (Qwen3's query/key
-        norms). Triton: one launch per tensor for both steps, contiguous results. Reference (the CPU path):
-        q and k in one pass over their heads side by side (kernels.reference.qk_norm_rope), the results views
-        of one tensor: a CPU step is op-bound, and this is 7 ops where two norm_rope calls are ~30."""
+        norms), in torch ops: the attention layer's path where the backend has no joint op (writes_cache). q and
+        k in one pass over their heads side by side (kernels.reference.qk_norm_rope), the results views of one
+        tensor: a CPU step is op-bound, and this is 7 ops where two norm_rope calls are ~30."""
         same_norms = (q_norm is None) == (k_norm is None) and (
             q_norm is None or (q_norm.eps == k_norm.eps and q_norm.zero_centered == k_norm.zero_centered))  # type: ignore[union-attr]
-        if self.backend != "reference" or not same_norms or q.size(-1) != k.size(-1):
+        if not same_norms or q.size(-1) != k.size(-1):
             return self._apply(positions, q, q_norm), self._apply(positions, k, k_norm)
         step = self._step
         if step is None or step[0] is not positions:
@@ -62,7 +62,7 @@ class RotaryEmbedding(nn.Module):
 
     def _apply(self, positions: torch.Tensor, x: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
         w, eps, zero_centered = (norm.weight, norm.eps, norm.zero_centered) if norm is not None else (None, 0.0, False)
-        return norm_rope(x, positions, self.cos_sin, self.rotary_dim, w, eps, zero_centered, self.backend)
+        return norm_rope(x, positions, self.cos_sin, self.rotary_dim, w, eps, zero_centered)
 
     @property
     def writes_cache(self) -> bool:
