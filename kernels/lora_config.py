@@ -13,7 +13,8 @@ BLOCK_R = 16  # rank chunk: tl.dot needs every dim >= 16; ranks below 16 run one
 CONFIG_KEYS = ("fused", "epilogue", "cols", "run_m", "block_m", "shrink_block_k", "shrink_split_k",
                "shrink_block_r", "shrink_warps", "shrink_stages", "expand_block_n", "expand_n_iters", "expand_warps",
                "expand_stages", "cols_block_n", "cols_group", "cols_warps", "cols_stages", "fused_block_k",
-               "fused_block_n", "fused_n_iters", "fused_warps", "fused_stages")
+               "fused_block_n", "fused_n_iters", "fused_warps", "fused_stages", "prologue", "prologue_block_k",
+               "prologue_split_k", "prologue_warps")
 
 
 def _env_overrides(text: str) -> dict[str, int]:
@@ -115,3 +116,23 @@ def expand_config(n_max: int, num_tokens: int) -> dict[str, int]:
     n_iters = CONFIG_OVERRIDES.get("expand_n_iters", 1 if num_tokens <= 256 else 2)
     return dict(block_n=block_n, n_iters=n_iters,
                 num_warps=CONFIG_OVERRIDES.get("expand_warps", 4), num_stages=CONFIG_OVERRIDES.get("expand_stages", 2))
+
+
+def use_prologue(num_tokens: int, r_max: int, fp8: bool) -> bool:
+    """The shrink joined to the RMSNorm / silu-and-mul launch before a wrapped layer (kernels.lora_prologue) for
+    steps of up to CONFIG_OVERRIDES["prologue"] tokens (0: never; each token reads its A rows itself), ranks <= 64,
+    weights not fp8."""
+    limit = CONFIG_OVERRIDES.get("prologue", 32)
+    return 0 < num_tokens <= limit and r_max <= 64 and not fp8
+
+
+def prologue_config(k: int, r_max: int) -> dict[str, int]:
+    """The prologue kernels' K chunks (one per program, as the split shrink's K splits: ~4-6 steps of block_k) and
+    tiles: [4 slices x block_r, block_k] of A per step, ~8 K elements."""
+    br = max(16, triton.next_power_of_2(r_max))
+    block_k = CONFIG_OVERRIDES.get("prologue_block_k", max(16, min(128, 8192 // (4 * br))))
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    iters = triton.cdiv(k, block_k)
+    split = max(1, min(CONFIG_OVERRIDES.get("prologue_split_k", max(1, min(16, iters // 4))), iters))
+    return dict(block_k=block_k, block_r=br, split_k=split, k_per_split=triton.cdiv(iters, split) * block_k,
+                num_warps=CONFIG_OVERRIDES.get("prologue_warps", 4))

@@ -1,0 +1,203 @@
+"""A LoRA shrink joined to the small op before its layer (decode steps): the launch that computes a wrapped layer's
+input also multiplies it by the token's A, so the layer runs three launches (prologue + shrink, base GEMM, expand)
+instead of four. Two prologues: the RMSNorm with the residual add (before qkv / gate_up) and silu-and-mul (before
+down).
+
+    norm_shrink: h = x (+ r); y = rms_norm(h) * w; buf[kc, s, t, :r] = y[t, kc-th K chunk] @ A_s[slot[t], :r, chunk].T
+    act_shrink:  y = silu(x[:, :d]) * x[:, d:];      buf[kc, 0, t, :r] = y[t, chunk] @ A[slot[t], :r, chunk].T
+
+Program (token, K chunk): it computes its chunk of y (the norm's whole row first, for the mean of squares), stores
+it, and multiplies it by its slot's A rows below each slice's rank. buf is the split shrink's partial buffer
+[split_k, n_slices, T, r_max]: kernels.lora_triton.expand_partials sums it in a fixed order and expands it. Rows
+with slot -1 and columns past a rank are not written (the expand never reads them). y and h round exactly as
+kernels.fused_triton's separate kernels do; the products are y's rounded values times A in float32.
+
+Each token reads its A rows itself (a slot's A once per token, from the cache after the first), so this pays only
+where a step has few tokens: kernels.lora_config.use_prologue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernels.lora_checks import check_ranks
+from kernels.lora_config import prologue_config
+from kernels.lora_triton import TokenGroups, _require_triton
+from kernels.triton_env import tl, triton
+
+__all__ = ["act_shrink", "norm_shrink", "one_store"]
+
+if triton is not None:
+
+    @triton.jit
+    def _shrink_chunk(acc, yk, offs_k, mask_k, a_ptr, slot, rank_ptr, stride_as, stride_ar, slice_stride, stride_rs,
+                      NUM_SLICES: tl.constexpr, S_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+        """acc[s * BLOCK_R + r] += sum_k yk[k] * A_s[slot, r, k] for r below slice s's rank (rows j = s * BLOCK_R + r
+        of one [S_PAD * BLOCK_R, BK] tile: the slices are column ranges of one store, slice_stride apart)."""
+        j = tl.arange(0, S_PAD * BLOCK_R)
+        s, r = j // BLOCK_R, j % BLOCK_R
+        rank = tl.load(rank_ptr + s * stride_rs, mask=s < NUM_SLICES, other=0)
+        rows = a_ptr + slot * stride_as + s.to(tl.int64) * slice_stride + r * stride_ar
+        at = tl.load(rows[:, None] + offs_k[None, :], mask=(r < rank)[:, None] & mask_k[None, :], other=0.0)
+        return acc + tl.sum(at.to(tl.float32) * yk.to(tl.float32)[None, :], axis=1)
+
+    @triton.jit
+    def _store_partial(acc, buf_ptr, kc, t, stride_bk, stride_bs, stride_bt, R_MAX, NUM_SLICES: tl.constexpr,
+                       S_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+        j = tl.arange(0, S_PAD * BLOCK_R)
+        s, r = j // BLOCK_R, j % BLOCK_R
+        tl.store(buf_ptr + kc * stride_bk + s * stride_bs + t * stride_bt + r, acc,
+                 mask=(s < NUM_SLICES) & (r < R_MAX))
+
+    @triton.jit
+    def _norm_shrink_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, a_ptr, buf_ptr, rank_ptr, slot_ptr,
+                            D, KC, stride_x, stride_r, eps, R_MAX, num_slots, stride_as, stride_ar, slice_stride,
+                            stride_bk, stride_bs, stride_bt, stride_rs, stride_rt,
+                            HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BK: tl.constexpr, NUM_SLICES: tl.constexpr, S_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+        t, kc = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        slot = tl.load(slot_ptr + t)  # issued first: the A rows wait on it
+        offs = tl.arange(0, BLOCK_D)
+        m = offs < D
+        h = tl.load(x_ptr + t * stride_x + offs, mask=m, other=0.0)
+        if HAS_RES:
+            h = (h.to(tl.float32) + tl.load(r_ptr + t * stride_r + offs, mask=m, other=0.0).to(tl.float32)).to(h.dtype)
+        hf = h.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / D + eps)
+        lora = slot >= 0
+        slot64 = tl.maximum(slot, 0).to(tl.int64)
+        ranks = rank_ptr + slot64 * stride_rt
+        acc = tl.zeros((S_PAD * BLOCK_R,), dtype=tl.float32)
+        for k0 in range(kc * KC, tl.minimum(kc * KC + KC, D), BK):
+            offs_k = k0 + tl.arange(0, BK)
+            mk = offs_k < D
+            hk = tl.load(x_ptr + t * stride_x + offs_k, mask=mk, other=0.0)
+            if HAS_RES:
+                rk = tl.load(r_ptr + t * stride_r + offs_k, mask=mk, other=0.0)
+                hk = (hk.to(tl.float32) + rk.to(tl.float32)).to(hk.dtype)
+                tl.store(h_ptr + t * D + offs_k, hk, mask=mk)
+            w = tl.load(w_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
+            if ZERO_CENTERED:
+                w += 1.0
+            yk = (hk.to(tl.float32) * inv * w).to(y_ptr.dtype.element_ty)
+            tl.store(y_ptr + t * D + offs_k, yk, mask=mk)
+            if lora:
+                acc = _shrink_chunk(acc, yk, offs_k, mk, a_ptr, slot64, ranks, stride_as, stride_ar, slice_stride,
+                                    stride_rs, NUM_SLICES, S_PAD, BLOCK_R)
+        if lora:
+            _store_partial(acc, buf_ptr, kc, t, stride_bk, stride_bs, stride_bt, R_MAX, NUM_SLICES, S_PAD, BLOCK_R)
+
+    @triton.jit
+    def _act_shrink_kernel(x_ptr, y_ptr, a_ptr, buf_ptr, rank_ptr, slot_ptr, D, KC, stride_x, R_MAX, stride_as,
+                           stride_ar, stride_bk, stride_bt, stride_rt, BK: tl.constexpr, BLOCK_R: tl.constexpr):
+        t, kc = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        slot = tl.load(slot_ptr + t)
+        lora = slot >= 0
+        slot64 = tl.maximum(slot, 0).to(tl.int64)
+        acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for k0 in range(kc * KC, tl.minimum(kc * KC + KC, D), BK):
+            offs_k = k0 + tl.arange(0, BK)
+            mk = offs_k < D
+            g = tl.load(x_ptr + t * stride_x + offs_k, mask=mk, other=0.0).to(tl.float32)
+            u = tl.load(x_ptr + t * stride_x + D + offs_k, mask=mk, other=0.0)
+            silu = (g / (1.0 + tl.exp(-g))).to(u.dtype).to(tl.float32)
+            yk = (silu * u.to(tl.float32)).to(y_ptr.dtype.element_ty)
+            tl.store(y_ptr + t * D + offs_k, yk, mask=mk)
+            if lora:
+                acc = _shrink_chunk(acc, yk, offs_k, mk, a_ptr, slot64, rank_ptr + slot64 * stride_rt, stride_as,
+                                    stride_ar, 0, 0, 1, 1, BLOCK_R)
+        if lora:
+            _store_partial(acc, buf_ptr, kc, t, stride_bk, 0, stride_bt, R_MAX, 1, 1, BLOCK_R)
+
+
+def one_store(lora_a: Sequence[torch.Tensor]) -> int | None:
+    """The element distance between consecutive slices' A when they are column ranges of one store (the engine's
+    layout, which the prologue kernels read with one base pointer), else None."""
+    a0 = lora_a[0]
+    step = a0.size(-1)
+    if any(a.data_ptr() != a0.data_ptr() + i * step * a0.element_size() for i, a in enumerate(lora_a)):
+        return None
+    return step
+
+
+def _check(what: str, k: int, lora_a: Sequence[torch.Tensor], info: TokenGroups, ranks: torch.Tensor,
+           x: torch.Tensor) -> torch.Tensor:
+    """The A slices (one store, 16-bit as x or float32, r_max <= 64), the step's info and the ranks; returns the
+    ranks."""
+    a0 = lora_a[0]
+    if a0.dim() != 3 or a0.size(2) != k or a0.stride(2) != 1 or a0.device != x.device:
+        raise ValueError(f"{what}: A must be [S, r_max, {k}] contiguous in K on {x.device}, got {tuple(a0.shape)}")
+    if any(a.shape != a0.shape or a.stride() != a0.stride() or a.dtype != a0.dtype for a in lora_a):
+        raise ValueError(f"{what}: every slice's A must match {tuple(a0.shape)} {a0.stride()} {a0.dtype}")
+    if a0.dtype not in (x.dtype, torch.float32) or a0.size(1) > 64:
+        raise ValueError(f"{what}: A must be {x.dtype} or float32 with r_max <= 64, got {a0.dtype} r_max "
+                         f"{a0.size(1)}")
+    if one_store(lora_a) is None:
+        raise ValueError(f"{what}: the slices' A must be consecutive column ranges of one store")
+    if info.num_slots != a0.size(0) or info.num_tokens != x.size(0) or info.meta.device != x.device:
+        raise ValueError(f"{what}: info is for {info.num_tokens} tokens of {info.num_slots} slots on "
+                         f"{info.meta.device}; x {tuple(x.shape)} on {x.device}, A has {a0.size(0)} slots")
+    return check_ranks(ranks, len(lora_a), info.num_slots, x.device)
+
+
+def _buffer(split: int, n_slices: int, t: int, r_max: int, device: torch.device) -> torch.Tensor:
+    return torch.empty(split, n_slices, t, r_max, dtype=torch.float32, device=device)
+
+
+def norm_shrink(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool, residual: torch.Tensor | None,
+                lora_a: Sequence[torch.Tensor], info: TokenGroups, ranks: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, h, buf): kernels.fused.rms_norm's (y, h) and the shrink partials of y (see the module docstring).
+
+    x / residual [T, D] (last dim contiguous); lora_a[s] [S, r_max, D], column ranges of one store; ranks [n_slices,
+    S] int32 (the A side's)."""
+    _require_triton()
+    t, d = x.shape
+    if (x.stride(1) != 1 or weight.shape != (d,) or not weight.is_contiguous()
+            or (residual is not None and (residual.shape != x.shape or residual.stride(1) != 1
+                                          or residual.dtype != x.dtype))):
+        raise ValueError(f"norm_shrink: x {tuple(x.shape)}, weight {tuple(weight.shape)}, residual "
+                         f"{None if residual is None else tuple(residual.shape)}")
+    r = _check("norm_shrink", d, lora_a, info, ranks, x)
+    n_slices, (_, r_max, _) = len(lora_a), lora_a[0].shape
+    cfg = prologue_config(d, r_max)
+    y = torch.empty_like(x)
+    h = torch.empty_like(x) if residual is not None else x
+    buf = _buffer(cfg["split_k"], n_slices, t, r_max, x.device)
+    if t:
+        a0 = lora_a[0]
+        res = residual if residual is not None else x
+        _norm_shrink_kernel[(t, cfg["split_k"])](
+            x, res, weight, y, h, a0, buf, r, info.part(0), d, cfg["k_per_split"], x.stride(0), res.stride(0), eps,
+            r_max, info.num_slots, a0.stride(0), a0.stride(1), one_store(lora_a), buf.stride(0), buf.stride(1),
+            buf.stride(2), r.stride(0), r.stride(1),
+            HAS_RES=residual is not None, ZERO_CENTERED=zero_centered, BLOCK_D=triton.next_power_of_2(d),
+            BK=cfg["block_k"], NUM_SLICES=n_slices, S_PAD=triton.next_power_of_2(n_slices), BLOCK_R=cfg["block_r"],
+            num_warps=cfg["num_warps"],
+        )  # fmt: skip
+    return y, h, buf
+
+
+def act_shrink(x: torch.Tensor, lora_a: torch.Tensor, info: TokenGroups, ranks: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, buf): kernels.fused.silu_and_mul(x) and the shrink partials of y with one slice's A [S, r_max, d] (see
+    the module docstring). x [T, 2d] (last dim contiguous); ranks [1, S] int32."""
+    _require_triton()
+    t, d2 = x.shape
+    if x.stride(1) != 1 or d2 % 2:
+        raise ValueError(f"act_shrink: x must be [T, 2d] with its last dim contiguous, got {tuple(x.shape)}")
+    d = d2 // 2
+    r = _check("act_shrink", d, [lora_a], info, ranks, x)
+    r_max = lora_a.size(1)
+    cfg = prologue_config(d, r_max)
+    y = torch.empty(t, d, dtype=x.dtype, device=x.device)
+    buf = _buffer(cfg["split_k"], 1, t, r_max, x.device)
+    if t:
+        _act_shrink_kernel[(t, cfg["split_k"])](
+            x, y, lora_a, buf, r, info.part(0), d, cfg["k_per_split"], x.stride(0), r_max, lora_a.stride(0),
+            lora_a.stride(1), buf.stride(0), buf.stride(2), r.stride(1),
+            BK=cfg["block_k"], BLOCK_R=cfg["block_r"], num_warps=cfg["num_warps"],
+        )  # fmt: skip
+    return y, buf

@@ -1,0 +1,172 @@
+"""The LoRA shrink joined to the RMSNorm / silu-and-mul launch (kernels.lora_prologue) vs the separate ops.
+
+Oracles: y and h equal kernels.fused's Triton op bit for bit (same formula, same rounding) and the torch reference
+within two bf16 ulps (test_fused's tolerance: the interpreter's float32 -> bf16 conversion rounds differently); the partials summed over their K chunks equal kernels.reference.lora_shrink of that y (float32
+products, order differs: the tolerances of test_lora_triton); expanded, the layer's output equals the reference's
+shrink + expand of the reference's y. A's padding past each rank is garbage, so a missed rank mask shows.
+Compiled on an accelerator; on the CPU in a child pytest under TRITON_INTERPRET=1 (test_kernels_under_interpreter).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine.lora.punica import group_tokens
+from kernels import reference
+from tests.kernels.test_lora_triton import REPO, TOLERANCES, _env
+from tests.kernels.triton_env import DEV, HAS_TRITON, INTERPRETING, assert_close_rel, needs_kernels
+
+
+def _layer(seed: int, n_slices: int, k: int, dtype: torch.dtype, num_tokens: int = 11, num_slots: int = 4,
+           r_max: int = 16) -> dict:
+    """One store of A [S, r_max, n*k] with garbage past each rank, ranks per slice, B per slice, slots with -1s."""
+    g = torch.Generator().manual_seed(seed)
+    pool = [16, 3, 0, 8, 1]
+    ranks = [[min(r_max, pool[(i + s) % len(pool)]) for i in range(num_slots)] for s in range(n_slices)]
+    store = torch.randn(num_slots, r_max, n_slices * k, generator=g).to(dtype)
+    sizes = [24, 8, 16][:n_slices]
+    b = [(torch.randn(num_slots, n, r_max, generator=g) / 4).to(dtype) for n in sizes]
+    slots = [(i % (num_slots + 1)) - 1 for i in range(num_tokens)]
+    slots = [slots[i] for i in torch.randperm(num_tokens, generator=g).tolist()]
+    return dict(store=store, ranks=ranks, b=b, slots=slots, sizes=sizes, k=k, num_slots=num_slots)
+
+
+def _slices(store: torch.Tensor, n: int, k: int) -> list[torch.Tensor]:
+    return [store[:, :, i * k:(i + 1) * k] for i in range(n)]
+
+
+def _check_partials(buf: torch.Tensor, y: torch.Tensor, p: dict, dtype: torch.dtype) -> None:
+    """sum over K chunks == the reference shrink of y, where computed (adapter rows, columns below the rank)."""
+    slots = torch.tensor(p["slots"])
+    summed = buf.sum(0).cpu()
+    for s, a in enumerate(_slices(p["store"], len(p["ranks"]), p["k"])):
+        ref = reference.lora_shrink(y.cpu(), a, slots, p["ranks"][s])
+        live = torch.zeros_like(ref, dtype=torch.bool)
+        for t, slot in enumerate(p["slots"]):
+            if slot >= 0:
+                live[t, :p["ranks"][s][slot]] = True
+        got = torch.where(live, summed[s], 0.0)
+        assert_close_rel(got, ref, (1e-5, 1e-5) if dtype == torch.float32 else (1e-3, 1e-4), f"slice {s}")
+
+
+def _expanded(y_base: torch.Tensor, buf: torch.Tensor, p: dict, dev: torch.device) -> torch.Tensor:
+    from kernels.lora_triton import expand_partials
+
+    info = group_tokens(p["slots"], p["num_slots"], device=dev)
+    offsets = [sum(p["sizes"][:i]) for i in range(len(p["sizes"]))]
+    return expand_partials(y_base.clone(), buf, [b.to(dev) for b in p["b"]], info, offsets,
+                           torch.tensor(p["ranks"], dtype=torch.int32, device=dev))
+
+
+def _reference_layer(y_base: torch.Tensor, x: torch.Tensor, p: dict) -> torch.Tensor:
+    out, slots = y_base.clone(), torch.tensor(p["slots"])
+    for s, (a, b) in enumerate(zip(_slices(p["store"], len(p["ranks"]), p["k"]), p["b"])):
+        buf = reference.lora_shrink(x, a, slots, p["ranks"][s])
+        reference.lora_expand(out, buf, b, slots, p["ranks"][s], sum(p["sizes"][:s]), True)
+    return out
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n_slices", [1, 2, 3])
+@pytest.mark.parametrize(("residual", "zero_centered"), [(True, False), (False, False), (True, True)],
+                         ids=["res", "nores", "res-zc"])
+@pytest.mark.parametrize("split", [None, 3], ids=["default", "split3-uneven"])
+def test_norm_shrink_matches_separate_ops(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, n_slices: int,
+                                          residual: bool, zero_centered: bool, split: int | None) -> None:
+    from kernels import lora_config
+    from kernels.fused import rms_norm
+    from kernels.lora_prologue import norm_shrink
+
+    assert DEV is not None
+    k = 80 if split else 96
+    if split:  # 80 = 5 steps of 16: chunks of 2, 2 and 1 steps
+        monkeypatch.setitem(lora_config.CONFIG_OVERRIDES, "prologue_block_k", 16)
+        monkeypatch.setitem(lora_config.CONFIG_OVERRIDES, "prologue_split_k", split)
+    p = _layer(7 + n_slices, n_slices, k, dtype)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(len(p["slots"]), k, generator=g).to(dtype)
+    res = torch.randn(len(p["slots"]), k, generator=g).to(dtype) if residual else None
+    w = (torch.rand(k, generator=g) + 0.5).to(dtype)
+    info = group_tokens(p["slots"], p["num_slots"], device=DEV)
+    ranks = torch.tensor(p["ranks"], dtype=torch.int32, device=DEV)
+    xd, rd = x.to(DEV), None if res is None else res.to(DEV)
+    y, h, buf = norm_shrink(xd, w.to(DEV), 1e-6, zero_centered, rd, _slices(p["store"].to(DEV), n_slices, k), info,
+                            ranks)
+    assert buf.shape[1:] == (n_slices, len(p["slots"]), 16) and (split is None or buf.size(0) == split)
+    y_t, h_t = rms_norm(xd, w.to(DEV), 1e-6, zero_centered, rd, "triton")
+    assert torch.equal(y, y_t) and torch.equal(h, h_t), "y / h differ from the Triton RMSNorm"
+    y_ref, h_ref = reference.rms_norm(x, w, 1e-6, zero_centered, res)
+    assert_close_rel(h, h_ref, TOLERANCES[dtype], "h")
+    assert_close_rel(y, y_ref, TOLERANCES[dtype], "y")
+    _check_partials(buf, y, p, dtype)
+    base = torch.randn(len(p["slots"]), sum(p["sizes"]) + 2, generator=g).to(dtype)
+    out = _expanded(base.to(DEV), buf, p, DEV)
+    assert_close_rel(out, _reference_layer(base, y_ref, p), TOLERANCES[dtype], "expanded")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("split", [None, 3], ids=["default", "split3-uneven"])
+def test_act_shrink_matches_separate_ops(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                         split: int | None) -> None:
+    from kernels import lora_config
+    from kernels.fused import silu_and_mul
+    from kernels.lora_prologue import act_shrink
+
+    assert DEV is not None
+    k = 80 if split else 128
+    if split:
+        monkeypatch.setitem(lora_config.CONFIG_OVERRIDES, "prologue_block_k", 16)
+        monkeypatch.setitem(lora_config.CONFIG_OVERRIDES, "prologue_split_k", split)
+    p = _layer(3, 1, k, dtype, num_tokens=13)
+    x = torch.randn(13, 2 * k, generator=torch.Generator().manual_seed(2)).to(dtype) * 3
+    info = group_tokens(p["slots"], p["num_slots"], device=DEV)
+    ranks = torch.tensor(p["ranks"], dtype=torch.int32, device=DEV)
+    y, buf = act_shrink(x.to(DEV), p["store"].to(DEV), info, ranks)
+    assert torch.equal(y, silu_and_mul(x.to(DEV), "triton")), "y differs from the Triton silu-and-mul"
+    y_ref = reference.silu_and_mul(x)
+    assert_close_rel(y, y_ref, TOLERANCES[dtype], "y")
+    _check_partials(buf, y, p, dtype)
+    base = torch.randn(13, 26, generator=torch.Generator().manual_seed(3)).to(dtype)
+    out = _expanded(base.to(DEV), buf, p, DEV)
+    assert_close_rel(out, _reference_layer(base, y_ref, p), TOLERANCES[dtype], "expanded")
+
+
+@needs_kernels
+def test_prologue_rejects_what_it_cannot_read() -> None:
+    from kernels.lora_prologue import act_shrink, norm_shrink
+
+    assert DEV is not None
+    p = _layer(1, 2, 32, torch.float32, num_tokens=5)
+    info = group_tokens(p["slots"], p["num_slots"], device=DEV)
+    ranks = torch.tensor(p["ranks"], dtype=torch.int32, device=DEV)
+    x, w = torch.randn(5, 32, device=DEV), torch.ones(32, device=DEV)
+    store = p["store"].to(DEV)
+    apart = [store[:, :, :32], store[:, :, :32]]  # not consecutive column ranges
+    with pytest.raises(ValueError, match="consecutive column ranges"):
+        norm_shrink(x, w, 1e-6, False, None, apart, info, ranks)
+    with pytest.raises(ValueError, match="info is for 5 tokens"):
+        norm_shrink(x[:4], w, 1e-6, False, None, _slices(store, 2, 32), info, ranks)
+    with pytest.raises(ValueError, match="ranks must be"):
+        norm_shrink(x, w, 1e-6, False, None, _slices(store, 2, 32), info, ranks[:1])
+    wide = torch.zeros(p["num_slots"], 128, 32, device=DEV)
+    with pytest.raises(ValueError, match="r_max <= 64"):
+        act_shrink(torch.randn(5, 64, device=DEV), wide, info, ranks[:1])
+    with pytest.raises(ValueError, match=r"\[T, 2d\]"):
+        act_shrink(torch.randn(5, 63, device=DEV), store[:, :, :32], info, ranks[:1])
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.skipif(INTERPRETING or DEV is not None, reason="kernels run in this process already")
+def test_kernels_under_interpreter() -> None:
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "not interpreter"], cwd=REPO, env=_env(TRITON_INTERPRET="1"), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout and " skipped" not in proc.stdout, \
+        proc.stdout[-3000:]
