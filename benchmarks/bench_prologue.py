@@ -29,6 +29,7 @@ from engine.lora.punica import group_tokens
 from kernels import lora_triton
 from kernels.fused import rms_norm, silu_and_mul
 from kernels.lora_prologue import act_shrink, norm_shrink
+from kernels.lora_triton import TokenGroups
 
 # (K, slice widths) of qkv, gate_up and down in Qwen3-8B at TP=1; QUICK: small enough for the interpreter
 SHAPES = {"qkv": (4096, [4096, 1024, 1024]), "gate_up": (4096, [12288, 12288]), "down": (12288, [4096])}
@@ -48,6 +49,35 @@ class Site:
         self.b = [b_store[:, :, o:o + n].transpose(1, 2) for o, n in zip(offs, sizes)]
         self.offsets = offs
         self.ranks = torch.full((len(sizes), slots), r_max, dtype=torch.int32, device=dev)
+
+
+def layer(site: dict[str, Site], mode: str, x: torch.Tensor, res: torch.Tensor, gu: torch.Tensor,
+          norm_w: torch.Tensor, info: TokenGroups) -> list[torch.Tensor]:
+    """One decoder layer's three sites in one mode (base, separate, joined); returns their outputs."""
+    outs = []
+    for name in ("qkv", "gate_up"):
+        s = site[name]
+        if mode == "joined":
+            y, _, buf = norm_shrink(x, norm_w, 1e-6, False, res, s.a, info, s.ranks)
+        else:
+            y, _ = rms_norm(x, norm_w, 1e-6, False, res, "triton")
+        out = y @ s.w
+        if mode == "separate":
+            buf = lora_triton.shrink_partials(y, s.a, info, s.ranks)
+        if mode != "base":
+            lora_triton.expand_partials(out, buf, s.b, info, s.offsets, s.ranks)
+        outs.append(out)
+    s = site["down"]
+    if mode == "joined":
+        y, buf = act_shrink(gu, s.a[0], info, s.ranks)
+    else:
+        y = silu_and_mul(gu, "triton")
+    out = y @ s.w
+    if mode == "separate":
+        buf = lora_triton.shrink_partials(y, s.a, info, s.ranks)
+    if mode != "base":
+        lora_triton.expand_partials(out, buf, s.b, info, s.offsets, s.ranks)
+    return [*outs, out]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,43 +108,18 @@ def main(argv: list[str] | None = None) -> int:
         gu = torch.randn(t, 2 * inter, generator=g).to(dev, dtype)
         for n in adapters:
             info = group_tokens([i % n for i in range(t)], slots, device=dev)
+            inputs = (x, res, gu, norm_w, info)
 
-            def layer(site: dict[str, Site], mode: str) -> list[torch.Tensor]:
-                outs = []
-                for name in ("qkv", "gate_up"):
-                    s = site[name]
-                    if mode == "joined":
-                        y, _, buf = norm_shrink(x, norm_w, 1e-6, False, res, s.a, info, s.ranks)
-                    else:
-                        y, _ = rms_norm(x, norm_w, 1e-6, False, res, "triton")
-                    out = y @ s.w
-                    if mode == "separate":
-                        buf = lora_triton.shrink_partials(y, s.a, info, s.ranks)
-                    if mode != "base":
-                        lora_triton.expand_partials(out, buf, s.b, info, s.offsets, s.ranks)
-                    outs.append(out)
-                s = site["down"]
-                if mode == "joined":
-                    y, buf = act_shrink(gu, s.a[0], info, s.ranks)
-                else:
-                    y = silu_and_mul(gu, "triton")
-                out = y @ s.w
-                if mode == "separate":
-                    buf = lora_triton.shrink_partials(y, s.a, info, s.ranks)
-                if mode != "base":
-                    lora_triton.expand_partials(out, buf, s.b, info, s.offsets, s.ranks)
-                return [*outs, out]
-
-            for a, b in zip(layer(sites[0], "separate"), layer(sites[0], "joined")):
+            for a, b in zip(layer(sites[0], "separate", *inputs), layer(sites[0], "joined", *inputs)):
                 ref = a.float()
                 err = (b.float() - ref).abs().max().item() / max(ref.abs().max().item(), 1e-6)
                 bad += err > 2e-2
             rec: dict[str, object] = {"bench": "prologue", "tokens": t, "adapters": n, "layers": layers,
                                       "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)}
             for mode in ("base", "separate", "joined"):
-                def step(mode: str = mode) -> None:
+                def step(mode: str = mode, inputs: tuple = inputs) -> None:
                     for site in sites:
-                        layer(site, mode)
+                        layer(site, mode, *inputs)
 
                 us = graph_time_us(step, dev, budget_s, reps=1)
                 if us is None:

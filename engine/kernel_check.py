@@ -13,7 +13,7 @@ import torch
 from engine.config import KernelConfig
 from engine.device import Kernels, detect, rank_device
 from engine.loader import CheckpointInfo, is_hybrid
-from engine.lora.punica import choose_impl
+from engine.lora.impl_check import choose_impl
 from engine.models.qwen import QwenArgs
 from engine.models.qwen3_5 import Qwen35Args
 from kernels import triton_env

@@ -21,8 +21,9 @@ from engine.layers.gdn import GatedDeltaNet
 from engine.loader import CheckpointInfo, build_model, is_hybrid, load_weights
 from engine.logits_processors import LogitsProcessors
 from engine.lora.adapter import LoRAAdapter
+from engine.lora.impl_check import choose_impl
 from engine.lora.layers import BaseLayerWithLoRA, wrap_model
-from engine.lora.punica import LoRABatch, ReferenceLoRABatch, TritonLoRABatch, build_mapping, choose_impl
+from engine.lora.punica import LoRABatch, ReferenceLoRABatch, TritonLoRABatch, build_mapping
 from engine.lora.slots import AdapterPack, SlotFiller
 from engine.protocol import SamplingParams
 from engine.sampler import MIN_TEMPERATURE, DeviceSample, Sampler, SamplerOutput, StepFuture, make_generator

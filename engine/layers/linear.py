@@ -7,6 +7,8 @@ variants pack several checkpoint tensors (gate/up, q/k/v) into one matmul.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -14,6 +16,10 @@ from engine.distributed import all_reduce, tp_rank, tp_size
 from engine.errors import WeightShapeError
 from engine.layers.quant import LinearMethod, ShardSpec, UnquantizedLinearMethod
 from kernels.int4_lora import LoRAEpilogue
+
+if TYPE_CHECKING:
+    from engine.layers.activation import SiluAndMul
+    from engine.layers.norm import RMSNorm
 
 
 def divide(a: int, b: int, what: str) -> int:
@@ -102,6 +108,12 @@ class ColumnParallelLinear(LinearBase):
     def forward_with_lora(self, x: torch.Tensor, lora: LoRAEpilogue) -> torch.Tensor | None:
         """forward() with a LoRA expand fused into the GEMM (see apply_base_with_lora)."""
         return self.apply_base_with_lora(x, self.bias, lora)
+
+    def forward_normed(self, norm: RMSNorm, h: torch.Tensor,
+                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer on norm(h (+ residual)), h (+ residual)): the LoRA wrapper joins its shrink to the norm."""
+        x, residual = norm.pair(h, residual)
+        return self(x), residual
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -220,6 +232,10 @@ class RowParallelLinear(LinearBase):
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         return all_reduce(y) if self.reduce_results else y
+
+    def forward_act(self, act: SiluAndMul, x: torch.Tensor) -> torch.Tensor:
+        """This layer on act(x): the LoRA wrapper joins its shrink to the activation."""
+        return self(act(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.reduce(self.partial(x))  # the collective: all_reduce over the TP ranks

@@ -31,3 +31,7 @@ class RMSNorm(nn.Module):
         """normed x, or (normed x + residual, x + residual) when a residual is given."""
         y, h = rms_norm(x, self.weight, self.eps, self.zero_centered, residual, self.backend)
         return y if residual is None else (y, h)
+
+    def pair(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed x (+ residual), x (+ residual)) whether or not a residual is given."""
+        return rms_norm(x, self.weight, self.eps, self.zero_centered, residual, self.backend)

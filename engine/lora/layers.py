@@ -25,6 +25,7 @@ from torch import nn
 
 from engine.distributed import all_gather, all_reduce
 from engine.forward_context import get_context
+from engine.layers.activation import SiluAndMul
 from engine.layers.linear import (
     ColumnParallelLinear,
     LinearBase,
@@ -32,6 +33,7 @@ from engine.layers.linear import (
     RowParallelLinear,
     SectionedColumnParallelLinear,
 )
+from engine.layers.norm import RMSNorm
 from engine.lora.adapter import LoRAModule
 from engine.lora.punica import Scales, SlotRanks
 from engine.lora.slots import run_copies
@@ -290,6 +292,21 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
         return y
 
 
+    def forward_normed(self, norm: RMSNorm, h: torch.Tensor,
+                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        mapping = get_context().lora
+        if mapping is not None and norm.backend == "triton" and not shrink_needs_gather(self.fully_sharded,
+                                                                                           self.tp_size):
+            ranks = self.slot_ranks()
+            joined = mapping.norm_shrink(h, residual, norm.weight, norm.eps, norm.zero_centered, self.lora_a, ranks,
+                                         self.scales)
+            if joined is not None:  # the shrink ran in the norm's launch
+                x, residual, partials = joined
+                return mapping.finish_prologue(self.base(x), partials, self.lora_b, ranks, self.offsets), residual
+        x, residual = norm.pair(h, residual)
+        return self(x), residual
+
+
 class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
     """o_proj / down_proj: the LoRA partial product joins the base partial sum before the all-reduce."""
 
@@ -337,6 +354,18 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
             else:
                 mapping.add_lora(y, x, self.lora_a, self.lora_b, ranks, [0], scales=self.scales)
         return self.base.reduce(y)
+
+
+    def forward_act(self, act: SiluAndMul, x: torch.Tensor) -> torch.Tensor:
+        mapping = get_context().lora
+        if mapping is not None and act.backend == "triton" and not self.fully_sharded:
+            ranks = self.slot_ranks()
+            joined = mapping.act_shrink(x, self.lora_a, ranks, self.scales)
+            if joined is not None:  # the shrink ran in the activation's launch
+                y, partials = joined
+                return self.base.reduce(mapping.finish_prologue(self.base.partial(y), partials, self.lora_b, ranks,
+                                                                [0]))
+        return self(act(x))
 
 
 WRAPPERS: tuple[type[BaseLayerWithLoRA], ...] = (ColumnParallelLinearWithLoRA, RowParallelLinearWithLoRA)

@@ -18,10 +18,11 @@ from typing import ClassVar, Literal
 import torch
 
 from engine.lora.token_groups import check_slots, copy_into, group_tokens, to_device
-from kernels import lora_triton, reference
+from kernels import lora_prologue, lora_triton, reference
 from kernels.int4_lora import LoRAEpilogue
+from kernels.lora_config import use_prologue
+from kernels.lora_prologue import one_store
 from kernels.lora_triton import TokenGroups
-from kernels.registry import Choice, choose
 
 LoRAImplName = Literal["reference", "triton"]
 
@@ -108,6 +109,24 @@ class LoRABatch(ABC):
                         offsets: list[int]) -> torch.Tensor:
         """The expand of an epilogue that the base GEMM could not take (its kernel for these rows fuses nothing)."""
         raise NotImplementedError(f"{type(self).__name__} makes no LoRA epilogues")
+
+    def norm_shrink(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                    zero_centered: bool, lora_a: list[torch.Tensor], ranks: SlotRanks, scales: Scales | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(y, h, partials): the RMSNorm before a wrapped layer (kernels.fused.rms_norm's y and h) with the layer's
+        shrink of y joined to it (kernels.lora_prologue), or None where this implementation or step joins nothing
+        (the caller norms, then runs add_lora). finish_prologue expands the partials."""
+        return None
+
+    def act_shrink(self, x: torch.Tensor, lora_a: list[torch.Tensor], ranks: SlotRanks, scales: Scales | None
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(y, partials): silu_and_mul(x) with the next layer's shrink of y joined to it, or None (as norm_shrink)."""
+        return None
+
+    def finish_prologue(self, y: torch.Tensor, partials: torch.Tensor, lora_b: list[torch.Tensor], ranks: SlotRanks,
+                        offsets: list[int]) -> torch.Tensor:
+        """add_lora's expand of a joined shrink's partials into the base output y. Returns y."""
+        raise NotImplementedError(f"{type(self).__name__} joins no shrink to the op before a layer")
 
     def shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks,
                a_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -315,6 +334,30 @@ class TritonLoRABatch(LoRABatch):
                         offsets: list[int]) -> torch.Tensor:
         return lora_triton.expand_partials(y, epi.h, lora_b, self.groups, offsets, epi.ranks)
 
+    def _joins(self, x: torch.Tensor, lora_a: list[torch.Tensor], scales: Scales | None) -> bool:
+        """Whether this step's shrink joins the op before the layer (decode-sized steps; not with fp8 storage or
+        the opt-in epilogue, which has its own shrink)."""
+        return (scales is None and not lora_triton.use_epilogue() and not lora_triton.nothing_to_do(self.groups)
+                and use_prologue(self.num_tokens, lora_a[0].size(1), False)
+                and lora_a[0].dtype in (x.dtype, torch.float32) and one_store(lora_a) is not None)
+
+    def norm_shrink(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                    zero_centered: bool, lora_a: list[torch.Tensor], ranks: SlotRanks, scales: Scales | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        if not self._joins(x, lora_a, scales):
+            return None
+        return lora_prologue.norm_shrink(x, weight, eps, zero_centered, residual, lora_a, self.groups, ranks.device)
+
+    def act_shrink(self, x: torch.Tensor, lora_a: list[torch.Tensor], ranks: SlotRanks, scales: Scales | None
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if len(lora_a) != 1 or not self._joins(x, lora_a, scales):
+            return None
+        return lora_prologue.act_shrink(x, lora_a[0], self.groups, ranks.device)
+
+    def finish_prologue(self, y: torch.Tensor, partials: torch.Tensor, lora_b: list[torch.Tensor], ranks: SlotRanks,
+                        offsets: list[int]) -> torch.Tensor:
+        return lora_triton.expand_partials(y, partials, lora_b, self.groups, offsets, ranks.device)
+
     def _shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks, a_scale: torch.Tensor | None
                 ) -> torch.Tensor:
         return lora_triton.lora_shrink(x, [a], self.groups, ranks.device,
@@ -336,49 +379,3 @@ def build_mapping(slots: Sequence[int], device: torch.device, impl: type[LoRABat
     if all(s < 0 for s in slots):
         return None
     return impl.build(slots, num_slots if num_slots is not None else max(slots) + 1, device)
-
-
-CHECK_TOLERANCE = {torch.float32: (1e-4, 1e-4), torch.float16: (4e-3, 4e-3), torch.bfloat16: (1.6e-2, 1e-2)}
-"""(rtol, atol relative to max|ref|) of the start-up check: fp32 differs only in summation order; 16-bit
-rounds the shrink result and the output once more than the reference (see tests/kernels/test_lora_triton.py)."""
-
-
-def choose_impl(candidates: Sequence[str], in_features: int, out_sizes: list[int], r_max: int, num_slots: int,
-                dtype: torch.dtype, device: torch.device, weight_dtype: torch.dtype | None = None
-                ) -> tuple[type[LoRABatch], Choice]:
-    """The first candidate whose add_lora matches the reference on small problems of a real layer's shapes
-    (tokens over two slots and slot -1, ranks r_max and below, rank-major B as the wrappers store it, A and B in
-    the wrappers' storage dtype `weight_dtype` (default: dtype), fp8 with its scales): a decode-sized step of 8
-    tokens and one of 72, past the column kernels' 64, so both kinds of launch are checked."""
-    wd = weight_dtype or dtype
-    g = torch.Generator().manual_seed(0)
-    s = min(num_slots, 2)
-    slots = [i % (s + 1) - 1 for i in range(72)]  # -1, 0, (1,) ...
-    x = torch.randn(len(slots), in_features, generator=g).to(dtype).to(device)
-
-    def store(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[S, rows, m] -> (storage dtype, fp8 scales [S, rows] or None)."""
-        if wd != torch.float8_e4m3fn:
-            return t.to(wd).to(device), None
-        q, sc = reference.fp8_rows(t.reshape(-1, t.size(-1)))
-        return q.view(t.shape).to(device), sc.view(t.shape[:2]).to(device)
-
-    a, sa = zip(*(store(torch.randn(num_slots, r_max, in_features, generator=g) / in_features ** 0.5)
-                  for _ in out_sizes))
-    b, sb = zip(*(store(torch.randn(num_slots, n, r_max, generator=g)) for n in out_sizes))
-    b = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in b]  # rank-major storage
-    scales = Scales(list(sa), list(sb)) if wd == torch.float8_e4m3fn else None
-    host = [[max(1, r_max // (1 + j + i)) for j in range(num_slots)] for i in range(len(out_sizes))]
-    ranks = SlotRanks(host, torch.tensor(host, dtype=torch.int32, device=device))
-    y = torch.randn(len(slots), sum(out_sizes), generator=g).to(dtype).to(device)
-    offsets = [sum(out_sizes[:i]) for i in range(len(out_sizes))]
-
-    def run(name: str) -> dict[str, torch.Tensor]:
-        out = {}
-        for t in (8, 72):
-            batch = LORA_IMPLS[name].build(slots[:t], num_slots, device)  # type: ignore[index]
-            out[f"{t} tokens"] = batch.add_lora(y[:t].clone(), x[:t], list(a), b, ranks, offsets, scales=scales)
-        return out
-
-    choice = choose("lora", candidates, run, CHECK_TOLERANCE[dtype])
-    return LORA_IMPLS[choice.chosen], choice  # type: ignore[index]

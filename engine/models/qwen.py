@@ -88,9 +88,18 @@ class QwenAttention(nn.Module):
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype, backend=kernels.fused)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        qkv = self.qkv_proj(x)
+        return self.attend(positions, self.qkv_proj(x), rotary)
+
+    def forward_normed(self, positions: torch.Tensor, norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor | None,
+                       rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(norm(h (+ residual))), h (+ residual)): the qkv LoRA wrapper joins its shrink to the norm."""
+        qkv, residual = self.qkv_proj.forward_normed(norm, h, residual)
+        return self.attend(positions, qkv, rotary), residual
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        """Attention and o_proj from the qkv projection's output."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        t = x.size(0)
+        t = qkv.size(0)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
@@ -111,7 +120,14 @@ class QwenMLP(nn.Module):
         self.act = SiluAndMul(kernels.fused)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj.forward_act(self.act, self.gate_up_proj(x))
+
+    def forward_normed(self, norm: RMSNorm, h: torch.Tensor,
+                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(norm(h (+ residual))), h (+ residual)): the norm and the activation pass to the layers after
+        them, whose LoRA wrappers join their shrinks to those launches."""
+        gate_up, residual = self.gate_up_proj.forward_normed(norm, h, residual)
+        return self.down_proj.forward_act(self.act, gate_up), residual
 
 
 class QwenDecoderLayer(nn.Module):
@@ -124,18 +140,14 @@ class QwenDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                 rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = h
-            h = self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.mix(positions, h, rotary)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h, residual = self.mix_normed(positions, h, residual, rotary)
+        return self.mlp.forward_normed(self.post_attention_layernorm, h, residual)
 
-    def mix(self, positions: torch.Tensor, h: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        """The token-mixing sublayer (attention here; hybrid layers override it)."""
-        return self.self_attn(positions, h, rotary)
+    def mix_normed(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
+                   rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input norm (the residual add joined; the first layer has no residual yet) and the token-mixing
+        sublayer (attention here; hybrid layers override it): (its output, the new residual)."""
+        return self.self_attn.forward_normed(positions, self.input_layernorm, h, residual, rotary)
 
 
 class QwenModel(nn.Module):

@@ -99,8 +99,17 @@ class GatedAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, a.head_dim, a.head_dim**-0.5, kernels.attention)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        t, hd = x.size(0), self.head_dim
-        qg, k, v = self.qkv_proj(x).split([2 * self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd], -1)
+        return self.attend(positions, self.qkv_proj(x), rotary)
+
+    def forward_normed(self, positions: torch.Tensor, norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor | None,
+                       rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        """As QwenAttention.forward_normed."""
+        qkv, residual = self.qkv_proj.forward_normed(norm, h, residual)
+        return self.attend(positions, qkv, rotary), residual
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        t, hd = qkv.size(0), self.head_dim
+        qg, k, v = qkv.split([2 * self.num_heads * hd, self.num_kv_heads * hd, self.num_kv_heads * hd], -1)
         q, gate = qg.view(t, self.num_heads, 2 * hd).split([hd, hd], dim=-1)
         kv_heads = (t, self.num_kv_heads, hd)
         o = self.attn(positions, q, k.reshape(kv_heads), v.reshape(kv_heads), rotary, self.q_norm, self.k_norm)
@@ -125,8 +134,12 @@ class HybridDecoderLayer(QwenDecoderLayer):
             self.self_attn = GatedAttention(a, quant, kernels, dtype, f"{ckpt}.self_attn")
         self.mlp = QwenMLP(a, quant, kernels, dtype, f"{ckpt}.mlp")  # type: ignore[arg-type]
 
-    def mix(self, positions: torch.Tensor, h: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        return self.linear_attn(h) if self.is_linear else self.self_attn(positions, h, rotary)
+    def mix_normed(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
+                   rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_linear:
+            return self.self_attn.forward_normed(positions, self.input_layernorm, h, residual, rotary)
+        x, residual = self.input_layernorm.pair(h, residual)
+        return self.linear_attn(x), residual
 
 
 class HybridModel(QwenModel):

@@ -2,7 +2,10 @@
 gives the logits and greedy tokens of the same engine on the torch references: the committed demo model
 (Qwen3 int4: per-head q/k norms, full rotary) and a tiny Qwen3.5 hybrid (zero-centred norms, partial rotary,
 gated query heads strided inside the fused projection). It runs under the Triton interpreter in a child
-process; on a GPU, benchmarks/gpu_engine_check.py makes the same comparison with compiled kernels."""
+process; on a GPU, benchmarks/gpu_engine_check.py makes the same comparison with compiled kernels.
+With adapters (the demo's three over mixed batches, Triton LoRA), the wrapped layers after a norm or the activation
+join their shrink to that launch (kernels.lora_prologue, counted so that the case cannot pass by falling back);
+greedy tokens equal the engine on the torch references."""
 
 from __future__ import annotations
 
@@ -35,6 +38,43 @@ for ref, got in zip(out["reference"][0], out["triton"][0]):
 assert out["reference"][1] == out["triton"][1], out
 print("ok")
 """
+
+
+LORA_CHECK = r"""
+import sys, torch
+from pathlib import Path
+from engine import KernelConfig, SamplingParams
+from kernels import lora_prologue
+from tests.helpers import make_lora_engine
+calls = {"norm_shrink": 0, "act_shrink": 0}
+for name in calls:
+    def counted(*args, _f=getattr(lora_prologue, name), _n=name):
+        calls[_n] += 1
+        return _f(*args)
+    setattr(lora_prologue, name, counted)
+demo = Path(sys.argv[1])
+adapters = {n: str(demo / "adapters" / n) for n in ("reverse", "upper", "sort")}
+prompts = [[5, 17, 42, 9, 100, 3, 77], [7, 7, 250, 31], [12, 13, 14], [99, 98, 97, 96, 95]]
+names = ["reverse", None, "sort", "upper"]
+params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+out = {}
+for backend in ("reference", "triton"):
+    with make_lora_engine(str(demo / "model"), adapters, max_loras=3, max_num_seqs=4, device="cpu",
+                          kernels=KernelConfig(fused=backend, attention=backend, lora=backend)) as e:
+        out[backend] = [r.token_ids for r in e.generate(prompts, params, names)]
+assert out["reference"] == out["triton"], out
+assert calls["norm_shrink"] > 0 and calls["act_shrink"] > 0, calls
+print("ok", calls)
+"""
+
+
+@pytest.mark.skipif(interpreter_skip_reason() is not None, reason=str(interpreter_skip_reason()))
+def test_fused_triton_lora_engine_equals_reference() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", LORA_CHECK, str(REPO / "demo")], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
 @pytest.mark.skipif(interpreter_skip_reason() is not None, reason=str(interpreter_skip_reason()))

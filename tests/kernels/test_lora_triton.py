@@ -259,9 +259,10 @@ def test_column_expand_takes_small_steps_only(monkeypatch: pytest.MonkeyPatch, n
 @needs_kernels
 @pytest.mark.parametrize("broken", [None, "_lora_expand_kernel", "_lora_expand_cols_kernel"])
 def test_start_up_check_runs_both_expands(monkeypatch: pytest.MonkeyPatch, broken: str | None) -> None:
-    """The engine's start-up check (engine.lora.punica.choose_impl) runs a decode-sized step and one past the column
+    """The engine's start-up check (engine.lora.impl_check.choose_impl) runs a decode-sized step and one past the column
     kernels' 64 tokens, so a broken split expand or a broken column expand alone sends LoRA to the reference."""
-    from engine.lora.punica import ReferenceLoRABatch, TritonLoRABatch, choose_impl
+    from engine.lora.impl_check import choose_impl
+    from engine.lora.punica import ReferenceLoRABatch, TritonLoRABatch
     from kernels import lora_triton
 
     assert DEV is not None
