@@ -133,13 +133,15 @@ def run_all() -> None:
     """Launch every Triton kernel of the project through its launcher on small CPU problems (inside
     compile_only): the engine's start-up checks of the fused ops, paged attention (a split decode with its merge
     too) and int4 (each Triton backend, the dequantization), in bfloat16 and float32; the LoRA kernels split,
-    fused, with fp8 weights, with ranks above one rank tile, with one-token programs and with the column expand."""
+    fused, with fp8 weights, with ranks above one rank tile, with one-token programs and with the column expand, and
+    the shrink joined to the RMSNorm and to silu-and-mul."""
     import torch
 
     from engine.lora.token_groups import group_tokens
     from kernels import checks, lora_triton
     from kernels.attention_triton import paged_attention_decode
     from kernels.int4 import dequant_triton
+    from kernels.lora_prologue import act_shrink, norm_shrink
 
     cpu = torch.device("cpu")
     shapes = checks.CheckShapes(hidden=256, intermediate=512, num_heads=4, num_kv_heads=2, head_dim=64,
@@ -176,6 +178,12 @@ def run_all() -> None:
         finally:
             lora_triton.CONFIG_OVERRIDES.clear()
             lora_triton.CONFIG_OVERRIDES.update(before)
+    info = group_tokens([0, 1, 2, 3, -1, 0, 1, 2], slots_n)
+    store = torch.randn(slots_n, 16, 3 * k, generator=g).to(torch.bfloat16)
+    ranks = torch.full((3, slots_n), 16, dtype=torch.int32)
+    norm_shrink(x, torch.ones(k, dtype=torch.bfloat16), 1e-6, False, x, [store[:, :, i * k:(i + 1) * k] for i in
+                                                                         range(3)], info, ranks)
+    act_shrink(torch.cat([x, x], 1), store[:, :, :k], info, ranks[:1])
 
 
 def main() -> int:
