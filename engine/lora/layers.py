@@ -291,7 +291,6 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
             mapping.expand(y, buf, self.lora_b[i], ranks.slice(i), off, b_scale=sb)
         return y
 
-
     def forward_normed(self, norm: RMSNorm, h: torch.Tensor,
                        residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         mapping = get_context().lora
@@ -354,7 +353,6 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
             else:
                 mapping.add_lora(y, x, self.lora_a, self.lora_b, ranks, [0], scales=self.scales)
         return self.base.reduce(y)
-
 
     def forward_act(self, act: SiluAndMul, x: torch.Tensor) -> torch.Tensor:
         mapping = get_context().lora
