@@ -32,7 +32,8 @@ CONFIG_OVERRIDES: dict[str, int] = _env_overrides(os.environ.get("XPULORA_LORA_C
 """Force a launch parameter (CONFIG_KEYS): fused (add_lora in one launch), epilogue (the expand inside an int4
 mma base GEMM's store, see use_epilogue), cols (the most tokens of a column expand, see use_cols), run_m (tokens of
 one slot per program: TokenGroups.block_m, set by engine.lora.token_groups.group_tokens), block_m (the token tile a
-program steps through its run in), the kernels' shrink_* / expand_* / cols_* / fused_* sizes."""
+program steps through its run in), prologue (the most tokens of a step whose shrinks join the norm / activation
+before their layers, see use_prologue), the kernels' shrink_* / expand_* / cols_* / fused_* / prologue_* sizes."""
 
 
 def block_r(r_max: int) -> int:
@@ -120,9 +121,10 @@ def expand_config(n_max: int, num_tokens: int) -> dict[str, int]:
 
 def use_prologue(num_tokens: int, r_max: int, fp8: bool) -> bool:
     """The shrink joined to the RMSNorm / silu-and-mul launch before a wrapped layer (kernels.lora_prologue) for
-    steps of up to CONFIG_OVERRIDES["prologue"] tokens (0: never; each token reads its A rows itself), ranks <= 64,
-    weights not fp8."""
-    limit = CONFIG_OVERRIDES.get("prologue", 32)
+    steps of up to CONFIG_OVERRIDES["prologue"] tokens (each token reads its A rows itself), ranks <= 64, weights
+    not fp8. Opt-in (default 0: never) until a GPU run shows it faster (docs/PERFORMANCE.md, twenty-seventh
+    session)."""
+    limit = CONFIG_OVERRIDES.get("prologue", 0)
     return 0 < num_tokens <= limit and r_max <= 64 and not fp8
 
 

@@ -44,7 +44,8 @@ LORA_CHECK = r"""
 import sys, torch
 from pathlib import Path
 from engine import KernelConfig, SamplingParams
-from kernels import lora_prologue
+from kernels import lora_config, lora_prologue
+lora_config.CONFIG_OVERRIDES["prologue"] = 32  # opt-in
 from tests.helpers import make_lora_engine
 calls = {"norm_shrink": 0, "act_shrink": 0}
 for name in calls:

@@ -162,6 +162,19 @@ def test_prologue_rejects_what_it_cannot_read() -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_prologue_is_opt_in_and_takes_small_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kernels import lora_config
+    from kernels.lora_config import use_prologue
+
+    monkeypatch.delitem(lora_config.CONFIG_OVERRIDES, "prologue", raising=False)
+    assert not use_prologue(8, 16, False)
+    monkeypatch.setitem(lora_config.CONFIG_OVERRIDES, "prologue", 32)
+    assert use_prologue(1, 16, False) and use_prologue(32, 64, False)
+    assert not use_prologue(33, 16, False) and not use_prologue(8, 128, False) and not use_prologue(8, 16, True)
+    assert not use_prologue(0, 16, False)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 @pytest.mark.skipif(INTERPRETING or DEV is not None, reason="kernels run in this process already")
 def test_kernels_under_interpreter() -> None:
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",

@@ -17,7 +17,8 @@ from engine.lora.layers import ColumnParallelLinearWithLoRA, RowParallelLinearWi
 from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
 from engine.lora.punica import LORA_IMPLS, build_mapping
-from kernels import lora_prologue
+from kernels import lora_config, lora_prologue
+lora_config.CONFIG_OVERRIDES["prologue"] = 32  # opt-in
 calls = {"norm_shrink": 0, "act_shrink": 0}
 for name in calls:
     def counted(*args, _f=getattr(lora_prologue, name), _n=name):
