@@ -1,10 +1,15 @@
 """The LoRA shrink joined to the RMSNorm / silu-and-mul launch (kernels.lora_prologue) vs the separate ops.
 
-Oracles: y and h equal kernels.fused's Triton op bit for bit (same formula, same rounding) and the torch reference
-within two bf16 ulps (test_fused's tolerance: the interpreter's float32 -> bf16 conversion rounds differently); the partials summed over their K chunks equal kernels.reference.lora_shrink of that y (float32
-products, order differs: the tolerances of test_lora_triton); expanded, the layer's output equals the reference's
-shrink + expand of the reference's y. A's padding past each rank is garbage, so a missed rank mask shows.
-Compiled on an accelerator; on the CPU in a child pytest under TRITON_INTERPRET=1 (test_kernels_under_interpreter).
+Oracles:
+- y and h against kernels.fused's Triton ops: h and silu-and-mul's y bit for bit; the norm's y within an ulp (its
+  mean of squares sums in another order on a GPU: the float32 cases failed bit-equality on an H100);
+- the torch reference within two bf16 ulps (test_fused's tolerance: the interpreter's float32 -> bf16 conversion
+  rounds differently);
+- the partials summed over their K chunks against kernels.reference.lora_shrink of that y (float32 products, the
+  order differs: the tolerances of test_lora_triton);
+- expanded, the layer's output against the reference's shrink + expand of the reference's y.
+A's padding past each rank is garbage, so a missed rank mask shows. Compiled on an accelerator; on the CPU in a
+child pytest under TRITON_INTERPRET=1 (test_kernels_under_interpreter).
 """
 
 from __future__ import annotations
@@ -99,7 +104,9 @@ def test_norm_shrink_matches_separate_ops(monkeypatch: pytest.MonkeyPatch, dtype
                             ranks)
     assert buf.shape[1:] == (n_slices, len(p["slots"]), 16) and (split is None or buf.size(0) == split)
     y_t, h_t = rms_norm(xd, w.to(DEV), 1e-6, zero_centered, rd, "triton")
-    assert torch.equal(y, y_t) and torch.equal(h, h_t), "y / h differ from the Triton RMSNorm"
+    assert torch.equal(h, h_t), "h differs from the Triton RMSNorm's"
+    # y: the mean of squares sums in another order (4 warps here, 1-8 there): an ulp of float32 or of bf16 apart
+    assert_close_rel(y, y_t, (2e-6, 1e-6) if dtype == torch.float32 else (8e-3, 4e-3), "y vs the Triton RMSNorm")
     y_ref, h_ref = reference.rms_norm(x, w, 1e-6, zero_centered, res)
     assert_close_rel(h, h_ref, TOLERANCES[dtype], "h")
     assert_close_rel(y, y_ref, TOLERANCES[dtype], "y")
