@@ -9,11 +9,13 @@ down).
 Program (token, K chunk): it computes its chunk of y (the norm's whole row first, for the mean of squares), stores
 it, and multiplies it by its slot's A rows below each slice's rank. buf is the split shrink's partial buffer
 [split_k, n_slices, T, r_max]: kernels.lora_triton.expand_partials sums it in a fixed order and expands it. Rows
-with slot -1 and columns past a rank are not written (the expand never reads them). y and h round exactly as
-kernels.fused_triton's separate kernels do; the products are y's rounded values times A in float32.
+with slot -1 and columns past a rank are not written (the expand never reads them). y and h round as
+kernels.fused_triton's separate kernels do (the norm's mean of squares may sum in another order: an ulp); the
+products are y's rounded values times A in float32.
 
-Each token reads its A rows itself (a slot's A once per token, from the cache after the first), so this pays only
-where a step has few tokens: kernels.lora_config.use_prologue.
+Each token reads its A rows itself (a slot's A once per token, from the cache after the first), so this can pay only
+where a step has few tokens. Opt-in (kernels.lora_config.use_prologue): on an H100 it saved 2 % of a 32-adapter
+decode step and nothing with one adapter (docs/PERFORMANCE.md, twenty-seventh session).
 """
 
 from __future__ import annotations
