@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from engine import (
     CacheConfig,
@@ -95,3 +95,21 @@ def as_tp_rank(rank: int, size: int) -> Iterator[None]:
         yield
     finally:
         distributed._GROUP = saved
+
+
+def count_calls(module: object, names: list[str]) -> dict[str, int]:
+    """Wrap each function `names` of `module` (looked up through the module at call time by its callers) with a
+    counter; returns the live counts. For checks that a fast path ran rather than its fallback."""
+    calls = dict.fromkeys(names, 0)
+
+    def counter(name: str) -> Callable[..., object]:
+        f = getattr(module, name)
+
+        def counted(*args: object) -> object:
+            calls[name] += 1
+            return f(*args)
+        return counted
+
+    for name in names:
+        setattr(module, name, counter(name))
+    return calls

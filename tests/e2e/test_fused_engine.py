@@ -45,14 +45,10 @@ import sys, torch
 from pathlib import Path
 from engine import KernelConfig, SamplingParams
 from kernels import lora_config, lora_prologue
+from tests.helpers import count_calls
 lora_config.CONFIG_OVERRIDES["prologue"] = 32  # opt-in
 from tests.helpers import make_lora_engine
-calls = {"norm_shrink": 0, "act_shrink": 0}
-for name in calls:
-    def counted(*args, _f=getattr(lora_prologue, name), _n=name):
-        calls[_n] += 1
-        return _f(*args)
-    setattr(lora_prologue, name, counted)
+calls = count_calls(lora_prologue, ["norm_shrink", "act_shrink"])
 demo = Path(sys.argv[1])
 adapters = {n: str(demo / "adapters" / n) for n in ("reverse", "upper", "sort")}
 prompts = [[5, 17, 42, 9, 100, 3, 77], [7, 7, 250, 31], [12, 13, 14], [99, 98, 97, 96, 95]]

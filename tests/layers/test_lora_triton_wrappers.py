@@ -18,13 +18,9 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.norm import RMSNorm
 from engine.lora.punica import LORA_IMPLS, build_mapping
 from kernels import lora_config, lora_prologue
+from tests.helpers import count_calls
 lora_config.CONFIG_OVERRIDES["prologue"] = 32  # opt-in
-calls = {"norm_shrink": 0, "act_shrink": 0}
-for name in calls:
-    def counted(*args, _f=getattr(lora_prologue, name), _n=name):
-        calls[_n] += 1
-        return _f(*args)
-    setattr(lora_prologue, name, counted)
+calls = count_calls(lora_prologue, ["norm_shrink", "act_shrink"])
 g = torch.Generator().manual_seed(0)
 norm, act = RMSNorm(64, 1e-6, torch.float32, backend="triton"), SiluAndMul("triton")
 norm.weight.data.copy_(torch.rand(64, generator=g) + 0.5)
