@@ -70,7 +70,26 @@ class QwenArgs:
         )
 
 
-class QwenAttention(nn.Module):
+class QKVAttention(nn.Module):
+    """An attention sublayer that starts with its qkv projection (`qkv_proj`) and ends in `attend`."""
+
+    qkv_proj: QKVParallelLinear
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        return self.attend(positions, self.qkv_proj(x), rotary)
+
+    def forward_normed(self, positions: torch.Tensor, norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor | None,
+                       rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward(norm(h (+ residual))), h (+ residual)): the qkv LoRA wrapper joins its shrink to the norm."""
+        qkv, residual = self.qkv_proj.forward_normed(norm, h, residual)
+        return self.attend(positions, qkv, rotary), residual
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        """Attention and o_proj from the qkv projection's output."""
+        raise NotImplementedError
+
+
+class QwenAttention(QKVAttention):
     def __init__(self, a: QwenArgs, quant: QuantConfig, kernels: Kernels, dtype: torch.dtype, prefix: str) -> None:
         super().__init__()
         names = [f"{prefix}.{n}" for n in ("q_proj", "k_proj", "v_proj")]
@@ -87,17 +106,7 @@ class QwenAttention(nn.Module):
             self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype, backend=kernels.fused)
             self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype, backend=kernels.fused)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(x), rotary)
-
-    def forward_normed(self, positions: torch.Tensor, norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor | None,
-                       rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
-        """(forward(norm(h (+ residual))), h (+ residual)): the qkv LoRA wrapper joins its shrink to the norm."""
-        qkv, residual = self.qkv_proj.forward_normed(norm, h, residual)
-        return self.attend(positions, qkv, rotary), residual
-
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        """Attention and o_proj from the qkv projection's output."""
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = qkv.size(0)
         q = q.reshape(t, self.num_heads, self.head_dim)

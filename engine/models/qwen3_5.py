@@ -23,7 +23,7 @@ from engine.layers.linear import QKVParallelLinear, RowParallelLinear, divide
 from engine.layers.norm import RMSNorm
 from engine.layers.quant import QuantConfig
 from engine.layers.rotary import RotaryEmbedding, rope_theta_of
-from engine.models.qwen import QwenDecoderLayer, QwenForCausalLM, QwenMLP, QwenModel
+from engine.models.qwen import QKVAttention, QwenDecoderLayer, QwenForCausalLM, QwenMLP, QwenModel
 
 HYBRID_ARCHS = ("qwen3_5", "qwen3_5_text")
 
@@ -80,7 +80,7 @@ class Qwen35Args:
             ckpt_prefix="model.language_model" if hf.get("model_type") == "qwen3_5" else "model")
 
 
-class GatedAttention(nn.Module):
+class GatedAttention(QKVAttention):
     """Full attention whose q_proj also yields a per-head output gate: out = attn * sigmoid(gate)."""
 
     def __init__(self, a: Qwen35Args, quant: QuantConfig, kernels: Kernels, dtype: torch.dtype, ckpt: str) -> None:
@@ -97,15 +97,6 @@ class GatedAttention(nn.Module):
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype, zero_centered=True, backend=kernels.fused)
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype, zero_centered=True, backend=kernels.fused)
         self.attn = Attention(self.num_heads, self.num_kv_heads, a.head_dim, a.head_dim**-0.5, kernels.attention)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(x), rotary)
-
-    def forward_normed(self, positions: torch.Tensor, norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor | None,
-                       rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
-        """As QwenAttention.forward_normed."""
-        qkv, residual = self.qkv_proj.forward_normed(norm, h, residual)
-        return self.attend(positions, qkv, rotary), residual
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         t, hd = qkv.size(0), self.head_dim
