@@ -13,19 +13,31 @@ __all__ = ["rms_norm_triton", "rope_write_kv_triton", "silu_and_mul_triton", "wr
 if triton is not None:
 
     @triton.jit
+    def _residual_add(x_ptrs, r_ptrs, mask, HAS_RES: tl.constexpr):
+        """h = x (+ r: summed in float32, rounded to x's dtype)."""
+        h = tl.load(x_ptrs, mask=mask, other=0.0)
+        if HAS_RES:
+            h = (h.to(tl.float32) + tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)).to(h.dtype)
+        return h
+
+    @triton.jit
+    def _inv_rms(h, D, eps):
+        """1 / sqrt(mean(h^2) + eps) over a row of D values (h's masked lanes hold 0), in float32."""
+        hf = h.to(tl.float32)
+        return 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / D + eps)
+
+    @triton.jit
     def _rms_norm_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, D, stride_x, stride_r, eps,
                          HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_D: tl.constexpr):
         """h = x[row] (+ r[row], rounded to x's dtype); y[row] = h * rsqrt(mean(h^2) + eps) * w."""
         row = tl.program_id(0).to(tl.int64)  # row * stride may pass 2^31 elements
         offs = tl.arange(0, BLOCK_D)
         mask = offs < D
-        h = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        h = _residual_add(x_ptr + row * stride_x + offs, r_ptr + row * stride_r + offs, mask, HAS_RES)
         if HAS_RES:
-            r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
-            h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
             tl.store(h_ptr + row * D + offs, h, mask=mask)
         hf = h.to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / D + eps)
+        inv = _inv_rms(h, D, eps)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if ZERO_CENTERED:
             w += 1.0

@@ -29,6 +29,9 @@ from kernels.lora_config import prologue_config
 from kernels.lora_triton import TokenGroups, _require_triton
 from kernels.triton_env import tl, triton
 
+if triton is not None:
+    from kernels.fused_triton import _inv_rms, _residual_add
+
 __all__ = ["act_shrink", "norm_shrink", "one_store"]
 
 if triton is not None:
@@ -63,11 +66,7 @@ if triton is not None:
         slot = tl.load(slot_ptr + t)  # issued first: the A rows wait on it
         offs = tl.arange(0, BLOCK_D)
         m = offs < D
-        h = tl.load(x_ptr + t * stride_x + offs, mask=m, other=0.0)
-        if HAS_RES:
-            h = (h.to(tl.float32) + tl.load(r_ptr + t * stride_r + offs, mask=m, other=0.0).to(tl.float32)).to(h.dtype)
-        hf = h.to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(hf * hf, axis=0) / D + eps)
+        inv = _inv_rms(_residual_add(x_ptr + t * stride_x + offs, r_ptr + t * stride_r + offs, m, HAS_RES), D, eps)
         lora = slot >= 0
         slot64 = tl.maximum(slot, 0).to(tl.int64)
         ranks = rank_ptr + slot64 * stride_rt
@@ -75,10 +74,8 @@ if triton is not None:
         for k0 in range(kc * KC, tl.minimum(kc * KC + KC, D), BK):
             offs_k = k0 + tl.arange(0, BK)
             mk = offs_k < D
-            hk = tl.load(x_ptr + t * stride_x + offs_k, mask=mk, other=0.0)
+            hk = _residual_add(x_ptr + t * stride_x + offs_k, r_ptr + t * stride_r + offs_k, mk, HAS_RES)
             if HAS_RES:
-                rk = tl.load(r_ptr + t * stride_r + offs_k, mask=mk, other=0.0)
-                hk = (hk.to(tl.float32) + rk.to(tl.float32)).to(hk.dtype)
                 tl.store(h_ptr + t * D + offs_k, hk, mask=mk)
             w = tl.load(w_ptr + offs_k, mask=mk, other=0.0).to(tl.float32)
             if ZERO_CENTERED:
