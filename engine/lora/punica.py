@@ -337,8 +337,8 @@ class TritonLoRABatch(LoRABatch):
     def _joins(self, x: torch.Tensor, lora_a: list[torch.Tensor], scales: Scales | None) -> bool:
         """Whether this step's shrink joins the op before the layer (decode-sized steps; not with fp8 storage or
         the opt-in epilogue, which has its own shrink)."""
-        return (scales is None and not lora_triton.use_epilogue() and not lora_triton.nothing_to_do(self.groups)
-                and use_prologue(self.num_tokens, lora_a[0].size(1), False)
+        return (use_prologue(self.num_tokens, lora_a[0].size(1), scales is not None)  # first: off by default
+                and not lora_triton.use_epilogue() and not lora_triton.nothing_to_do(self.groups)
                 and lora_a[0].dtype in (x.dtype, torch.float32) and one_store(lora_a) is not None)
 
     def norm_shrink(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
