@@ -18,14 +18,19 @@ def _check(backend: str) -> None:
         raise ValueError(f"unknown fused-op backend {backend!r}; available: {', '.join(FUSED_BACKENDS)}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
-             residual: torch.Tensor | None, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, h) of kernels.reference.rms_norm: h = x (+ residual), y = normed h."""
-    _check(backend)
+def check_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> None:
+    """weight [D] contiguous for x [..., D]; a residual of x's shape and dtype."""
     if (weight.shape != (x.size(-1),) or not weight.is_contiguous()
             or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype))):
         raise ValueError(f"rms_norm: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} (contiguous), "
                          f"residual {None if residual is None else (tuple(residual.shape), residual.dtype)}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool,
+             residual: torch.Tensor | None, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h) of kernels.reference.rms_norm: h = x (+ residual), y = normed h."""
+    _check(backend)
+    check_rms_norm(x, weight, residual)
     if backend == "triton":
         from kernels.fused_triton import rms_norm_triton
 

@@ -113,15 +113,20 @@ if triton is not None:
                         BLOCK_P)
 
     @triton.jit
+    def _silu_mul(g_ptrs, D, mask, out_dtype: tl.constexpr):
+        """silu(g) * u with u = g_ptrs[D], the silu rounded to u's dtype first (as torch does), in out_dtype."""
+        g = tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(g_ptrs + D, mask=mask, other=0.0)
+        silu = (g / (1.0 + tl.exp(-g))).to(u.dtype).to(tl.float32)
+        return (silu * u.to(tl.float32)).to(out_dtype)
+
+    @triton.jit
     def _silu_and_mul_kernel(x_ptr, y_ptr, D, stride_x, BLOCK: tl.constexpr):
         """y[t, d] = silu(x[t, d]) * x[t, D + d], the silu rounded to x's dtype first (as torch does)."""
         t = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = offs < D
-        g = tl.load(x_ptr + t * stride_x + offs, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + t * stride_x + D + offs, mask=m, other=0.0)
-        silu = (g / (1.0 + tl.exp(-g))).to(u.dtype).to(tl.float32)
-        tl.store(y_ptr + t * D + offs, (silu * u.to(tl.float32)).to(y_ptr.dtype.element_ty), mask=m)
+        tl.store(y_ptr + t * D + offs, _silu_mul(x_ptr + t * stride_x + offs, D, m, y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, W, stride_k, stride_v, BLOCK: tl.constexpr):

@@ -24,28 +24,31 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.lora_checks import check_ranks
+from kernels.fused import check_rms_norm
+from kernels.lora_checks import check_ranks, check_shrink
 from kernels.lora_config import prologue_config
 from kernels.lora_triton import TokenGroups, _require_triton
 from kernels.triton_env import tl, triton
 
-if triton is not None:
-    from kernels.fused_triton import _inv_rms, _residual_add
-
 __all__ = ["act_shrink", "norm_shrink", "one_store"]
 
 if triton is not None:
+    from kernels.fused_triton import _inv_rms, _residual_add, _silu_mul
 
     @triton.jit
-    def _shrink_chunk(acc, yk, offs_k, mask_k, a_ptr, slot, rank_ptr, stride_as, stride_ar, slice_stride, stride_rs,
-                      NUM_SLICES: tl.constexpr, S_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
-        """acc[s * BLOCK_R + r] += sum_k yk[k] * A_s[slot, r, k] for r below slice s's rank (rows j = s * BLOCK_R + r
-        of one [S_PAD * BLOCK_R, BK] tile: the slices are column ranges of one store, slice_stride apart)."""
+    def _slot_rows(a_ptr, slot, rank_ptr, stride_as, stride_ar, slice_stride, stride_rs, NUM_SLICES: tl.constexpr,
+                   S_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
+        """(row pointers, row mask) of a slot's A rows below each slice's rank: row j = s * BLOCK_R + r of one
+        [S_PAD * BLOCK_R, BK] tile (the slices are column ranges of one store, slice_stride apart)."""
         j = tl.arange(0, S_PAD * BLOCK_R)
         s, r = j // BLOCK_R, j % BLOCK_R
         rank = tl.load(rank_ptr + s * stride_rs, mask=s < NUM_SLICES, other=0)
-        rows = a_ptr + slot * stride_as + s.to(tl.int64) * slice_stride + r * stride_ar
-        at = tl.load(rows[:, None] + offs_k[None, :], mask=(r < rank)[:, None] & mask_k[None, :], other=0.0)
+        return a_ptr + slot * stride_as + s.to(tl.int64) * slice_stride + r * stride_ar, r < rank
+
+    @triton.jit
+    def _shrink_chunk(acc, yk, offs_k, mask_k, rows, mask_r):
+        """acc[j] += sum_k yk[k] * A[row j, k] over this K chunk (rows, mask_r: _slot_rows)."""
+        at = tl.load(rows[:, None] + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :], other=0.0)
         return acc + tl.sum(at.to(tl.float32) * yk.to(tl.float32)[None, :], axis=1)
 
     @triton.jit
@@ -58,7 +61,7 @@ if triton is not None:
 
     @triton.jit
     def _norm_shrink_kernel(x_ptr, r_ptr, w_ptr, y_ptr, h_ptr, a_ptr, buf_ptr, rank_ptr, slot_ptr,
-                            D, KC, stride_x, stride_r, eps, R_MAX, num_slots, stride_as, stride_ar, slice_stride,
+                            D, KC, stride_x, stride_r, eps, R_MAX, stride_as, stride_ar, slice_stride,
                             stride_bk, stride_bs, stride_bt, stride_rs, stride_rt,
                             HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_D: tl.constexpr,
                             BK: tl.constexpr, NUM_SLICES: tl.constexpr, S_PAD: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -69,7 +72,8 @@ if triton is not None:
         inv = _inv_rms(_residual_add(x_ptr + t * stride_x + offs, r_ptr + t * stride_r + offs, m, HAS_RES), D, eps)
         lora = slot >= 0
         slot64 = tl.maximum(slot, 0).to(tl.int64)
-        ranks = rank_ptr + slot64 * stride_rt
+        rows, mask_r = _slot_rows(a_ptr, slot64, rank_ptr + slot64 * stride_rt, stride_as, stride_ar, slice_stride,
+                                  stride_rs, NUM_SLICES, S_PAD, BLOCK_R)
         acc = tl.zeros((S_PAD * BLOCK_R,), dtype=tl.float32)
         for k0 in range(kc * KC, tl.minimum(kc * KC + KC, D), BK):
             offs_k = k0 + tl.arange(0, BK)
@@ -83,8 +87,7 @@ if triton is not None:
             yk = (hk.to(tl.float32) * inv * w).to(y_ptr.dtype.element_ty)
             tl.store(y_ptr + t * D + offs_k, yk, mask=mk)
             if lora:
-                acc = _shrink_chunk(acc, yk, offs_k, mk, a_ptr, slot64, ranks, stride_as, stride_ar, slice_stride,
-                                    stride_rs, NUM_SLICES, S_PAD, BLOCK_R)
+                acc = _shrink_chunk(acc, yk, offs_k, mk, rows, mask_r)
         if lora:
             _store_partial(acc, buf_ptr, kc, t, stride_bk, stride_bs, stride_bt, R_MAX, NUM_SLICES, S_PAD, BLOCK_R)
 
@@ -95,18 +98,16 @@ if triton is not None:
         slot = tl.load(slot_ptr + t)
         lora = slot >= 0
         slot64 = tl.maximum(slot, 0).to(tl.int64)
+        rows, mask_r = _slot_rows(a_ptr, slot64, rank_ptr + slot64 * stride_rt, stride_as, stride_ar, 0, 0, 1, 1,
+                                  BLOCK_R)
         acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for k0 in range(kc * KC, tl.minimum(kc * KC + KC, D), BK):
             offs_k = k0 + tl.arange(0, BK)
             mk = offs_k < D
-            g = tl.load(x_ptr + t * stride_x + offs_k, mask=mk, other=0.0).to(tl.float32)
-            u = tl.load(x_ptr + t * stride_x + D + offs_k, mask=mk, other=0.0)
-            silu = (g / (1.0 + tl.exp(-g))).to(u.dtype).to(tl.float32)
-            yk = (silu * u.to(tl.float32)).to(y_ptr.dtype.element_ty)
+            yk = _silu_mul(x_ptr + t * stride_x + offs_k, D, mk, y_ptr.dtype.element_ty)
             tl.store(y_ptr + t * D + offs_k, yk, mask=mk)
             if lora:
-                acc = _shrink_chunk(acc, yk, offs_k, mk, a_ptr, slot64, rank_ptr + slot64 * stride_rt, stride_as,
-                                    stride_ar, 0, 0, 1, 1, BLOCK_R)
+                acc = _shrink_chunk(acc, yk, offs_k, mk, rows, mask_r)
         if lora:
             _store_partial(acc, buf_ptr, kc, t, stride_bk, 0, stride_bt, R_MAX, 1, 1, BLOCK_R)
 
@@ -121,24 +122,17 @@ def one_store(lora_a: Sequence[torch.Tensor]) -> int | None:
     return step
 
 
-def _check(what: str, k: int, lora_a: Sequence[torch.Tensor], info: TokenGroups, ranks: torch.Tensor,
-           x: torch.Tensor) -> torch.Tensor:
-    """The A slices (one store, 16-bit as x or float32, r_max <= 64), the step's info and the ranks; returns the
-    ranks."""
+def _check(what: str, x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGroups, ranks: torch.Tensor
+           ) -> tuple[torch.Tensor, int]:
+    """lora_triton's shrink checks for x [T, K] (the op's output's shape) plus what these kernels need: A 16-bit as
+    x or float32, r_max <= 64, the slices column ranges of one store. Returns (ranks, the slices' distance)."""
+    check_shrink(x, lora_a, info)
     a0 = lora_a[0]
-    if a0.dim() != 3 or a0.size(2) != k or a0.stride(2) != 1 or a0.device != x.device:
-        raise ValueError(f"{what}: A must be [S, r_max, {k}] contiguous in K on {x.device}, got {tuple(a0.shape)}")
-    if any(a.shape != a0.shape or a.stride() != a0.stride() or a.dtype != a0.dtype for a in lora_a):
-        raise ValueError(f"{what}: every slice's A must match {tuple(a0.shape)} {a0.stride()} {a0.dtype}")
-    if a0.dtype not in (x.dtype, torch.float32) or a0.size(1) > 64:
-        raise ValueError(f"{what}: A must be {x.dtype} or float32 with r_max <= 64, got {a0.dtype} r_max "
-                         f"{a0.size(1)}")
-    if one_store(lora_a) is None:
-        raise ValueError(f"{what}: the slices' A must be consecutive column ranges of one store")
-    if info.num_slots != a0.size(0) or info.num_tokens != x.size(0) or info.meta.device != x.device:
-        raise ValueError(f"{what}: info is for {info.num_tokens} tokens of {info.num_slots} slots on "
-                         f"{info.meta.device}; x {tuple(x.shape)} on {x.device}, A has {a0.size(0)} slots")
-    return check_ranks(ranks, len(lora_a), info.num_slots, x.device)
+    step = one_store(lora_a)
+    if a0.dtype not in (x.dtype, torch.float32) or a0.size(1) > 64 or step is None:
+        raise ValueError(f"{what}: A must be {x.dtype} or float32 with r_max <= 64, its slices consecutive column "
+                         f"ranges of one store; got {a0.dtype} r_max {a0.size(1)}")
+    return check_ranks(ranks, len(lora_a), info.num_slots, x.device), step
 
 
 def _buffer(split: int, n_slices: int, t: int, r_max: int, device: torch.device) -> torch.Tensor:
@@ -154,12 +148,10 @@ def norm_shrink(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered
     S] int32 (the A side's)."""
     _require_triton()
     t, d = x.shape
-    if (x.stride(1) != 1 or weight.shape != (d,) or not weight.is_contiguous()
-            or (residual is not None and (residual.shape != x.shape or residual.stride(1) != 1
-                                          or residual.dtype != x.dtype))):
-        raise ValueError(f"norm_shrink: x {tuple(x.shape)}, weight {tuple(weight.shape)}, residual "
-                         f"{None if residual is None else tuple(residual.shape)}")
-    r = _check("norm_shrink", d, lora_a, info, ranks, x)
+    check_rms_norm(x, weight, residual)
+    if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
+        raise ValueError("norm_shrink: x and the residual must be contiguous in their last dim")
+    r, step = _check("norm_shrink", x, lora_a, info, ranks)
     n_slices, (_, r_max, _) = len(lora_a), lora_a[0].shape
     cfg = prologue_config(d, r_max)
     y = torch.empty_like(x)
@@ -170,7 +162,7 @@ def norm_shrink(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered
         res = residual if residual is not None else x
         _norm_shrink_kernel[(t, cfg["split_k"])](
             x, res, weight, y, h, a0, buf, r, info.part(0), d, cfg["k_per_split"], x.stride(0), res.stride(0), eps,
-            r_max, info.num_slots, a0.stride(0), a0.stride(1), one_store(lora_a), buf.stride(0), buf.stride(1),
+            r_max, a0.stride(0), a0.stride(1), step, buf.stride(0), buf.stride(1),
             buf.stride(2), r.stride(0), r.stride(1),
             HAS_RES=residual is not None, ZERO_CENTERED=zero_centered, BLOCK_D=triton.next_power_of_2(d),
             BK=cfg["block_k"], NUM_SLICES=n_slices, S_PAD=triton.next_power_of_2(n_slices), BLOCK_R=cfg["block_r"],
@@ -188,7 +180,7 @@ def act_shrink(x: torch.Tensor, lora_a: torch.Tensor, info: TokenGroups, ranks: 
     if x.stride(1) != 1 or d2 % 2:
         raise ValueError(f"act_shrink: x must be [T, 2d] with its last dim contiguous, got {tuple(x.shape)}")
     d = d2 // 2
-    r = _check("act_shrink", d, [lora_a], info, ranks, x)
+    r, _ = _check("act_shrink", x[:, :d], [lora_a], info, ranks)
     r_max = lora_a.size(1)
     cfg = prologue_config(d, r_max)
     y = torch.empty(t, d, dtype=x.dtype, device=x.device)
