@@ -29,7 +29,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """normed x, or (normed x + residual, x + residual) when a residual is given."""
-        y, h = rms_norm(x, self.weight, self.eps, self.zero_centered, residual, self.backend)
+        y, h = self.pair(x, residual)
         return y if residual is None else (y, h)
 
     def pair(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -75,12 +75,10 @@ class QKVAttention(nn.Module):
 
     qkv_proj: QKVParallelLinear
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        return self.attend(positions, self.qkv_proj(x), rotary)
-
-    def forward_normed(self, positions: torch.Tensor, norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor | None,
-                       rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
-        """(forward(norm(h (+ residual))), h (+ residual)): the qkv LoRA wrapper joins its shrink to the norm."""
+    def forward(self, positions: torch.Tensor, norm: RMSNorm, h: torch.Tensor, residual: torch.Tensor | None,
+                rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the sublayer on norm(h (+ residual)), h (+ residual)): the norm passes to the qkv projection, whose LoRA
+        wrapper joins its shrink to it."""
         qkv, residual = self.qkv_proj.forward_normed(norm, h, residual)
         return self.attend(positions, qkv, rotary), residual
 
@@ -128,12 +126,9 @@ class QwenMLP(nn.Module):
                                            f"{prefix}.down_proj")
         self.act = SiluAndMul(kernels.fused)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward_act(self.act, self.gate_up_proj(x))
-
-    def forward_normed(self, norm: RMSNorm, h: torch.Tensor,
-                       residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(forward(norm(h (+ residual))), h (+ residual)): the norm and the activation pass to the layers after
+    def forward(self, norm: RMSNorm, h: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP on norm(h (+ residual)), h (+ residual)): the norm and the activation pass to the layers after
         them, whose LoRA wrappers join their shrinks to those launches."""
         gate_up, residual = self.gate_up_proj.forward_normed(norm, h, residual)
         return self.down_proj.forward_act(self.act, gate_up), residual
@@ -150,13 +145,13 @@ class QwenDecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                 rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.mix_normed(positions, h, residual, rotary)
-        return self.mlp.forward_normed(self.post_attention_layernorm, h, residual)
+        return self.mlp(self.post_attention_layernorm, h, residual)
 
     def mix_normed(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                    rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
         """The input norm (the residual add joined; the first layer has no residual yet) and the token-mixing
         sublayer (attention here; hybrid layers override it): (its output, the new residual)."""
-        return self.self_attn.forward_normed(positions, self.input_layernorm, h, residual, rotary)
+        return self.self_attn(positions, self.input_layernorm, h, residual, rotary)
 
 
 class QwenModel(nn.Module):

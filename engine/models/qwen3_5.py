@@ -128,7 +128,7 @@ class HybridDecoderLayer(QwenDecoderLayer):
     def mix_normed(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                    rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_linear:
-            return self.self_attn.forward_normed(positions, self.input_layernorm, h, residual, rotary)
+            return self.self_attn(positions, self.input_layernorm, h, residual, rotary)
         x, residual = self.input_layernorm.pair(h, residual)
         return self.linear_attn(x), residual
 
