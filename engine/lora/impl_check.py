@@ -18,24 +18,27 @@ rounds the shrink result and the output once more than the reference (see tests/
 
 def _after_ops(batch: LoRABatch, x: torch.Tensor, y: torch.Tensor, a: list[torch.Tensor], b: list[torch.Tensor],
                ranks: SlotRanks, offsets: list[int], scales: Scales | None) -> dict[str, torch.Tensor]:
-    """The layer after an RMSNorm (all slices) and after silu-and-mul (the first slice): the shrink joined to the op
-    where the batch joins it (LoRABatch.norm_shrink / act_shrink), else the op then add_lora."""
+    """The layer after an RMSNorm (all slices) and after silu-and-mul (the first slice), and the op's own output
+    (what the base GEMM reads): the shrink joined to the op where the batch joins it (LoRABatch.norm_shrink /
+    act_shrink), else the reference op, then add_lora."""
     w = torch.linspace(0.5, 1.5, x.size(1), dtype=x.dtype, device=x.device)
     joined = batch.norm_shrink(x, None, w, 1e-6, False, a, ranks, scales)
     if joined is None:
-        after_norm = batch.add_lora(y.clone(), reference.rms_norm(x, w, 1e-6)[0], a, b, ranks, offsets, scales=scales)
+        normed = reference.rms_norm(x, w, 1e-6)[0]
+        after_norm = batch.add_lora(y.clone(), normed, a, b, ranks, offsets, scales=scales)
     else:
-        after_norm = batch.finish_prologue(y.clone(), joined[2], b, ranks, offsets)
+        normed, after_norm = joined[0], batch.finish_prologue(y.clone(), joined[2], b, ranks, offsets)
     gu, r0, s0 = torch.cat([x, x.flip(1)], dim=1), ranks.slice(0), None
     if scales is not None:
         s0 = Scales(scales.a[:1], scales.b[:1])
     acted = batch.act_shrink(gu, a[:1], r0, s0)
     y0 = y[:, :b[0].size(1)].clone()
     if acted is None:
-        after_act = batch.add_lora(y0, reference.silu_and_mul(gu), a[:1], b[:1], r0, [0], scales=s0)
+        act = reference.silu_and_mul(gu)
+        after_act = batch.add_lora(y0, act, a[:1], b[:1], r0, [0], scales=s0)
     else:
-        after_act = batch.finish_prologue(y0, acted[1], b[:1], r0, [0])
-    return {"after a norm": after_norm, "after silu-and-mul": after_act}
+        act, after_act = acted[0], batch.finish_prologue(y0, acted[1], b[:1], r0, [0])
+    return {"norm": normed, "after a norm": after_norm, "silu-and-mul": act, "after silu-and-mul": after_act}
 
 
 def choose_impl(candidates: Sequence[str], in_features: int, out_sizes: list[int], r_max: int, num_slots: int,

@@ -168,6 +168,30 @@ def test_prologue_rejects_what_it_cannot_read() -> None:
         act_shrink(torch.randn(5, 63, device=DEV), store[:, :, :32], info, ranks[:1])
 
 
+@needs_kernels
+@pytest.mark.parametrize(("broken", "part"), [("norm_shrink", "norm"), ("act_shrink", "silu-and-mul")])
+def test_start_up_check_sees_a_wrong_joined_output(monkeypatch: pytest.MonkeyPatch, broken: str, part: str) -> None:
+    """With the joined form on, the engine's LoRA check (engine.lora.impl_check) compares the op's own output too:
+    a joined kernel whose partials are right but whose y (what the base GEMM reads) is off sends LoRA to the
+    reference."""
+    from engine.lora.impl_check import choose_impl
+    from kernels import lora_config, lora_prologue
+
+    assert DEV is not None
+    monkeypatch.setitem(lora_config.CONFIG_OVERRIDES, "prologue", 32)
+    assert choose_impl(["triton", "reference"], 64, [32, 16], 16, 4, torch.float32, DEV)[1].chosen == "triton"
+    real = getattr(lora_prologue, broken)
+
+    def wrong_y(*args: object) -> tuple[torch.Tensor, ...]:
+        out = real(*args)
+        return (out[0] * 1.5, *out[1:])
+
+    monkeypatch.setattr(lora_prologue, broken, wrong_y)
+    choice = choose_impl(["triton", "reference"], 64, [32, 16], 16, 4, torch.float32, DEV)[1]
+    assert choice.chosen == "reference" and choice.rejected[0][0] == "triton", choice
+    assert choice.rejected[0][1].startswith(f"{part}:"), choice.rejected
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_prologue_is_opt_in_and_takes_small_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from kernels import lora_config
