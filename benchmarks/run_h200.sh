@@ -258,11 +258,13 @@ case "${1:-}" in
       --lora-dtypes ${COLS_DTYPES:-model} --variants split cols 2>&1 | grep --line-buffered -E '^\{|Error' | tee "$OUT/cols_lora.txt" | grep -E '"step"|Error'
     config_ab cols "${COLS_MODES:-0 32}"
     ;;
-  prologue)  # issue 18: the LoRA shrink joined to the norm / silu-and-mul launch: its CUDA tests, then the per-layer
-              # table against the separate launches (32 tokens, 1 and 32 adapters), then 36-layer decode with it off / on
+  prologue)  # issue 18: the LoRA shrink joined to the norm / silu-and-mul launch: its CUDA tests, 36-layer decode per
+              # mode of PROLOGUE_E2E (e.g. "0 32 32,prologue_warps=8"), then the per-layer table against the separate
+              # launches (32 tokens, PROLOGUE_ADAPTERS adapters)
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_lora_prologue.py 2>&1 | tail -4 | tee "$OUT/prologue_tests.txt"
-    timeout 150 python3 benchmarks/bench_prologue.py --tokens ${PROLOGUE_TOKENS:-32} --adapters 1 8 32 2>&1 | tee "$OUT/prologue.txt"
     [ -n "${PROLOGUE_E2E:-}" ] && config_ab prologue "$PROLOGUE_E2E"
+    timeout 150 python3 benchmarks/bench_prologue.py --tokens ${PROLOGUE_TOKENS:-32} --adapters ${PROLOGUE_ADAPTERS:-1 8 32} \
+      2>&1 | tee "$OUT/prologue.txt"
     ;;
   steps18)  # issue 18: 36 layers, batch 1 and 32: no adapters with the int4 kernel auto, then with tuned also 32 adapters
             # (bf16 and fp8 storage); the 64-layer 27B-shaped hybrid at TP=1 (batch 1 and 32, graphs, tuned int4)
