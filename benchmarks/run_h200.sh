@@ -106,6 +106,20 @@ case "${1:-}" in
     if [ -n "$failed" ]; then echo "run_h200 check: FAIL ($failed )"; exit 1; fi
     echo "run_h200 check: PASS"
     ;;
+  check-short)  # check's core in ${CHECK_S:-380} s, for a call with little device time left: the pytest part and the
+                # dense engine check (batches 1 3 17) side by side; exit 1 on a failure or a timeout
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/env.txt"
+    limit=${CHECK_S:-380}
+    (timeout "$limit" python3 benchmarks/gpu_engine_check.py --only dense --batches 1 3 17 --no-sync-check \
+       --root /tmp/gpu-check-d > "$OUT/engine_check.txt" 2>&1; echo $? > /tmp/rc_engine) &
+    gpu_pytest "$limit"; rc=$?
+    wait
+    tail -n 6 "$OUT/tests.txt"; grep -hE 'PASS|FAIL|"ok": false|Error' "$OUT/engine_check.txt" | tail -n 8
+    echo "pytest rc=$rc engine rc=$(cat /tmp/rc_engine)"
+    [ $rc = 0 ] && [ "$(cat /tmp/rc_engine)" = 0 ] || { echo "run_h200 check-short: FAIL"; exit 1; }
+    echo "run_h200 check-short: PASS"
+    ;;
   pytest)  # check's pytest part alone (gpu_pytest); exit 1 on a failure
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/env.txt"
