@@ -52,6 +52,13 @@ gpu_pytest() {
     tests/e2e/test_fused_engine.py tests/e2e/test_kernel_fallback.py tests/e2e/test_lora_engine.py \
     tests/e2e/test_qwen35.py > "$OUT/tests.txt" 2>&1
 }
+# check's dense engine check (batches 1 3 17), its log in $OUT/engine_check.txt, its exit status in /tmp/rc_engine.
+# Usage: engine_dense SECONDS
+engine_dense() {
+  timeout "$1" python3 benchmarks/gpu_engine_check.py --only dense --batches 1 3 17 --no-sync-check \
+    --root /tmp/gpu-check-d > "$OUT/engine_check.txt" 2>&1
+  echo $? > /tmp/rc_engine
+}
 case "${1:-}" in
   tests)
     nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/env.txt"
@@ -86,8 +93,7 @@ case "${1:-}" in
     # The scripts run beside pytest (one GPU, ~140 GiB: room for all); each writes its own log. The engine check
     # runs in three parts side by side: on a fresh machine its first engines time the int4 shapes (auto = tuned),
     # and the dense half in one process passed 540 s once the epilogue case joined it (eleventh session).
-    (timeout $left python3 benchmarks/gpu_engine_check.py --only dense --batches 1 3 17 --no-sync-check \
-       --root /tmp/gpu-check-d > "$OUT/engine_check.txt" 2>&1; echo $? > /tmp/rc_engine; echo "engine dense 1 3 17: $SECONDS s") &
+    (engine_dense $left; echo "engine dense 1 3 17: $SECONDS s") &
     (timeout $left python3 benchmarks/gpu_engine_check.py --only dense --batches 40 --root /tmp/gpu-check-d40 \
        > "$OUT/engine_check40.txt" 2>&1; echo $? > /tmp/rc_engine40; echo "engine dense 40: $SECONDS s") &
     (timeout $left python3 benchmarks/gpu_engine_check.py --only hybrid --root /tmp/gpu-check-h > "$OUT/engine_hybrid.txt" 2>&1
@@ -111,8 +117,8 @@ case "${1:-}" in
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/env.txt"
     limit=${CHECK_S:-380}
-    (timeout "$limit" python3 benchmarks/gpu_engine_check.py --only dense --batches 1 3 17 --no-sync-check \
-       --root /tmp/gpu-check-d > "$OUT/engine_check.txt" 2>&1; echo $? > /tmp/rc_engine) &
+    rm -f /tmp/rc_engine
+    engine_dense "$limit" &
     gpu_pytest "$limit"; rc=$?
     wait
     tail -n 6 "$OUT/tests.txt"; grep -hE 'PASS|FAIL|"ok": false|Error' "$OUT/engine_check.txt" | tail -n 8
