@@ -301,7 +301,11 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
                                          self.scales)
             if joined is not None:  # the shrink ran in the norm's launch
                 x, residual, partials = joined
-                return mapping.finish_prologue(self.base(x), partials, self.lora_b, ranks, self.offsets), residual
+                epi = mapping.prologue_epilogue(partials, self.b_store, ranks, self.starts)
+                y = self.base.forward_with_lora(x, epi) if epi is not None else None  # and the expand in its store
+                if y is None:
+                    y = mapping.finish_prologue(self.base(x), partials, self.lora_b, ranks, self.offsets)
+                return y, residual
         x, residual = norm.pair(h, residual)
         return self(x), residual
 
@@ -361,8 +365,11 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
             joined = mapping.act_shrink(x, self.lora_a, ranks, self.scales)
             if joined is not None:  # the shrink ran in the activation's launch
                 y, partials = joined
-                return self.base.reduce(mapping.finish_prologue(self.base.partial(y), partials, self.lora_b, ranks,
-                                                                [0]))
+                epi = mapping.prologue_epilogue(partials, self.b_store, ranks, (0,))
+                out = self.base.partial_with_lora(y, epi) if epi is not None else None
+                if out is None:
+                    out = mapping.finish_prologue(self.base.partial(y), partials, self.lora_b, ranks, [0])
+                return self.base.reduce(out)
         return self(act(x))
 
 

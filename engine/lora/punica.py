@@ -128,6 +128,12 @@ class LoRABatch(ABC):
         """add_lora's expand of a joined shrink's partials into the base output y. Returns y."""
         raise NotImplementedError(f"{type(self).__name__} joins no shrink to the op before a layer")
 
+    def prologue_epilogue(self, partials: torch.Tensor, b_store: torch.Tensor, ranks: SlotRanks,
+                          starts: tuple[int, ...]) -> LoRAEpilogue | None:
+        """A joined shrink's partials as the base GEMM's epilogue (see lora_epilogue), so that the layer launches no
+        LoRA kernel of its own; None where this implementation fuses nothing (the caller runs finish_prologue)."""
+        return None
+
     def shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks,
                a_scale: torch.Tensor | None = None) -> torch.Tensor:
         """buf[t, :r] = x[t] @ a[slot[t], :r].T (float32 [T, a.size(1)]); slot -1 rows are zero. One slice.
@@ -335,10 +341,10 @@ class TritonLoRABatch(LoRABatch):
         return lora_triton.expand_partials(y, epi.h, lora_b, self.groups, offsets, epi.ranks)
 
     def _joins(self, x: torch.Tensor, lora_a: list[torch.Tensor], scales: Scales | None) -> bool:
-        """Whether this step's shrink joins the op before the layer (decode-sized steps; not with fp8 storage or
-        the opt-in epilogue, which has its own shrink)."""
+        """Whether this step's shrink joins the op before the layer (decode-sized steps, not with fp8 storage; with
+        the opt-in epilogue its partials go to the base GEMM's store: prologue_epilogue)."""
         return (use_prologue(self.num_tokens, lora_a[0].size(1), scales is not None)  # first: off by default
-                and not lora_triton.use_epilogue() and not lora_triton.nothing_to_do(self.groups)
+                and not lora_triton.nothing_to_do(self.groups)
                 and lora_a[0].dtype in (x.dtype, torch.float32) and one_store(lora_a) is not None)
 
     def norm_shrink(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
@@ -357,6 +363,12 @@ class TritonLoRABatch(LoRABatch):
     def finish_prologue(self, y: torch.Tensor, partials: torch.Tensor, lora_b: list[torch.Tensor], ranks: SlotRanks,
                         offsets: list[int]) -> torch.Tensor:
         return lora_triton.expand_partials(y, partials, lora_b, self.groups, offsets, ranks.device)
+
+    def prologue_epilogue(self, partials: torch.Tensor, b_store: torch.Tensor, ranks: SlotRanks,
+                          starts: tuple[int, ...]) -> LoRAEpilogue | None:
+        # _joins let no fp8 store through, and partials have the layout of shrink_partials
+        return LoRAEpilogue(partials, b_store, ranks.device, self.groups.part(0), starts) \
+            if lora_triton.use_epilogue() else None
 
     def _shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks, a_scale: torch.Tensor | None
                 ) -> torch.Tensor:

@@ -163,8 +163,13 @@ from engine.forward_context import ForwardContext, forward_context
 from engine.layers.quant import Int4LinearMethod
 from engine.lora.adapter import LoRAModule
 from engine.lora.punica import TritonLoRABatch, build_mapping
-from kernels import lora_triton
+from engine.layers.activation import SiluAndMul
+from engine.layers.norm import RMSNorm
+from kernels import lora_prologue, lora_triton
+from tests.helpers import count_calls
 from tests.layers.test_lora_layers import RANKS, _make, dense_oracle
+
+joins = count_calls(lora_prologue, ["norm_shrink", "act_shrink"])
 
 fused = []
 mma = I4.mma_mm
@@ -203,6 +208,26 @@ for kind in ("qkv", "gate_up", "row"):
         with forward_context(ForwardContext(attn=None, lora=None)):
             y_base = base(x).float()
         assert torch.equal(outs[1][base_rows], y_base[base_rows]), kind  # base tokens: the base output exactly
+        # The shrink joined to the norm / activation before the layer, its partials expanded in the base GEMM's
+        # store: no LoRA launch of the layer's own (lora_prologue's call and the epilogue are both counted).
+        lora_triton.CONFIG_OVERRIDES.update(epilogue=1, prologue=32)
+        fused.clear()
+        before = dict(joins)
+        mapping = build_mapping(slots, x.device, TritonLoRABatch, num_slots=len(RANKS))
+        with forward_context(ForwardContext(attn=None, lora=mapping)):
+            if kind == "row":
+                gu = torch.randn(20, 2 * k, generator=gen).to(dtype)
+                act = SiluAndMul("triton")
+                got, x_in = wrapped.forward_act(act, gu).float(), act(gu)  # the layer's input as the op rounds it
+            else:
+                norm = RMSNorm(k, 1e-6, dtype, backend="triton")
+                norm.weight.data.copy_(torch.linspace(0.5, 1.5, k))
+                got, x_in = wrapped.forward_normed(norm, x, None)[0].float(), norm(x)
+        del lora_triton.CONFIG_OVERRIDES["prologue"]
+        key = "act_shrink" if kind == "row" else "norm_shrink"
+        assert fused == [True] and joins[key] == before[key] + 1, (kind, fused, joins)
+        ref = dense_oracle(base, x_in, slots, adapters, names, sizes, dtype)
+        torch.testing.assert_close(got, ref, **tol)
         checked += 1
 print("ok", checked)
 """
@@ -212,7 +237,9 @@ def test_lora_expand_fused_into_the_int4_mma_store_under_interpreter() -> None:
     """The opt-in LoRA epilogue (XPULORA_LORA_CONFIG=epilogue=1: the expand inside the triton_mma base GEMM's
     store, kernels.int4_lora.LoRAEpilogue) and the split shrink + expand both equal the dense formula, for fused
     qkv / gate_up slices (one adapter skipping a slice), the row-parallel layer, ranks 1-64, fp32 and bf16, and
-    leaves base-model rows exactly the base output; the base launch took the epilogue only when it was on."""
+    leaves base-model rows exactly the base output; the base launch took the epilogue only when it was on. With
+    the shrink joined to the RMSNorm / silu-and-mul before the layer as well (prologue=32), the layer launches no
+    LoRA kernel of its own and still equals the dense formula on the op's output."""
     from tests.interp import run_under_interpreter
 
     run_under_interpreter(_EPILOGUE_CHECK, timeout=600)
@@ -231,8 +258,12 @@ from engine.layers.quant import Int4LinearMethod
 from engine.lora.adapter import LoRAModule
 from engine.lora.layers import ColumnParallelLinearWithLoRA
 from engine.lora.punica import TritonLoRABatch, build_mapping
-from kernels import lora_triton
+from engine.layers.norm import RMSNorm
+from kernels import lora_prologue, lora_triton
+from tests.helpers import count_calls
 from tests.layers.test_lora_layers import G, _random_params, dense_oracle
+
+joins = count_calls(lora_prologue, ["norm_shrink"])
 
 dev = torch.device(sys.argv[1])
 fused = []
@@ -268,10 +299,24 @@ for kind in ("qkv", "gate_up"):
         with forward_context(ForwardContext(attn=None, lora=mapping)):
             outs[on] = wrapped(x.to(dev)).float().cpu()
         assert fused == [bool(on)], (kind, on, fused)  # one base launch, with the epilogue only when on
+    # the shrink joined to the norm before the layer, its partials expanded in the base GEMM's store
+    lora_triton.CONFIG_OVERRIDES.update(epilogue=1, prologue=32)
+    fused.clear()
+    before = joins["norm_shrink"]
+    norm = RMSNorm(512, 1e-6, dtype, backend="triton").to(dev)
+    norm.weight.data.copy_(torch.linspace(0.5, 1.5, 512))
+    mapping = build_mapping(slots, dev, TritonLoRABatch, num_slots=len(ranks))
+    with forward_context(ForwardContext(attn=None, lora=mapping)):
+        joined = wrapped.forward_normed(norm, x.to(dev), None)[0].float().cpu()
+    x_in = norm(x.to(dev)).cpu()  # the layer's input as the norm rounds it
+    del lora_triton.CONFIG_OVERRIDES["prologue"]
+    assert fused == [True] and joins["norm_shrink"] == before + 1, (kind, fused, joins)
     base_cpu = base.to("cpu")  # the oracle reads the dense weight on the CPU
     ref = dense_oracle(base_cpu, x, slots, adapters, names, sizes, dtype)  # the dense formula, not our kernels
     torch.testing.assert_close(outs[1], ref, atol=3e-2 * float(ref.abs().max()), rtol=2e-2)
     torch.testing.assert_close(outs[0], ref, atol=3e-2 * float(ref.abs().max()), rtol=2e-2)
+    ref = dense_oracle(base_cpu, x_in, slots, adapters, names, sizes, dtype)
+    torch.testing.assert_close(joined, ref, atol=3e-2 * float(ref.abs().max()), rtol=2e-2)
     checked += 1
 print("ok", checked)
 """
@@ -280,7 +325,8 @@ print("ok", checked)
 def test_lora_expand_fused_into_the_cuda_mma_store_on_cuda() -> None:
     """The same through the CUDA C kernel (kernels.int4_cuda, bf16, ranks up to 16): fused qkv / gate_up slices
     with one adapter skipping a slice, epilogue on and off both equal the dense formula, and the base launch
-    took the epilogue only when it was on."""
+    took the epilogue only when it was on; so does the layer after an RMSNorm with the shrink joined to the
+    norm and the epilogue on (no LoRA launch of the layer's own)."""
     from kernels import int4_cuda
     from tests.layers.test_int4_auto import _on_accelerator
 
