@@ -343,7 +343,7 @@ class TritonLoRABatch(LoRABatch):
     def _joins(self, x: torch.Tensor, lora_a: list[torch.Tensor], scales: Scales | None) -> bool:
         """Whether this step's shrink joins the op before the layer (decode-sized steps, not with fp8 storage; with
         the opt-in epilogue its partials go to the base GEMM's store: prologue_epilogue)."""
-        return (use_prologue(self.num_tokens, lora_a[0].size(1), scales is not None)  # first: off by default
+        return (use_prologue(self.num_tokens, lora_a[0].size(1), scales is not None)  # first: cheap
                 and not lora_triton.nothing_to_do(self.groups)
                 and lora_a[0].dtype in (x.dtype, torch.float32) and one_store(lora_a) is not None)
 

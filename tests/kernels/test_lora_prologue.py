@@ -193,16 +193,18 @@ def test_start_up_check_sees_a_wrong_joined_output(monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-def test_prologue_is_opt_in_and_takes_small_steps_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prologue_takes_small_steps_only_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     from kernels import lora_config
     from kernels.lora_config import use_prologue
 
-    monkeypatch.delitem(lora_config.CONFIG_OVERRIDES, "prologue", raising=False)
-    assert not use_prologue(8, 16, False)
-    monkeypatch.setitem(lora_config.CONFIG_OVERRIDES, "prologue", 32)
+    monkeypatch.delitem(lora_config.CONFIG_OVERRIDES, "prologue", raising=False)  # the default: up to 32 tokens
     assert use_prologue(1, 16, False) and use_prologue(32, 64, False)
     assert not use_prologue(33, 16, False) and not use_prologue(8, 128, False) and not use_prologue(8, 16, True)
     assert not use_prologue(0, 16, False)
+    monkeypatch.setitem(lora_config.CONFIG_OVERRIDES, "prologue", 0)  # off
+    assert not use_prologue(8, 16, False)
+    monkeypatch.setitem(lora_config.CONFIG_OVERRIDES, "prologue", 8)
+    assert use_prologue(8, 16, False) and not use_prologue(9, 16, False)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")

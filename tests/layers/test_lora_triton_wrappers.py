@@ -19,7 +19,7 @@ from engine.layers.norm import RMSNorm
 from engine.lora.punica import LORA_IMPLS, build_mapping
 from kernels import lora_config, lora_prologue
 from tests.helpers import count_calls
-lora_config.CONFIG_OVERRIDES["prologue"] = 32  # opt-in
+lora_config.CONFIG_OVERRIDES["prologue"] = 32  # the default, whatever the environment says
 calls = count_calls(lora_prologue, ["norm_shrink", "act_shrink"])
 g = torch.Generator().manual_seed(0)
 norm, act = RMSNorm(64, 1e-6, torch.float32, backend="triton"), SiluAndMul("triton")
