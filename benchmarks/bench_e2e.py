@@ -10,13 +10,12 @@ against the bandwidth floor (bytes read per decode step / measured copy bandwidt
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import astuple
 
 import torch
@@ -45,34 +44,6 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 def emit(**kw: object) -> None:
     print(json.dumps(kw), flush=True)
-
-
-@contextlib.contextmanager
-def lora_epilogue_launches(epilogue: int | None = None) -> Iterator[list[int]]:
-    """[n]: the int4 launches that take a LoRA epilogue while inside, counted where kernels.int4 calls the mma
-    kernels (eager steps and graph captures; a replay calls nothing). 0 with the epilogue on means no layer's launch
-    could take it, and the run measured the split expand. epilogue: XPULORA_LORA_CONFIG's epilogue meanwhile (None:
-    as it is). Both are restored on exit."""
-    import kernels.int4 as int4_ops
-    from kernels import lora_triton
-
-    taken, real = [0], {name: getattr(int4_ops, name) for name in ("cuda_mm", "mma_mm")}
-    saved = dict(lora_triton.CONFIG_OVERRIDES)
-    for name, fn in real.items():
-        def counting(*args: object, fn: Callable[..., torch.Tensor] = fn) -> torch.Tensor:
-            taken[0] += args[-1] is not None
-            return fn(*args)
-
-        setattr(int4_ops, name, counting)
-    if epilogue is not None:
-        lora_triton.CONFIG_OVERRIDES["epilogue"] = epilogue
-    try:
-        yield taken
-    finally:
-        for name, fn in real.items():
-            setattr(int4_ops, name, fn)
-        lora_triton.CONFIG_OVERRIDES.clear()
-        lora_triton.CONFIG_OVERRIDES.update(saved)
 
 
 def int4_dispatch(model: torch.nn.Module) -> dict[str, str]:
@@ -290,43 +261,37 @@ def main() -> None:
     floor_ms = 1e3 * (weight_bytes - emb_bytes) / bw
     cases = [(b, n) for b in a.batches for n in a.adapters if n <= b]
     emit(case="plan", cases=cases)  # a run cut short by a time limit lacks some of these rows
-    from kernels import lora_triton
-
-    with contextlib.ExitStack() as patched:  # the epilogue count, for this run
-        epilogues = patched.enter_context(lora_epilogue_launches()) if lora_triton.use_epilogue() else None
-        base_ms: dict[int, float] = {}  # batch -> ms per step without adapters (measured first)
-        for n, ld in [(m, ld) for m in sorted({m for _, m in cases}) for ld in (a.lora_dtypes if m else ["auto"])]:
-            rows = []
-            cfg = engine_config(path, adapters[:n], max(b for b, m in cases if m == n), device.type, ld, a.int4_kernel)
-            with LLMEngine(cfg) as e:
-                emit(case="int4_dispatch", adapters=n, lora_dtype=ld, tables=int4_dispatch(e.runner.model))
-                for b in [b for b, m in cases if m == n]:
-                    r = ours(e, b, n, a.new_tokens)
-                    row = {"case": "decode", "batch": b, "adapters": n, "layers": layers, **r,
-                           "async_scheduling": e.async_scheduling, "int4": a.int4_kernel, "floor_ms_per_step": floor_ms,
-                           "vs_floor": r["ms_per_step"] / floor_ms}
-                    if a.sync_too:
-                        sync = synchronous(e, lambda b=b, n=n, e=e: ours(e, b, n, a.new_tokens))
-                        row["sync_ms_per_step"] = sync["ms_per_step"]
-                    if n == 0:
-                        base_ms[b] = r["ms_per_step"]
-                    else:  # what the adapters add to a step against what reading their bytes once takes
-                        byte_ms = 1e3 * min(n, b) * adapter_bytes(s, layers, 16, e.runner.lora_dtype) / bw
-                        row.update(lora_dtype=ld, adapter_byte_ms=byte_ms)
-                        if epilogues is not None:  # so far, this engine's captures and eager steps included
-                            row.update(lora_epilogue_launches=epilogues[0])
-                        if b in base_ms:
-                            added = r["ms_per_step"] - base_ms[b]
-                            row.update(lora_added_ms=added, added_over_bytes=added / byte_ms)
-                    rows.append(row)
-            del e
-            release(device)
-            for row in rows:  # the peer runs after our engine has freed the device
-                b = row["batch"]
-                if (b, n) in peer_cases and row.get("lora_dtype", "auto") == a.lora_dtypes[0]:
-                    row.update(peer(s, layers, adapters[:n], b, n, min(a.new_tokens, 32), device))
-                    row["speedup_vs_peer"] = row["tokens_per_s"] / row["peer_tokens_per_s"]
-                emit(**row)
+    base_ms: dict[int, float] = {}  # batch -> ms per step without adapters (measured first)
+    for n, ld in [(m, ld) for m in sorted({m for _, m in cases}) for ld in (a.lora_dtypes if m else ["auto"])]:
+        rows = []
+        cfg = engine_config(path, adapters[:n], max(b for b, m in cases if m == n), device.type, ld, a.int4_kernel)
+        with LLMEngine(cfg) as e:
+            emit(case="int4_dispatch", adapters=n, lora_dtype=ld, tables=int4_dispatch(e.runner.model))
+            for b in [b for b, m in cases if m == n]:
+                r = ours(e, b, n, a.new_tokens)
+                row = {"case": "decode", "batch": b, "adapters": n, "layers": layers, **r,
+                       "async_scheduling": e.async_scheduling, "int4": a.int4_kernel, "floor_ms_per_step": floor_ms,
+                       "vs_floor": r["ms_per_step"] / floor_ms}
+                if a.sync_too:
+                    sync = synchronous(e, lambda b=b, n=n, e=e: ours(e, b, n, a.new_tokens))
+                    row["sync_ms_per_step"] = sync["ms_per_step"]
+                if n == 0:
+                    base_ms[b] = r["ms_per_step"]
+                else:  # what the adapters add to a step against what reading their bytes once takes
+                    byte_ms = 1e3 * min(n, b) * adapter_bytes(s, layers, 16, e.runner.lora_dtype) / bw
+                    row.update(lora_dtype=ld, adapter_byte_ms=byte_ms)
+                    if b in base_ms:
+                        added = r["ms_per_step"] - base_ms[b]
+                        row.update(lora_added_ms=added, added_over_bytes=added / byte_ms)
+                rows.append(row)
+        del e
+        release(device)
+        for row in rows:  # the peer runs after our engine has freed the device
+            b = row["batch"]
+            if (b, n) in peer_cases and row.get("lora_dtype", "auto") == a.lora_dtypes[0]:
+                row.update(peer(s, layers, adapters[:n], b, n, min(a.new_tokens, 32), device))
+                row["speedup_vs_peer"] = row["tokens_per_s"] / row["peer_tokens_per_s"]
+            emit(**row)
     emit(case="copy_bandwidth", bytes_per_s=bw, device=str(device))
 
 

@@ -31,15 +31,18 @@ ncu_details() {
   timeout "$limit" ncu --profile-from-start off --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section WarpStateStats --section MemoryWorkloadAnalysis --metrics "${stalls%,}" --csv --page details "$@"
 }
-# One XPULORA_LORA_CONFIG key's modes side by side (epi21, epi22: epilogue; cols23: cols):
-# 36-layer decode per mode, the tuned tables shared on the machine. Usage: config_ab KEY "MODES"
+# One XPULORA_LORA_CONFIG key's modes side by side (cols23: cols; prologue):
+# 36-layer decode per mode, the tuned tables shared on the machine. The first mode gets E2E_FIRST_TIMEOUT (default
+# E2E_TIMEOUT + 120 s): on a fresh machine it also tunes the int4 dispatch. Usage: config_ab KEY "MODES"
 config_ab() {
+  local limit=${E2E_FIRST_TIMEOUT:-$((${E2E_TIMEOUT:-200} + 120))}
   for mode in $2; do
     # shellcheck disable=SC2086  # E2E_BATCHES: one or more batch sizes, split into words on purpose
-    XPULORA_LORA_CONFIG=$1=$mode timeout "${E2E_TIMEOUT:-200}" python3 benchmarks/bench_e2e.py \
+    XPULORA_LORA_CONFIG=$1=$mode timeout "$limit" python3 benchmarks/bench_e2e.py \
       --layers 36 --batches ${E2E_BATCHES:-32} --adapters 0 32 --int4-kernel tuned --peer-cases "" --root /tmp/e2e36l \
       2>&1 | grep --line-buffered -E '^\{"case": "(decode|int4_dispatch)|Error' | sed "s/^/$1=$mode /" \
       | tee -a "$OUT/$1_ab.txt" | cut -c1-420
+    limit=${E2E_TIMEOUT:-200}
   done
 }
 # check's pytest part: kernels, layers and the GPU engine tests, 8 xdist workers where xdist is installed; the log
@@ -92,7 +95,7 @@ case "${1:-}" in
     left=$(( 570 - SECONDS ))  # the call's 600 s, less the compile and the summary
     # The scripts run beside pytest (one GPU, ~140 GiB: room for all); each writes its own log. The engine check
     # runs in three parts side by side: on a fresh machine its first engines time the int4 shapes (auto = tuned),
-    # and the dense half in one process passed 540 s once the epilogue case joined it (eleventh session).
+    # and the dense half in one process passed 540 s once a fifth check joined it (eleventh session).
     (engine_dense $left; echo "engine dense 1 3 17: $SECONDS s") &
     (timeout $left python3 benchmarks/gpu_engine_check.py --only dense --batches 40 --root /tmp/gpu-check-d40 \
        > "$OUT/engine_check40.txt" 2>&1; echo $? > /tmp/rc_engine40; echo "engine dense 40: $SECONDS s") &
@@ -243,30 +246,6 @@ case "${1:-}" in
         --no-peers --lora-dtypes model --variants split 2>&1) | grep --line-buffered -E '^\{|Error' \
         | sed "s/^/$side /" | tee -a "$OUT/lora_ab.txt" | grep -E '"step"|Error'
     done
-    ;;
-  epi18)  # issue 18: the LoRA expand inside the int4 mma store (XPULORA_LORA_CONFIG=epilogue=1) against the split
-          # kernels, 36 layers, 32 adapters, batch 32 and 64, one checkpoint; then its CUDA kernel test (`check` runs the
-          # engine check's epilogue case)
-    export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    for epi in 0 1; do
-      XPULORA_LORA_CONFIG=epilogue=$epi timeout 200 python3 benchmarks/bench_e2e.py --layers 36 --batches 32 64 \
-        --adapters 32 --peer-cases "" --root /tmp/e2e36l 2>&1 | grep --line-buffered -E '^\{"case": "decode|Error' \
-        | sed "s/^/epilogue=$epi /" | tee -a "$OUT/epi.txt"
-    done
-    timeout 140 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_int4.py -k "lora_epilogue" \
-      > "$OUT/epi_tests.txt" 2>&1; echo "pytest rc=$?" >> "$OUT/epi_tests.txt"; tail -3 "$OUT/epi_tests.txt"
-    ;;
-  epi21)  # issue 18: the LoRA expand in the cuda_mma store (twenty-first session): its CUDA tests, then epi22
-    export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    timeout 180 python3 -m pytest -q -p no:cacheprovider -rfE -x tests/kernels/test_int4_cuda.py \
-      tests/layers/test_lora_layers.py -k "lora or every" > "$OUT/epi_tests.txt" 2>&1
-    echo "pytest rc=$?" >> "$OUT/epi_tests.txt"; tail -4 "$OUT/epi_tests.txt" | cut -c1-600
-    config_ab epilogue "${EPI_MODES:-0 1}"
-    ;;
-  epi22)  # issue 18: the opt-in LoRA epilogue against the split expand, 36-layer decode at ${E2E_BATCHES:-32}, no
-          # adapters and 32 rank-16 ones, one process per mode of ${EPI_MODES:-0 1} (XPULORA_LORA_CONFIG=epilogue=MODE)
-    export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    config_ab epilogue "${EPI_MODES:-0 1}"
     ;;
   cols23)  # issue 18: the column expand (kernels/lora_cols.py): its CUDA tests, the per-layer LoRA table (split vs
            # cols, decode 32 and 64 tokens, 1 and 32 adapters, bf16), then 36-layer decode per ${COLS_MODES:-0 32} (cols=N: steps of up to N tokens)
@@ -424,5 +403,5 @@ case "${1:-}" in
         | tee -a "$OUT/burst.txt"; date +%T
     done
     ;;
-  *) echo "usage: run_h200.sh tests|check|pytest|ab|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|epi18|burst18|prefill18|graphs4096|split18|lora-ab|cols23"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|pytest|ab|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|burst18|prefill18|graphs4096|split18|lora-ab|cols23"; exit 2 ;;
 esac

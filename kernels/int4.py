@@ -27,13 +27,11 @@ from typing import Literal, get_args
 
 import torch
 
-from kernels.int4_cuda import CUDA_MAX_ROWS, CudaMmaConfig, cuda_config, cuda_mm, repack_cuda
+from kernels.int4_cuda import CUDA_MAX_ROWS, CudaMmaConfig, cuda_mm, repack_cuda
 from kernels.int4_cuda import available as cuda_mma_available
 from kernels.int4_cuda import compile_for as cuda_mma_compile
 from kernels.int4_cuda import supports_group as cuda_mma_group
-from kernels.int4_cuda import takes_lora as cuda_takes_lora
 from kernels.int4_gemv import GEMV_MAX_ROWS, GemvConfig, gemv_config, gemv_mm
-from kernels.int4_lora import LoRAEpilogue
 from kernels.int4_mma import MmaConfig, mma_config, mma_meta, mma_mm, repack_mma
 from kernels.int4_triton import TritonInt4Config, dequant_triton, triton_config, triton_mm
 from kernels.reference import dequant_int4, unpack_int4_cols, unpack_int4_rows
@@ -327,28 +325,11 @@ def prepare_int4(
 # matmul
 
 
-def takes_lora(w: PreparedInt4, m: int, lora: LoRAEpilogue) -> bool:
-    """Whether int4_mm(x, w, lora=lora) can fuse this LoRA expand for m rows: the mma kernels (triton_mma, and
-    cuda_mma up to its row limit), with the layer's slices starting on the launch's tiles."""
-    k, n, g = w.layout.in_features, w.layout.out_features, w.layout.group_size
-    if w.backend == "cuda_mma":
-        c = w.config if isinstance(w.config, CudaMmaConfig) else cuda_config(m, k, n)
-        return m <= CUDA_MAX_ROWS and cuda_takes_lora(c, m, lora)
-    if w.backend != "triton_mma":
-        return False
-    c = w.config if isinstance(w.config, MmaConfig) else mma_config(m, k, n, g)
-    return lora.fits(c.block_n)
-
-
-def int4_mm(x: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None = None,
-            lora: LoRAEpilogue | None = None) -> torch.Tensor:
-    """y[..., n] = sum_k x[..., k] * W[k, n] + bias[n] (+ lora's expand: the mma kernels, see takes_lora)
-    (fp32 accumulate), returned in x.dtype."""
+def int4_mm(x: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y[..., n] = sum_k x[..., k] * W[k, n] + bias[n] (fp32 accumulate), returned in x.dtype."""
     k, n = w.layout.in_features, w.layout.out_features
     if x.shape[-1] != k:
         raise ValueError(f"int4_mm: x has {x.shape[-1]} input features, the weight expects {k}")
-    if lora is not None and w.backend not in ("triton_mma", "cuda_mma"):
-        raise ValueError(f"int4_mm: backend {w.backend!r} takes no LoRA epilogue (triton_mma and cuda_mma do)")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.shape[0] == 0:
@@ -366,17 +347,15 @@ def int4_mm(x: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None = None,
         assert w.scales_and_zeros is not None
         assert w.config is None or isinstance(w.config, CudaMmaConfig)
         xb = x2.to(torch.bfloat16)
-        if lora is not None and xb.shape[0] > CUDA_MAX_ROWS:
-            raise ValueError(f"int4_mm: cuda_mma takes a LoRA epilogue up to {CUDA_MAX_ROWS} rows, got {xb.shape[0]}")
         parts = [cuda_mm(xb[i:i + CUDA_MAX_ROWS], w.weight, w.scales_and_zeros, w.layout.group_size, bias,
-                         w.config if xb.shape[0] <= CUDA_MAX_ROWS else None, lora)
+                         w.config if xb.shape[0] <= CUDA_MAX_ROWS else None)
                  for i in range(0, xb.shape[0], CUDA_MAX_ROWS)]
         y = parts[0] if len(parts) == 1 else torch.cat(parts)
         return y.to(x.dtype).reshape(*lead, n)
     if w.backend == "triton_mma":
         assert w.scales_and_zeros is not None
         assert w.config is None or isinstance(w.config, MmaConfig)
-        y = mma_mm(x2, w.weight, w.scales_and_zeros, w.layout.group_size, bias, w.config, lora)
+        y = mma_mm(x2, w.weight, w.scales_and_zeros, w.layout.group_size, bias, w.config)
         return y.reshape(*lead, n)
 
     xc = x2.to(w.dtype).contiguous()  # the native ops require a contiguous 2-D A in their dtype

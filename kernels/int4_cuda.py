@@ -18,8 +18,6 @@ run of UNROLL chunks of 64 k in each round of WARPS * UNROLL) and sum their part
 warp order: the same bits on every run. With K also split over the grid (CudaMmaConfig.splits), each block does
 that for its share of K and parks fp32 sums in a workspace; the last block of a feature column adds them in split
 order (kernels.int4_triton's counters), so wide blocks still make a full grid.
-The shapes the tuner can choose are compiled a second time with a layer's LoRA expand in their store (takes_lora,
-kernels.int4_lora.LoRAEpilogue; opt-in), which saves the wrapped layer its expand launch.
 The CUDA backend is chosen by engine/device.py (tuned candidates on CUDA only); XPU keeps the Triton kernels.
 """
 
@@ -35,19 +33,14 @@ from dataclasses import dataclass
 import torch
 
 from kernels.int4_cuda_src import SOURCE
-from kernels.int4_lora import LoRAEpilogue
 from kernels.int4_triton import _MAX_TILES, _counters
 from kernels.kernel_cache import cache_dir, cache_lock
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CUDA_MAX_ROWS", "CudaMmaConfig", "available", "cuda_config", "cuda_mm", "repack_cuda", "takes_lora",
-           "unpack_cuda"]
+__all__ = ["CUDA_MAX_ROWS", "CudaMmaConfig", "available", "cuda_config", "cuda_mm", "repack_cuda", "unpack_cuda"]
 
 CUDA_MAX_ROWS = 64
-LORA_MAX_RANK = 16
-"""The LoRA epilogue keeps the block's tokens' h rows in shared memory up to this padded rank (LORA_R in the CUDA C):
-the engine's default max_lora_rank; larger adapters take the split expand."""
 CHUNK_K = 64
 COMPILE_LOCK = ".int4_cuda.lock"
 TOKEN_TILES = (1, 2, 4, 8)
@@ -190,51 +183,25 @@ def unpack_cuda(packed: torch.Tensor) -> torch.Tensor:
 
 
 
-def _kernel_name(mt: int, warps: int, unroll: int, tiles: int, lora: bool = False) -> str:
-    return f"w4a16_cuda_mt{mt}_w{warps}_u{unroll}_n{tiles}" + ("_lora" if lora else "")
-
-
-def lora_shapes(mt: int) -> tuple[tuple[int, int, int], ...]:
-    """Launch shapes (warps, unroll, tiles) compiled a second time with the LoRA expand in their store: those the
-    tuner can choose at mt token tiles (TUNED), so that a tuned launch can take the layer's LoRA epilogue."""
-    return tuple(dict.fromkeys(s[:3] for s in TUNED[mt] if s[:3] in _shapes_for(mt)))
-
-
-_ARGS = ("const uint4* qw, const u32* meta, const u16* x, const u16* bias, u16* y, float* ws, int* cnt, int M, int K, "
-         "int N, int x_stride, int group_shift, int has_bias, int splits")
-_LORA_ARGS = ("const float* lh, const u16* lb, const int* lr, const int* ls, int s1, int s2, int r_max, int split_h, "
-              "int shk, int shs, int sht, int sbs, int sbr, int srs, int srt")
+def _kernel_name(mt: int, warps: int, unroll: int, tiles: int) -> str:
+    return f"w4a16_cuda_mt{mt}_w{warps}_u{unroll}_n{tiles}"
 
 
 def _source() -> str:
     entries = []
     for mt in TOKEN_TILES:
         for w, u, nt in _shapes_for(mt):
-            call = (f"w4a16<{mt}, {nt}, {w}, {u}, false>(qw, meta, x, bias, y, ws, cnt, M, K, N, x_stride, "
-                    "group_shift, has_bias, splits, LoRA{}); }")
-            entries.append(f'extern "C" __global__ void __launch_bounds__({32 * w}) {_kernel_name(mt, w, u, nt)}('
-                           f"{_ARGS}) {{ {call}")
-        for w, u, nt in lora_shapes(mt):
-            call = (f"w4a16<{mt}, {nt}, {w}, {u}, true>(qw, meta, x, bias, y, ws, cnt, M, K, N, x_stride, "
-                    "group_shift, has_bias, splits, "
-                    "LoRA{lh, lb, lr, ls, s1, s2, r_max, split_h, shk, shs, sht, sbs, sbr, srs, srt}); }")
-            entries.append(f'extern "C" __global__ void __launch_bounds__({32 * w}) '
-                           f"{_kernel_name(mt, w, u, nt, True)}({_ARGS}, {_LORA_ARGS}) {{ {call}")
+            entries.append(
+                f'extern "C" __global__ void __launch_bounds__({32 * w}) {_kernel_name(mt, w, u, nt)}('
+                "const uint4* qw, const u32* meta, const u16* x, const u16* bias, u16* y, float* ws, int* cnt, "
+                "int M, int K, int N, int x_stride, int group_shift, int has_bias, int splits) { "
+                f"w4a16<{mt}, {nt}, {w}, {u}>(qw, meta, x, bias, y, ws, cnt, M, K, N, x_stride, group_shift, "
+                "has_bias, splits); }")
     return SOURCE + "\n".join(entries) + "\n"
 
 
 def _names() -> list[str]:
-    return [_kernel_name(mt, *s) for mt in TOKEN_TILES for s in _shapes_for(mt)] + [
-        _kernel_name(mt, *s, True) for mt in TOKEN_TILES for s in lora_shapes(mt)]
-
-
-def takes_lora(c: CudaMmaConfig | None, m: int, lora: LoRAEpilogue) -> bool:
-    """Whether a launch of shape c at m rows can add this LoRA expand in its store: a shape compiled with it, bf16 B
-    (the kernel's dtype), ranks padded to at most LORA_MAX_RANK, 1-3 slices starting on the launch's blocks (a
-    block's columns lie in one slice)."""
-    mt = _token_tiles(m)
-    return (mt is not None and c is not None and (c.warps, c.unroll, c.tiles) in lora_shapes(mt)
-            and lora.b.dtype == torch.bfloat16 and lora.h.size(-1) <= LORA_MAX_RANK and lora.fits(16 * c.tiles))
+    return [_kernel_name(mt, *s) for mt in TOKEN_TILES for s in _shapes_for(mt)]
 
 
 def supports_group(group_size: int) -> bool:
@@ -301,9 +268,8 @@ def compile_for(device: torch.device) -> None:
 
 
 def cuda_mm(x2: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: int, bias: torch.Tensor | None,
-            config: CudaMmaConfig | None = None, lora: LoRAEpilogue | None = None) -> torch.Tensor:
-    """y = x2 @ W + bias (+ lora's expand, see takes_lora), x2 [M, K] bf16 with M <= CUDA_MAX_ROWS; qw from
-    repack_cuda, meta from mma_meta."""
+            config: CudaMmaConfig | None = None) -> torch.Tensor:
+    """y = x2 @ W + bias, x2 [M, K] bf16 with M <= CUDA_MAX_ROWS; qw from repack_cuda, meta from mma_meta."""
     m, k = x2.shape
     nb, kc = qw.shape[:2]
     n = nb * 16
@@ -318,16 +284,6 @@ def cuda_mm(x2: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: 
     c = config or cuda_config(m, k, n)
     if c is None or not c.fits(m, k, n):
         raise ValueError(f"int4 cuda_mma config {c} does not fit M={m}, K={k}, N={n}")
-    lora_args: list[torch.Tensor | int] = []
-    if lora is not None:
-        if not takes_lora(c, m, lora):
-            raise ValueError(f"int4 cuda_mma: launch {c} at M={m} takes no LoRA epilogue (B {lora.b.dtype}, slices "
-                             f"at {lora.starts}): see takes_lora")
-        lora.check(m, n)
-        h, b, r = lora.h, lora.b, lora.ranks
-        bounds = (*lora.starts[1:], n, n)
-        lora_args = [h, b, r, lora.slots, bounds[0], bounds[1], h.size(3), h.size(0), h.stride(0), h.stride(1),
-                     h.stride(2), b.stride(0), b.stride(1), r.stride(0), r.stride(1)]
     if x2.stride(1) != 1 or x2.stride(0) % 8 or x2.data_ptr() % 16:  # the kernel loads x 16 bytes at a time
         x2 = x2.clone(memory_format=torch.contiguous_format)
     if bias is not None:
@@ -336,7 +292,7 @@ def cuda_mm(x2: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: 
     mt = _token_tiles(m)
     assert mt is not None
     assert x2.device.index is not None, "a GPU tensor's device has an index"
-    kernel = _module(x2.device.index)[_kernel_name(mt, c.warps, c.unroll, c.tiles, lora is not None)]
+    kernel = _module(x2.device.index)[_kernel_name(mt, c.warps, c.unroll, c.tiles)]
     shift = (group_size // CHUNK_K).bit_length() - 1
     # splits > 1: fp32 partials in ws, summed in split order by each column's last block (kernels.int4_triton's
     # counters: every launch leaves them at zero, and no two split launches run at once on the engine's one stream)
@@ -345,5 +301,5 @@ def cuda_mm(x2: torch.Tensor, qw: torch.Tensor, meta: torch.Tensor, group_size: 
     ws = torch.empty((c.splits, m, n), dtype=torch.float32, device=x2.device) if c.splits > 1 else y
     kernel(grid=(nb // c.tiles, c.splits, 1), block=(32 * c.warps, 1, 1),
            args=[qw, meta, x2, bias if bias is not None else y, y, ws, _counters(x2.device), m, k, n, x2.stride(0),
-                 shift, int(bias is not None), c.splits, *lora_args])
+                 shift, int(bias is not None), c.splits])
     return y

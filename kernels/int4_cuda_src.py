@@ -1,7 +1,6 @@
 """The CUDA C of the cuda_mma int4 kernel (kernels.int4_cuda: its layout, launch shapes and binding).
 
-One template, w4a16<MT, NT, WARPS, U, HAS_LORA>; kernels.int4_cuda appends one extern "C" entry per compiled launch
-shape, and one more with the LoRA expand in its store for the shapes the tuner can choose (lora_shapes).
+One template, w4a16<MT, NT, WARPS, U>; kernels.int4_cuda appends one extern "C" entry per compiled launch shape.
 No headers: the few intrinsics it needs are inline PTX or NVRTC built-ins (atomicAdd, __threadfence, __ldg), so NVRTC
 compiles it without a CUDA toolkit's include dir.
 """
@@ -64,107 +63,14 @@ DEVI void out_at(int r, int l, int b0, int& tok, int& n) {
   n = 16 * (b0 + i) + (l >> 2) + 8 * (q >> 1);
 }
 
-// An output's fp32 sum: parked in ws for the column's last block (splits > 1), or stored with its bias.
-DEVI void put_out(float s, int tok, int n, const u16* __restrict__ bias, u16* __restrict__ y, float* ws, int M, int N,
-                  int has_bias, int splits) {
-  if (splits > 1) {
-    ws[((size_t)blockIdx.y * M + tok) * N + n] = s;
-  } else {
-    if (has_bias) s += __uint_as_float(((u32)bias[n]) << 16);
-    y[(size_t)tok * N + n] = f2bf(s);
-  }
-}
-
-// The LoRA expand of a wrapped layer, added to each output before its store (kernels.int4_lora.LoRAEpilogue):
-//   y[t, n] += sum_{r < rank[s, slot[t]]} (sum_ks h[ks, s, t, r]) * B[slot[t], r, n]   for slot[t] >= 0
-// h fp32, B bf16 rank-major (the scale folded in), ranks / slots int32; s: the slice that holds the block's columns
-// (kernels.int4_cuda.takes_lora: slices start on block boundaries, r_max <= LORA_R).
-#define LORA_R 16
-struct LoRA {
-  const float* h;
-  const u16* b;
-  const int* ranks;
-  const int* slots;
-  int s1, s2, r_max, split_h, shk, shs, sht, sbs, sbr, srs, srt;  // slice bounds, h's ranks and splits, strides
-};
-
-// The block's tokens' slots, ranks and h rows (the shrink's K splits summed) into shared memory, after the K loop:
-// the slot and a round of h loads go out together (KS splits of HPER elements: at most 16 loads in flight per thread),
-// then the rank, which needs the slot. h is read below r_max whatever a slot's rank (only r < rank is ever used;
-// the shrink leaves the rest unwritten).
-template <int MT, int WARPS>
-DEVI void lora_stage(const LoRA& lo, int sl, int M, int* lslot, int* lrank, float (*lh)[LORA_R]) {
-  constexpr int HPER = (8 * MT * LORA_R + WARPS * 32 - 1) / (WARPS * 32), KS = HPER >= 16 ? 1 : 16 / HPER;
-  const int t0 = threadIdx.x;  // WARPS * 32 >= 8 * MT: one token per thread of the first 8 MT
-  const int slot = t0 < 8 * MT && t0 < M ? __ldg(lo.slots + t0) : -1;
-  float hv[HPER];
-#pragma unroll
-  for (int q = 0; q < HPER; ++q) hv[q] = 0.f;
-  for (int ks0 = 0; ks0 < lo.split_h; ks0 += KS) {
-    float v[KS][HPER];
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk)
-#pragma unroll
-      for (int q = 0; q < HPER; ++q) {
-        const int i = threadIdx.x + q * WARPS * 32, t = i / LORA_R, r = i % LORA_R;
-        v[kk][q] = ks0 + kk < lo.split_h && t < M && t < 8 * MT && r < lo.r_max
-                       ? __ldg(lo.h + (size_t)(ks0 + kk) * lo.shk + (size_t)sl * lo.shs + (size_t)t * lo.sht + r)
-                       : 0.f;
-      }
-#pragma unroll
-    for (int kk = 0; kk < KS; ++kk)  // the splits in order
-#pragma unroll
-      for (int q = 0; q < HPER; ++q) hv[q] += v[kk][q];
-  }
-  if (t0 < 8 * MT) {
-    lslot[t0] = slot;
-    lrank[t0] = slot >= 0 ? __ldg(lo.ranks + sl * lo.srs + slot * lo.srt) : 0;
-  }
-#pragma unroll
-  for (int q = 0; q < HPER; ++q) {
-    const int i = threadIdx.x + q * WARPS * 32;
-    if (i < 8 * MT * LORA_R) lh[i / LORA_R][i % LORA_R] = hv[q];
-  }
-}
-
-// d[q] = the expand of the lane's output q (token tq[q] < 0: none); the B loads of all its outputs RB ranks at a
-// time (one round for ranks up to 16 when a thread holds at most two outputs).
-template <int PER>
-DEVI void lora_sum(const LoRA& lo, const int* lslot, const int* lrank, const float (*lh)[LORA_R], const int (&tq)[PER],
-                   const int (&nq)[PER], float (&d)[PER]) {
-  constexpr int RB = PER <= 2 ? 16 : 8;
-  int rk = 0, rq[PER];  // the thread's largest rank; each output's rank and B row
-  const u16* bp[PER];
-#pragma unroll
-  for (int q = 0; q < PER; ++q) {
-    const int t = max(tq[q], 0);
-    d[q] = 0.f;
-    rq[q] = tq[q] >= 0 ? lrank[t] : 0;
-    rk = max(rk, rq[q]);
-    bp[q] = lo.b + (size_t)max(lslot[t], 0) * lo.sbs + nq[q];
-  }
-  for (int r0 = 0; r0 < rk; r0 += RB) {
-    u32 bv[PER][RB];
-#pragma unroll
-    for (int q = 0; q < PER; ++q)
-#pragma unroll
-      for (int j = 0; j < RB; ++j) bv[q][j] = r0 + j < rq[q] ? (u32)__ldg(bp[q] + (size_t)(r0 + j) * lo.sbr) : 0u;
-#pragma unroll
-    for (int q = 0; q < PER; ++q)
-#pragma unroll
-      for (int j = 0; j < RB; ++j)
-        if (r0 + j < rq[q]) d[q] += lh[max(tq[q], 0)][r0 + j] * __uint_as_float(bv[q][j] << 16);
-  }
-}
-
 // qw [N/16, K/64, 32, 4]; meta [K/G, N] (fp16 scale | zq << 16); x [M, x_stride] bf16; y [M, N] bf16.
 // A block: NT tiles of 16 features (x fragments reused across them), MT tiles of 8 tokens, WARPS shares of its
 // split of K (blockIdx.y of `splits`). With splits > 1 each block parks its fp32 sums in ws [splits, M, N]; the
 // last of a column's blocks to finish (counted in cnt[blockIdx.x], left at zero) adds them in split order.
-template <int MT, int NT, int WARPS, int U, bool HAS_LORA>
+template <int MT, int NT, int WARPS, int U>
 DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, const u16* __restrict__ x,
                 const u16* __restrict__ bias, u16* __restrict__ y, float* ws, int* cnt, int M, int K, int N,
-                int x_stride, int group_shift, int has_bias, int splits, const LoRA& lora) {
+                int x_stride, int group_shift, int has_bias, int splits) {
   __shared__ float red[WARPS][NT * MT * 4][32];
   __shared__ int last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
@@ -233,45 +139,19 @@ DEVI void w4a16(const uint4* __restrict__ qw, const u32* __restrict__ meta, cons
 #pragma unroll
       for (int q = 0; q < 4; ++q) red[warp][(i * MT + mt) * 4 + q][lane] = acc[i][mt][q];
   __syncthreads();
-  if constexpr (HAS_LORA) {  // the expand joins the first split's sums (all of them without a split)
-    constexpr int PER = (NT * MT * 4 + WARPS - 1) / WARPS;  // outputs per thread
-    __shared__ int lslot[8 * MT], lrank[8 * MT];
-    __shared__ float lh[8 * MT][LORA_R];
-    const bool adds = blockIdx.y == 0;
-    if (adds) lora_stage<MT, WARPS>(lora, (16 * b0 >= lora.s1) + (16 * b0 >= lora.s2), M, lslot, lrank, lh);
-    __syncthreads();
-    int tq[PER], nq[PER];
-    float d[PER];
+  for (int e = threadIdx.x; e < NT * MT * 4 * 32; e += WARPS * 32) {
+    const int r = e >> 5, l = e & 31;
+    int tok, n;
+    out_at<MT>(r, l, b0, tok, n);
+    if (tok < M) {
+      float s = 0.f;
 #pragma unroll
-    for (int q = 0; q < PER; ++q) {
-      const int e = threadIdx.x + q * WARPS * 32;
-      out_at<MT>(e >> 5, e & 31, b0, tq[q], nq[q]);
-      if (!adds || e >= NT * MT * 4 * 32 || tq[q] >= M) tq[q] = -1;
-    }
-    lora_sum<PER>(lora, lslot, lrank, lh, tq, nq, d);
-#pragma unroll
-    for (int q = 0; q < PER; ++q) {
-      const int e = threadIdx.x + q * WARPS * 32;
-      const int r = e >> 5, l = e & 31;
-      int tok, n;
-      out_at<MT>(r, l, b0, tok, n);
-      if (e < NT * MT * 4 * 32 && tok < M) {
-        float s = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) s += red[w][r][l];
-        put_out(s + d[q], tok, n, bias, y, ws, M, N, has_bias, splits);
-      }
-    }
-  } else {
-    for (int e = threadIdx.x; e < NT * MT * 4 * 32; e += WARPS * 32) {
-      const int r = e >> 5, l = e & 31;
-      int tok, n;
-      out_at<MT>(r, l, b0, tok, n);
-      if (tok < M) {
-        float s = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) s += red[w][r][l];
-        put_out(s, tok, n, bias, y, ws, M, N, has_bias, splits);
+      for (int w = 0; w < WARPS; ++w) s += red[w][r][l];
+      if (splits > 1) {
+        ws[((size_t)blockIdx.y * M + tok) * N + n] = s;
+      } else {
+        if (has_bias) s += __uint_as_float(((u32)bias[n]) << 16);
+        y[(size_t)tok * N + n] = f2bf(s);
       }
     }
   }

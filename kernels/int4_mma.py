@@ -30,7 +30,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.int4_lora import LoRAEpilogue, _add_lora
 from kernels.triton_env import FLOATS, interpreting, tl, triton
 
 __all__ = ["MMA_K", "MMA_N", "MmaConfig", "mma_config", "mma_meta", "mma_mm", "repack_mma",
@@ -126,12 +125,9 @@ if triton is not None:
 
     @triton.jit
     def _finish(acc, out_ptr, ws_ptr, cnt_ptr, b_ptr, offs_n, offs_t, M, N, tile, pid_k,
-                n0, lo_ptr, lb_ptr, lr_ptr, ls_ptr, s1, s2, r_max,
-                stride_hk, stride_hs, stride_ht, stride_lbs, stride_lbr, stride_lrs, stride_lrt,
-                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, HAS_LORA: tl.constexpr, SPLIT_H: tl.constexpr,
-                BLOCK_R: tl.constexpr):
-        """out[t, n] = sum over splits of acc[n, t] (+ bias[n]) (+ the LoRA epilogue); split partials parked in
-        ws[pid_k] and added in split order by the last program of the tile (counted in cnt[tile])."""
+                HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+        """out[t, n] = sum over splits of acc[n, t] (+ bias[n]); split partials parked in ws[pid_k] and added in
+        split order by the last program of the tile (counted in cnt[tile])."""
         mask_n = offs_n < N
         mask = mask_n[:, None] & (offs_t[None, :] < M)
         idx = offs_t[None, :] * N + offs_n[:, None]
@@ -145,33 +141,22 @@ if triton is not None:
                     acc += tl.load(ws_ptr + s * M * N + idx, mask=mask, other=0.0, cache_modifier=".cg")
                 if HAS_BIAS:
                     acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-                if HAS_LORA:
-                    acc = _add_lora(acc, n0, offs_n, offs_t, M, N, lo_ptr, lb_ptr, lr_ptr, ls_ptr, s1, s2, r_max,
-                                    stride_hk, stride_hs, stride_ht, stride_lbs, stride_lbr, stride_lrs, stride_lrt,
-                                    SPLIT_H, BLOCK_R)
                 tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
                 tl.atomic_xchg(cnt_ptr + tile, 0)  # ready for the next launch
         else:
             if HAS_BIAS:
                 acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-            if HAS_LORA:
-                acc = _add_lora(acc, n0, offs_n, offs_t, M, N, lo_ptr, lb_ptr, lr_ptr, ls_ptr, s1, s2, r_max,
-                                stride_hk, stride_hs, stride_ht, stride_lbs, stride_lbr, stride_lrs, stride_lrt,
-                                SPLIT_H, BLOCK_R)
             tl.store(out_ptr + idx, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _w4a16_mma_kernel(
         x_ptr, w_ptr, m_ptr, b_ptr, out_ptr, ws_ptr, cnt_ptr,
         M, N, stride_xm, stride_wb, stride_mg, WORDS_PER_SPLIT, K_PER_SPLIT,
-        lo_ptr, lb_ptr, lr_ptr, ls_ptr, s1, s2, r_max,
-        stride_hk, stride_hs, stride_ht, stride_lbs, stride_lbr, stride_lrs, stride_lrt,
         GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr,
         WTYPE: tl.constexpr, F32_DOT: tl.constexpr, FOLD: tl.constexpr, BN: tl.constexpr, BT: tl.constexpr,
-        BK: tl.constexpr, HAS_LORA: tl.constexpr, SPLIT_H: tl.constexpr, BLOCK_R: tl.constexpr,
+        BK: tl.constexpr,
     ):  # fmt: skip
-        """y[t, n] = sum_k x[t, k] * s[k//G, n] * (u(k, n) - zq(k//G, n)), as acc[n, t] += W^T tile @ x^T tile
-        (HAS_LORA: plus a LoRA expand before the store, see LoRAEpilogue).
+        """y[t, n] = sum_k x[t, k] * s[k//G, n] * (u(k, n) - zq(k//G, n)), as acc[n, t] += W^T tile @ x^T tile.
 
         Grid (N tiles, token tiles, K splits). meta[g, n]: the fp16 bits of s(g, n) | zq(g, n) << 16.
         WTYPE 0: the weight tile in bf16 (magic 0x4300), 1: fp16 (0x6400), 2: fp32 (from integers).
@@ -237,10 +222,7 @@ if triton is not None:
             wp += (BK // 32) * 64
             xp += BK
         _finish(acc, out_ptr, ws_ptr, cnt_ptr, b_ptr, offs_n, offs_t, M, N,
-                pid_t * tl.num_programs(0) + pid_n, pid_k,
-                pid_n * BN, lo_ptr, lb_ptr, lr_ptr, ls_ptr, s1, s2, r_max,
-                stride_hk, stride_hs, stride_ht, stride_lbs, stride_lbr, stride_lrs, stride_lrt,
-                HAS_BIAS, SPLIT_K, HAS_LORA, SPLIT_H, BLOCK_R)
+                pid_t * tl.num_programs(0) + pid_n, pid_k, HAS_BIAS, SPLIT_K)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -303,8 +285,8 @@ _WTYPE = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 def mma_mm(x2: torch.Tensor, packed: torch.Tensor, meta: torch.Tensor, group_size: int, bias: torch.Tensor | None,
-           config: MmaConfig | None = None, lora: LoRAEpilogue | None = None) -> torch.Tensor:
-    """y = x2 @ W + bias (+ lora's expand), x2 [M, K]; packed from repack_mma, meta from mma_meta ([K/G, N] int32)."""
+           config: MmaConfig | None = None) -> torch.Tensor:
+    """y = x2 @ W + bias, x2 [M, K]; packed from repack_mma, meta from mma_meta ([K/G, N] int32)."""
     if triton is None:
         raise RuntimeError("int4 backend 'triton_mma' needs the triton package")
     m, k = x2.shape
@@ -327,22 +309,10 @@ def mma_mm(x2: torch.Tensor, packed: torch.Tensor, meta: torch.Tensor, group_siz
     ws = torch.empty((c.split_k, m, n), dtype=torch.float32, device=x2.device) if c.split_k > 1 else out
     b = bias.contiguous() if bias is not None else out  # dummy pointer when HAS_BIAS is False
     kps = k // c.split_k
-    if lora is not None:
-        if not lora.fits(c.block_n):
-            raise ValueError(f"mma int4: LoRA slices starting at {lora.starts} do not fit {c.block_n}-column tiles")
-        lora.check(m, n)
-        h, lb, lr, ls = lora.h, lora.b, lora.ranks, lora.slots
-        bounds = (*lora.starts[1:], n, n)
-        lora_args = (h, lb, lr, ls, bounds[0], bounds[1], h.size(3), h.stride(0), h.stride(1), h.stride(2),
-                     lb.stride(0), lb.stride(1), lr.stride(0), lr.stride(1))
-        lora_meta = dict(HAS_LORA=True, SPLIT_H=h.size(0), BLOCK_R=max(16, triton.next_power_of_2(h.size(3))))
-    else:
-        lora_args = (out, out, out, out, n, n, 0, 0, 0, 0, 0, 0, 0, 0)
-        lora_meta = dict(HAS_LORA=False, SPLIT_H=1, BLOCK_R=16)
     _w4a16_mma_kernel[grid](
         x2, packed, meta, b, out, ws, _counters(x2.device), m, n, x2.stride(0), packed.stride(0), meta.stride(0),
-        kps * 2, kps, *lora_args, GROUP=group_size, HAS_BIAS=bias is not None, SPLIT_K=c.split_k,
+        kps * 2, kps, GROUP=group_size, HAS_BIAS=bias is not None, SPLIT_K=c.split_k,
         WTYPE=_WTYPE[x2.dtype], F32_DOT=x2.dtype == torch.float32 or interpreting(),
         FOLD=c.fold, BN=c.block_n, BT=c.block_t,
-        BK=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages, **lora_meta)
+        BK=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
     return out

@@ -10,7 +10,7 @@ from kernels.triton_env import interpreting, triton
 
 BLOCK_R = 16  # rank chunk: tl.dot needs every dim >= 16; ranks below 16 run one masked chunk
 
-CONFIG_KEYS = ("fused", "epilogue", "cols", "run_m", "block_m", "shrink_block_k", "shrink_split_k",
+CONFIG_KEYS = ("fused", "cols", "run_m", "block_m", "shrink_block_k", "shrink_split_k",
                "shrink_block_r", "shrink_warps", "shrink_stages", "expand_block_n", "expand_n_iters", "expand_warps",
                "expand_stages", "cols_block_n", "cols_group", "cols_warps", "cols_stages", "fused_block_k",
                "fused_block_n", "fused_n_iters", "fused_warps", "fused_stages", "prologue", "prologue_block_k",
@@ -29,11 +29,11 @@ def _env_overrides(text: str) -> dict[str, int]:
 
 
 CONFIG_OVERRIDES: dict[str, int] = _env_overrides(os.environ.get("XPULORA_LORA_CONFIG", ""))
-"""Force a launch parameter (CONFIG_KEYS): fused (add_lora in one launch), epilogue (the expand inside an int4
-mma base GEMM's store, see use_epilogue), cols (the most tokens of a column expand, see use_cols), run_m (tokens of
-one slot per program: TokenGroups.block_m, set by engine.lora.token_groups.group_tokens), block_m (the token tile a
-program steps through its run in), prologue (the most tokens of a step whose shrinks join the norm / activation
-before their layers, see use_prologue), the kernels' shrink_* / expand_* / cols_* / fused_* / prologue_* sizes."""
+"""Force a launch parameter (CONFIG_KEYS): fused (add_lora in one launch), cols (the most tokens of a column
+expand, see use_cols), run_m (tokens of one slot per program: TokenGroups.block_m, set by
+engine.lora.token_groups.group_tokens), block_m (the token tile a program steps through its run in), prologue (the
+most tokens of a step whose shrinks join the norm / activation before their layers, see use_prologue), the kernels'
+shrink_* / expand_* / cols_* / fused_* / prologue_* sizes."""
 
 
 def block_r(r_max: int) -> int:
@@ -62,13 +62,6 @@ def shrink_config(k: int, r_max: int = BLOCK_R) -> dict[str, int]:
     return dict(block_k=block_k, split_k=split, k_per_split=triton.cdiv(iters, split) * block_k,
                 block_r=block_r(r_max),
                 num_warps=CONFIG_OVERRIDES.get("shrink_warps", 4), num_stages=CONFIG_OVERRIDES.get("shrink_stages", 3))
-
-
-def use_epilogue() -> bool:
-    """Whether wrapped layers whose base GEMM can take it (kernels.int4_mma.LoRAEpilogue) fuse the expand into that
-    GEMM's store instead of launching it (the shrink still runs first): opt-in (XPULORA_LORA_CONFIG=epilogue=1), as
-    neither triton_mma's nor cuda_mma's is faster in decode (docs/PERFORMANCE.md, 11th and 22nd sessions)."""
-    return bool(CONFIG_OVERRIDES.get("epilogue", 0))
 
 
 def use_fused(r_max: int) -> bool:

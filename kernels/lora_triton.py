@@ -41,7 +41,6 @@ from kernels.lora_config import (
     fused_config,
     shrink_config,
     use_cols,
-    use_epilogue,
     use_fused,
 )
 from kernels.lora_fused import _lora_fused_kernel
@@ -50,7 +49,7 @@ from kernels.lora_tables import _b_table, _ptr_table, _raw
 from kernels.triton_env import interpreting, triton
 
 __all__ = ["CONFIG_KEYS", "CONFIG_OVERRIDES", "TokenGroups", "add_lora", "expand_partials", "lora_expand",
-           "lora_shrink", "max_blocks", "shrink_partials", "use_epilogue"]
+           "lora_shrink", "max_blocks", "shrink_partials"]
 
 def _require_triton() -> None:
     if triton is None:
@@ -292,7 +291,7 @@ def shrink_partials(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: Token
                     a_scales: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """buf[ks, s, t, :r] = the K split ks of x[t] @ A_s[slot[t], :r].T: float32 [split_k, n_slices, T, r_max],
     written only where computed (rows with an adapter, columns below their slot's rank; the rest is garbage,
-    never read by expand_partials or the int4 LoRA epilogue). The caller checks that there is work to do."""
+    never read by expand_partials). The caller checks that there is work to do."""
     _require_triton()
     check_shrink(x, lora_a, info, a_scales)
     return _shrink_partials(x, lora_a, info, check_ranks(ranks, len(lora_a), info.num_slots, x.device), a_scales)

@@ -15,7 +15,6 @@ from torch import nn
 from engine.distributed import all_reduce, tp_rank, tp_size
 from engine.errors import WeightShapeError
 from engine.layers.quant import LinearMethod, ShardSpec, UnquantizedLinearMethod
-from kernels.int4_lora import LoRAEpilogue
 
 if TYPE_CHECKING:
     from engine.layers.activation import SiluAndMul
@@ -78,11 +77,6 @@ class LinearBase(nn.Module):
     def apply_base(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return self.method.apply(self, x, bias)
 
-    def apply_base_with_lora(self, x: torch.Tensor, bias: torch.Tensor | None,
-                             lora: LoRAEpilogue) -> torch.Tensor | None:
-        """apply_base with a LoRA expand fused into the GEMM; None where this layer's kernel cannot fuse it."""
-        return self.method.apply_with_lora(self, x, bias, lora)
-
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
         raise NotImplementedError
 
@@ -104,10 +98,6 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.apply_base(x, self.bias)
-
-    def forward_with_lora(self, x: torch.Tensor, lora: LoRAEpilogue) -> torch.Tensor | None:
-        """forward() with a LoRA expand fused into the GEMM (see apply_base_with_lora)."""
-        return self.apply_base_with_lora(x, self.bias, lora)
 
     def forward_normed(self, norm: RMSNorm, h: torch.Tensor,
                        residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,10 +215,6 @@ class RowParallelLinear(LinearBase):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's share of y; the bias is added on rank 0 only, so the all-reduce sums it exactly once."""
         return self.apply_base(x, self.bias if self.tp_rank == 0 else None)
-
-    def partial_with_lora(self, x: torch.Tensor, lora: LoRAEpilogue) -> torch.Tensor | None:
-        """partial() with a LoRA expand fused into the GEMM (see apply_base_with_lora)."""
-        return self.apply_base_with_lora(x, self.bias if self.tp_rank == 0 else None, lora)
 
     def reduce(self, y: torch.Tensor) -> torch.Tensor:
         return all_reduce(y) if self.reduce_results else y

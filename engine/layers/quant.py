@@ -16,8 +16,7 @@ from torch import nn
 
 from engine.device import Device
 from engine.errors import QuantConfigError
-from kernels.int4 import Int4Layout, PreparedInt4, dequant_triton, int4_mm, native_supported, prepare_int4, takes_lora
-from kernels.int4_lora import LoRAEpilogue
+from kernels.int4 import Int4Layout, PreparedInt4, dequant_triton, int4_mm, native_supported, prepare_int4
 from kernels.int4_tune import DEQUANT, Shape, tune
 from kernels.reference import unpack_int4_cols
 
@@ -66,11 +65,6 @@ class LinearMethod(Protocol):
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int, dtype: torch.dtype) -> None: ...
     def process_after_loading(self, layer: nn.Module) -> None: ...
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
-    def apply_with_lora(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-                        lora: LoRAEpilogue) -> torch.Tensor | None:
-        """apply() with lora's expand fused into the GEMM, or None where this method's kernel for these rows
-        cannot (the caller then runs the expand itself)."""
-        ...
     def device(self, layer: nn.Module) -> torch.device: ...
     def dense_weight(self, layer: nn.Module) -> torch.Tensor: ...
 
@@ -104,10 +98,6 @@ class UnquantizedLinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return nn.functional.linear(x, layer.weight, bias)
-
-    def apply_with_lora(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-                        lora: LoRAEpilogue) -> torch.Tensor | None:
-        return None  # a dense GEMM: no epilogue
 
     def device(self, layer: nn.Module) -> torch.device:
         return layer.weight.device
@@ -197,12 +187,6 @@ class Int4LinearMethod:
         w = dequant_triton(layer.qweight, layer.qzeros, layer.scales, self.group_size, self.zero_offset, x.dtype)
         return torch.addmm(bias, x, w) if bias is not None else x @ w
 
-    def apply_with_lora(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-                        lora: LoRAEpilogue) -> torch.Tensor | None:
-        rows = x.numel() // x.size(-1)
-        w = self._path(layer, rows)
-        return int4_mm(x, w, bias, lora) if w is not None and takes_lora(w, rows, lora) else None
-
     def device(self, layer: nn.Module) -> torch.device:
         return layer.qweight.device
 
@@ -241,10 +225,6 @@ class Int8LinearMethod:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return nn.functional.linear(x, layer.dense, bias)
-
-    def apply_with_lora(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None,
-                        lora: LoRAEpilogue) -> torch.Tensor | None:
-        return None  # a dense GEMM: no epilogue
 
     def device(self, layer: nn.Module) -> torch.device:
         return layer.qweight.device

@@ -239,11 +239,6 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
         sizes = self.b_sizes()
         return [sum(sizes[:i]) for i in range(len(sizes))]
 
-    @functools.cached_property
-    def starts(self) -> tuple[int, ...]:
-        """offsets as a tuple: where each slice's columns start in b_store and in the output (a LoRA epilogue's)."""
-        return tuple(self.offsets)
-
     def _source(self, i: int) -> tuple[int, int]:
         """(block index, block count) of this rank's rows in slice i's full output."""
         if isinstance(self.base, MergedColumnParallelLinear):
@@ -277,12 +272,8 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
         if mapping is None:
             return self.base(x)
         if not shrink_needs_gather(self.fully_sharded, self.tp_size):
-            ranks = self.slot_ranks()
-            epi = mapping.lora_epilogue(x, self.lora_a, self.b_store, ranks, self.starts, self.scales)
-            if epi is not None:  # the expand inside the base GEMM's store where its kernel takes it
-                y = self.base.forward_with_lora(x, epi)
-                return y if y is not None else mapping.finish_epilogue(self.base(x), epi, self.lora_b, self.offsets)
-            return mapping.add_lora(self.base(x), x, self.lora_a, self.lora_b, ranks, self.offsets, scales=self.scales)
+            return mapping.add_lora(self.base(x), x, self.lora_a, self.lora_b, self.slot_ranks(), self.offsets,
+                                    scales=self.scales)
         y = self.base(x)
         ranks, a_ranks = self.slot_ranks(), self.slot_ranks(a_side=True)
         for i, off in enumerate(self.offsets):
@@ -301,11 +292,7 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
                                          self.scales)
             if joined is not None:  # the shrink ran in the norm's launch
                 x, residual, partials = joined
-                epi = mapping.prologue_epilogue(partials, self.b_store, ranks, self.starts)
-                y = self.base.forward_with_lora(x, epi) if epi is not None else None  # and the expand in its store
-                if y is None:
-                    y = mapping.finish_prologue(self.base(x), partials, self.lora_b, ranks, self.offsets)
-                return y, residual
+                return mapping.finish_prologue(self.base(x), partials, self.lora_b, ranks, self.offsets), residual
         x, residual = norm.pair(h, residual)
         return self(x), residual
 
@@ -340,13 +327,6 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         mapping = get_context().lora
-        if mapping is not None and not self.fully_sharded:  # each rank's partial shrink times B sums right
-            epi = mapping.lora_epilogue(x, self.lora_a, self.b_store, self.slot_ranks(), (0,), self.scales)
-            if epi is not None:
-                y = self.base.partial_with_lora(x, epi)
-                if y is None:
-                    y = mapping.finish_epilogue(self.base.partial(x), epi, self.lora_b, [0])
-                return self.base.reduce(y)
         y = self.base.partial(x)
         if mapping is not None:
             ranks = self.slot_ranks()
@@ -365,11 +345,8 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
             joined = mapping.act_shrink(x, self.lora_a, ranks, self.scales)
             if joined is not None:  # the shrink ran in the activation's launch
                 y, partials = joined
-                epi = mapping.prologue_epilogue(partials, self.b_store, ranks, (0,))
-                out = self.base.partial_with_lora(y, epi) if epi is not None else None
-                if out is None:
-                    out = mapping.finish_prologue(self.base.partial(y), partials, self.lora_b, ranks, [0])
-                return self.base.reduce(out)
+                return self.base.reduce(mapping.finish_prologue(self.base.partial(y), partials, self.lora_b, ranks,
+                                                                [0]))
         return self(act(x))
 
 

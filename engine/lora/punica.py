@@ -19,7 +19,6 @@ import torch
 
 from engine.lora.token_groups import check_slots, copy_into, group_tokens, to_device
 from kernels import lora_prologue, lora_triton, reference
-from kernels.int4_lora import LoRAEpilogue
 from kernels.lora_config import use_prologue
 from kernels.lora_prologue import one_store
 from kernels.lora_triton import TokenGroups
@@ -98,18 +97,6 @@ class LoRABatch(ABC):
         self._add(y, x, lora_a, lora_b, ranks, offsets, add_inputs, scales)
         return y
 
-    def lora_epilogue(self, x: torch.Tensor, lora_a: list[torch.Tensor], b_store: torch.Tensor, ranks: SlotRanks,
-                      starts: tuple[int, ...], scales: Scales | None) -> LoRAEpilogue | None:
-        """add_lora's shrink of x, for a base GEMM that fuses the expand into its store (kernels.int4_mma:
-        b_store [S, r_max, N] holds every slice's B side by side, starts their first columns), or None where this
-        implementation fuses nothing (the caller runs add_lora after the base GEMM)."""
-        return None
-
-    def finish_epilogue(self, y: torch.Tensor, epi: LoRAEpilogue, lora_b: list[torch.Tensor],
-                        offsets: list[int]) -> torch.Tensor:
-        """The expand of an epilogue that the base GEMM could not take (its kernel for these rows fuses nothing)."""
-        raise NotImplementedError(f"{type(self).__name__} makes no LoRA epilogues")
-
     def norm_shrink(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                     zero_centered: bool, lora_a: list[torch.Tensor], ranks: SlotRanks, scales: Scales | None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -127,12 +114,6 @@ class LoRABatch(ABC):
                         offsets: list[int]) -> torch.Tensor:
         """add_lora's expand of a joined shrink's partials into the base output y. Returns y."""
         raise NotImplementedError(f"{type(self).__name__} joins no shrink to the op before a layer")
-
-    def prologue_epilogue(self, partials: torch.Tensor, b_store: torch.Tensor, ranks: SlotRanks,
-                          starts: tuple[int, ...]) -> LoRAEpilogue | None:
-        """A joined shrink's partials as the base GEMM's epilogue (see lora_epilogue), so that the layer launches no
-        LoRA kernel of its own; None where this implementation fuses nothing (the caller runs finish_prologue)."""
-        return None
 
     def shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks,
                a_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -326,23 +307,8 @@ class TritonLoRABatch(LoRABatch):
         lora_triton.add_lora(y, x, lora_a, lora_b, self.groups, offsets, ranks.device, add_inputs,
                              scales.a if scales is not None else None, scales.b if scales is not None else None)
 
-    def lora_epilogue(self, x: torch.Tensor, lora_a: list[torch.Tensor], b_store: torch.Tensor, ranks: SlotRanks,
-                      starts: tuple[int, ...], scales: Scales | None) -> LoRAEpilogue | None:
-        # fp8 storage keeps its own kernels (the epilogue reads 16-bit or float32 B without scales)
-        if not lora_triton.use_epilogue() or scales is not None or lora_triton.nothing_to_do(self.groups):
-            return None
-        if x.size(0) != self.num_tokens:
-            raise ValueError(f"lora_epilogue: x has {x.size(0)} rows, the batch {self.num_tokens} tokens")
-        buf = lora_triton.shrink_partials(x, lora_a, self.groups, ranks.device)
-        return LoRAEpilogue(buf, b_store, ranks.device, self.groups.part(0), starts)
-
-    def finish_epilogue(self, y: torch.Tensor, epi: LoRAEpilogue, lora_b: list[torch.Tensor],
-                        offsets: list[int]) -> torch.Tensor:
-        return lora_triton.expand_partials(y, epi.h, lora_b, self.groups, offsets, epi.ranks)
-
     def _joins(self, x: torch.Tensor, lora_a: list[torch.Tensor], scales: Scales | None) -> bool:
-        """Whether this step's shrink joins the op before the layer (decode-sized steps, not with fp8 storage; with
-        the opt-in epilogue its partials go to the base GEMM's store: prologue_epilogue)."""
+        """Whether this step's shrink joins the op before the layer (decode-sized steps, not with fp8 storage)."""
         return (use_prologue(self.num_tokens, lora_a[0].size(1), scales is not None)  # first: cheap
                 and not lora_triton.nothing_to_do(self.groups)
                 and lora_a[0].dtype in (x.dtype, torch.float32) and one_store(lora_a) is not None)
@@ -363,12 +329,6 @@ class TritonLoRABatch(LoRABatch):
     def finish_prologue(self, y: torch.Tensor, partials: torch.Tensor, lora_b: list[torch.Tensor], ranks: SlotRanks,
                         offsets: list[int]) -> torch.Tensor:
         return lora_triton.expand_partials(y, partials, lora_b, self.groups, offsets, ranks.device)
-
-    def prologue_epilogue(self, partials: torch.Tensor, b_store: torch.Tensor, ranks: SlotRanks,
-                          starts: tuple[int, ...]) -> LoRAEpilogue | None:
-        # _joins let no fp8 store through, and partials have the layout of shrink_partials
-        return LoRAEpilogue(partials, b_store, ranks.device, self.groups.part(0), starts) \
-            if lora_triton.use_epilogue() else None
 
     def _shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks, a_scale: torch.Tensor | None
                 ) -> torch.Tensor:

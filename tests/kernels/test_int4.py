@@ -609,69 +609,6 @@ def test_mma_kernel_matches_reference_on_accelerator() -> None:
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
-_MMA_LORA_CHECK = r"""
-import sys
-import torch
-from kernels.int4 import Int4Layout, prepare_int4
-from kernels.int4_lora import LoRAEpilogue
-from kernels.int4_mma import MmaConfig, _counters, mma_mm
-from kernels.reference import int4_matmul, pack_int4_cols
-from tests.kernels.lora_cases import epilogue_case
-dev = torch.device(sys.argv[1])
-g = torch.Generator().manual_seed(0)
-# (M, K, N, slice starts, slots, r_max, shrink splits, dtype, launch shape): three slices with split-K, one slice,
-# two bf16 slices with a partial token tile
-cases = [
-    (5, 128, 128, (0, 64, 96), 3, 16, 2, torch.float32, MmaConfig(32, 16, 64, 2)),
-    (20, 128, 96, (0,), 4, 8, 1, torch.float32, MmaConfig(32, 32, 64, 1)),
-    (9, 256, 128, (0, 64), 2, 16, 3, torch.bfloat16, MmaConfig(64, 16, 64, 2)),
-    (40, 256, 192, (0, 128), 5, 64, 4, torch.bfloat16, MmaConfig(64, 64, 64, 2)),
-]
-checked = 0
-for m, k, n, starts, nslots, r_max, split_h, dtype, cfg in cases:
-    gs = 64
-    qw = torch.randint(-2**31, 2**31, (k // 8, n), generator=g, dtype=torch.int64).to(torch.int32)
-    qz = pack_int4_cols(torch.randint(0, 15, (k // gs, n), generator=g))
-    sc = (torch.randn(k // gs, n, generator=g) * 0.05).half()
-    x = torch.randn(m, k, generator=g).to(dtype)
-    want = int4_matmul(x, qw, qz, sc, gs, 1, None).float()
-    w = prepare_int4(qw.to(dev), qz.to(dev), sc.to(dev), Int4Layout(gs, 1, k, n), "triton_mma", dtype=dtype)
-    cpu_epi, delta = epilogue_case(m, n, starts, nslots, r_max, split_h, dtype, g)
-    want += delta
-    epi = LoRAEpilogue(*(t.to(dev) for t in (cpu_epi.h, cpu_epi.b, cpu_epi.ranks, cpu_epi.slots)), starts)
-    y = mma_mm(x.to(dev), w.weight, w.scales_and_zeros, gs, None, cfg, epi).float().cpu()
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    err, scale = (y - want).abs().max().item(), want.abs().max().item()
-    assert not torch.isnan(y).any() and err <= tol * scale, (m, k, n, starts, err, scale)
-    checked += 1
-try:
-    mma_mm(x.to(dev), w.weight, w.scales_and_zeros, 64, None, MmaConfig(128, 64, 64, 1), epi)  # slice at 128: ok
-    mma_mm(x.to(dev), w.weight, w.scales_and_zeros, 64, None, MmaConfig(128, 64, 64, 1),
-           LoRAEpilogue(epi.h, epi.b, epi.ranks, epi.slots, (0, 64)))
-except ValueError as e:
-    assert "do not fit" in str(e)
-else:
-    raise AssertionError("a slice that starts inside a tile must be refused")
-assert not _counters(torch.empty(0, device=dev).device).any(), "every launch leaves its tile counters at zero"
-print("ok", checked)
-"""
-
-
-def test_mma_lora_epilogue_matches_reference_under_interpreter() -> None:
-    """The LoRA expand fused into the mma kernel's store (kernels.int4_mma.LoRAEpilogue) against int4_matmul plus
-    a per-token loop: 1-3 slices, split-K and not, the shrink's K splits summed, ranks 0..64 per slice and slot,
-    slot -1 rows, NaN wherever the shrink wrote nothing (never read); a slice starting inside a tile is refused."""
-    run_under_interpreter(_MMA_LORA_CHECK.replace("sys.argv[1]", "\"cpu\""), timeout=600)
-
-
-@pytest.mark.skipif(_ACC is None, reason="no accelerator")
-def test_mma_lora_epilogue_matches_reference_on_accelerator() -> None:
-    assert _ACC is not None
-    proc = subprocess.run([sys.executable, "-c", _MMA_LORA_CHECK, str(_ACC)], cwd=REPO, capture_output=True,
-                          text=True, timeout=600, env=_child_env())
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
-
-
 # ----------------------------------------------------------------------------------------------------
 # triton_gemv: one row on CUDA cores (kernels.int4_gemv), more rows through the triton kernel
 

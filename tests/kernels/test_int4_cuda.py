@@ -11,7 +11,6 @@ from kernels import int4_cuda
 from kernels.int4 import Int4Layout, int4_mm, native_supported, prepare_int4
 from kernels.int4_cuda import CudaMmaConfig, cuda_config, repack_cuda, tuner_variants, unpack_cuda, variants
 from kernels.reference import int4_matmul, pack_int4_cols, pack_int4_rows, unpack_int4_rows
-from tests.kernels.lora_cases import epilogue_case
 from tests.kernels.triton_env import assert_close_rel
 
 BF16_TOL = (1.6e-2, 1e-2)
@@ -229,64 +228,3 @@ def test_cuda_mm_rejects_what_it_cannot_run() -> None:
         cuda_mm(torch.zeros(65, k, dtype=torch.bfloat16, device=dev), w.weight, w.scales_and_zeros, gs, None)
     with pytest.raises(ValueError, match="does not fit"):
         cuda_mm(x.to(dev), w.weight, w.scales_and_zeros, gs, None, CudaMmaConfig(16, 2))  # 8 chunks: 16 x 2 > 8
-
-
-def _lora_case(m: int, n: int, starts: tuple[int, ...], nslots: int, r_max: int, split_h: int, seed: int):
-    return epilogue_case(m, n, starts, nslots, r_max, split_h, torch.bfloat16, torch.Generator().manual_seed(seed))
-
-
-def test_which_launches_take_a_lora_epilogue() -> None:
-    """cuda_mma adds the expand in the shapes the tuner can choose (compiled twice), for bf16 B, ranks padded to
-    at most 16, and slices that start on the launch's blocks; everything else keeps the split expand."""
-    from dataclasses import replace
-
-    from kernels.int4_cuda import LORA_MAX_RANK, lora_shapes, takes_lora
-
-    epi, _ = _lora_case(32, 256, (0, 128, 192), 3, 16, 2, seed=1)
-    for mt, shapes in int4_cuda.TUNED.items():
-        assert {s[:3] for s in shapes} == set(lora_shapes(mt)), mt
-        assert all(s in int4_cuda._shapes_for(mt) for s in lora_shapes(mt))
-    assert takes_lora(CudaMmaConfig(8, 1, 1), 32, epi) and takes_lora(CudaMmaConfig(8, 1, 2, 2), 32, epi)
-    assert not takes_lora(CudaMmaConfig(4, 1, 4), 32, epi), "not a tuned shape: no LoRA variant compiled"
-    assert not takes_lora(CudaMmaConfig(8, 1, 1), 65, epi) and not takes_lora(None, 32, epi)
-    assert not takes_lora(CudaMmaConfig(4, 1, 2), 32, replace(epi, starts=(0, 128, 208))), "a slice inside a block"
-    assert takes_lora(CudaMmaConfig(8, 1, 1), 32, replace(epi, starts=(0, 128, 208)))
-    assert not takes_lora(CudaMmaConfig(8, 1, 1), 32, replace(epi, b=epi.b.half()))
-    wide = torch.zeros(2, 3, 32, LORA_MAX_RANK + 8)
-    assert not takes_lora(CudaMmaConfig(8, 1, 1), 32, replace(epi, h=wide))
-    names = int4_cuda._names()
-    assert len(names) == len(set(names)) and sum(n.endswith("_lora") for n in names) == sum(
-        len(lora_shapes(mt)) for mt in int4_cuda.TOKEN_TILES)
-
-
-@pytest.mark.skipif(not ON_CUDA, reason="the CUDA C kernel runs on CUDA only")
-@pytest.mark.parametrize("m,k,n,starts,r_max,split_h", [
-    (1, 1024, 256, (0,), 16, 1), (5, 512, 384, (0, 256, 320), 8, 2), (16, 1024, 256, (0, 128), 16, 3),
-    (32, 2048, 512, (0, 256, 384), 16, 8), (32, 1024, 256, (0, 128), 12, 16), (57, 1024, 256, (0, 128), 16, 17)])
-def test_lora_epilogue_matches_reference(m: int, k: int, n: int, starts: tuple[int, ...], r_max: int,
-                                         split_h: int) -> None:
-    """Every launch shape compiled with the LoRA epilogue, whole K and split, against int4_matmul plus the expand:
-    ranks 0..r_max, slot -1 rows, NaN past each rank (never read), bias, the same bits twice."""
-    from kernels.int4_cuda import cuda_mm, takes_lora
-
-    gs = 128
-    qw, qz, sc, x, b, ref = _case(m, k, n, gs, 1, False, True, seed=m + n)
-    epi, delta = _lora_case(m, n, starts, 4, r_max, split_h, seed=m * 3 + n)
-    dev = torch.device("cuda")
-    w = prepare_int4(qw.to(dev), qz.to(dev), sc.to(dev), Int4Layout(gs, 1, k, n), "cuda_mma", dtype=torch.bfloat16)
-    assert w.scales_and_zeros is not None
-    epi_d = type(epi)(epi.h.to(dev), epi.b.to(dev), epi.ranks.to(dev), epi.slots.to(dev), epi.starts)
-    want = ref.float() + delta
-    checked = 0
-    for c in variants(m, k, n):
-        if not takes_lora(c, m, epi_d):
-            continue
-        y = cuda_mm(x.to(dev), w.weight, w.scales_and_zeros, gs, b.to(dev), c, epi_d)
-        assert not torch.isnan(y).any(), c
-        assert_close_rel(y.float().cpu(), want, BF16_TOL, f"cuda_mma {c} + LoRA")
-        assert torch.equal(y, cuda_mm(x.to(dev), w.weight, w.scales_and_zeros, gs, b.to(dev), c, epi_d)), c
-        checked += 1
-    assert checked, "some launch shape takes the epilogue"
-    with pytest.raises(ValueError, match="takes no LoRA epilogue"):
-        cuda_mm(x.to(dev), w.weight, w.scales_and_zeros, gs, None, CudaMmaConfig(4, 1, 4) if m <= 32 else
-                CudaMmaConfig(4, 1, 1, 1), type(epi_d)(epi_d.h, epi_d.b.half(), epi_d.ranks, epi_d.slots, starts))

@@ -177,24 +177,6 @@ def test_near_tie_comparison_of_two_bf16_runs() -> None:
     assert not agree_up_to_near_ties(a, drift, 0.1)["ok"]
 
 
-def test_lora_epilogue_launches_counts_and_restores(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """bench_e2e.lora_epilogue_launches (the GPU scripts' epilogue count): the int4 launches given an epilogue
-    (last argument not None) are counted, the switch is set meanwhile, and both are as before on exit."""
-    import kernels.int4 as int4_ops
-    from benchmarks.bench_e2e import lora_epilogue_launches
-    from kernels import lora_triton
-
-    monkeypatch.setattr(int4_ops, "mma_mm", lambda *a: "mma")
-    monkeypatch.setattr(int4_ops, "cuda_mm", lambda *a: "cuda")
-    mma, cuda, before = int4_ops.mma_mm, int4_ops.cuda_mm, dict(lora_triton.CONFIG_OVERRIDES)
-    with lora_epilogue_launches(epilogue=1) as taken:
-        assert lora_triton.use_epilogue()
-        assert int4_ops.mma_mm("x", None) == "mma" and int4_ops.mma_mm("x", "lora") == "mma"
-        assert int4_ops.cuda_mm("x", "lora") == "cuda"
-    assert taken == [2]
-    assert int4_ops.mma_mm is mma and int4_ops.cuda_mm is cuda and before == lora_triton.CONFIG_OVERRIDES
-
-
 def test_checks_summary() -> None:
     from tools.checks import Checks
 
