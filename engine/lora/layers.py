@@ -334,7 +334,7 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
                 sa, sb = (self.scales.a[0], self.scales.b[0]) if self.scales is not None else (None, None)
                 buf = all_reduce(mapping.shrink(x, self.lora_a[0], self.slot_ranks(a_side=True), sa))  # full x A^T
                 mapping.expand(y, buf, self.lora_b[0], ranks, self.tp_rank * self.b_sizes()[0], b_scale=sb)
-            else:
+            else:  # each rank's partial shrink times the whole B: the all-reduce sums them right
                 mapping.add_lora(y, x, self.lora_a, self.lora_b, ranks, [0], scales=self.scales)
         return self.base.reduce(y)
 
