@@ -115,8 +115,8 @@ def expand_config(n_max: int, num_tokens: int) -> dict[str, int]:
 def use_prologue(num_tokens: int, r_max: int, fp8: bool) -> bool:
     """The shrink joined to the RMSNorm / silu-and-mul launch before a wrapped layer (kernels.lora_prologue) for
     steps of up to CONFIG_OVERRIDES["prologue"] tokens (each token reads its A rows itself), ranks <= 64, weights
-    not fp8 (0: never). The default, 32, saved 2-3 % of a 32-adapter decode step in three H100 runs and tied with
-    one adapter (docs/PERFORMANCE.md, twenty-seventh and twenty-ninth sessions)."""
+    not fp8 (0: never). The default, 32, saved 2.2-3.3 % of a 32-adapter decode step in each of four H100
+    comparisons and tied with one adapter (docs/PERFORMANCE.md, twenty-seventh and twenty-ninth sessions)."""
     limit = CONFIG_OVERRIDES.get("prologue", 32)
     return 0 < num_tokens <= limit and r_max <= 64 and not fp8
 

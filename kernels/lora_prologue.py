@@ -15,8 +15,8 @@ products are y's rounded values times A in float32.
 
 Each token reads its A rows itself (a slot's A once per token, from the cache after the first), so this can pay only
 where a step has few tokens: kernels.lora_config.use_prologue takes it for steps of up to 32 tokens by default (on an
-H100 it saved 2-3 % of a 32-adapter decode step and nothing with one adapter: docs/PERFORMANCE.md, twenty-seventh
-and twenty-ninth sessions).
+H100 it saved 2.2-3.3 % of a 32-adapter decode step and nothing with one adapter: docs/PERFORMANCE.md,
+twenty-seventh and twenty-ninth sessions).
 """
 
 from __future__ import annotations
