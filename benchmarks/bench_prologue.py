@@ -62,9 +62,9 @@ def layer(site: dict[str, Site], mode: str, x: torch.Tensor, res: torch.Tensor, 
         else:
             y, _ = rms_norm(x, norm_w, 1e-6, False, res, "triton")
         out = y @ s.w
-        if mode == "separate":
-            buf = lora_triton.shrink_partials(y, s.a, info, s.ranks)
-        if mode != "base":
+        if mode == "separate":  # what the engine runs where nothing joins
+            lora_triton.add_lora(out, y, s.a, s.b, info, s.offsets, s.ranks)
+        elif mode == "joined":
             lora_triton.expand_partials(out, buf, s.b, info, s.offsets, s.ranks)
         outs.append(out)
     s = site["down"]
@@ -74,8 +74,8 @@ def layer(site: dict[str, Site], mode: str, x: torch.Tensor, res: torch.Tensor, 
         y = silu_and_mul(gu, "triton")
     out = y @ s.w
     if mode == "separate":
-        buf = lora_triton.shrink_partials(y, s.a, info, s.ranks)
-    if mode != "base":
+        lora_triton.add_lora(out, y, s.a, s.b, info, s.offsets, s.ranks)
+    elif mode == "joined":
         lora_triton.expand_partials(out, buf, s.b, info, s.offsets, s.ranks)
     return [*outs, out]
 

@@ -49,7 +49,7 @@ from kernels.lora_tables import _b_table, _ptr_table, _raw
 from kernels.triton_env import interpreting, triton
 
 __all__ = ["CONFIG_KEYS", "CONFIG_OVERRIDES", "TokenGroups", "add_lora", "expand_partials", "lora_expand",
-           "lora_shrink", "max_blocks", "shrink_partials"]
+           "lora_shrink", "max_blocks"]
 
 def _require_triton() -> None:
     if triton is None:
@@ -279,7 +279,9 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: Sequence[torch.Tensor], l
 
 def _shrink_partials(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGroups, r: torch.Tensor,
                      a_scales: Sequence[torch.Tensor] | None) -> torch.Tensor:
-    """shrink_partials on checked inputs (r: check_ranks' view)."""
+    """buf[ks, s, t, :r] = the K split ks of x[t] @ A_s[slot[t], :r].T on checked inputs (r: check_ranks' view):
+    float32 [split_k, n_slices, T, r_max], written only where computed (rows with an adapter, columns below their
+    slot's rank; the rest is garbage, never read by expand_partials)."""
     _, r_max, k = lora_a[0].shape
     cfg = shrink_config(k, r_max)
     buf = torch.empty(cfg["split_k"], len(lora_a), x.size(0), r_max, dtype=torch.float32, device=x.device)
@@ -287,21 +289,11 @@ def _shrink_partials(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: Toke
     return buf
 
 
-def shrink_partials(x: torch.Tensor, lora_a: Sequence[torch.Tensor], info: TokenGroups, ranks: torch.Tensor,
-                    a_scales: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
-    """buf[ks, s, t, :r] = the K split ks of x[t] @ A_s[slot[t], :r].T: float32 [split_k, n_slices, T, r_max],
-    written only where computed (rows with an adapter, columns below their slot's rank; the rest is garbage,
-    never read by expand_partials). The caller checks that there is work to do."""
-    _require_triton()
-    check_shrink(x, lora_a, info, a_scales)
-    return _shrink_partials(x, lora_a, info, check_ranks(ranks, len(lora_a), info.num_slots, x.device), a_scales)
-
-
 def expand_partials(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: TokenGroups,
                     offsets: Sequence[int], ranks: torch.Tensor, add_inputs: bool = True,
                     b_scales: Sequence[torch.Tensor] | None = None) -> torch.Tensor:
     """add_lora's second half: y[t, off_s:+n_s] (+)= (sum_ks buf[ks, s, t, :r]) @ B_s[slot[t], :, :r].T (buf from
-    shrink_partials). Returns y."""
+    _shrink_partials or kernels.lora_prologue). Returns y."""
     _require_triton()
     check_expand(y, buf[0], lora_b, info, offsets, b_scales)
     r = check_ranks(ranks, len(lora_b), info.num_slots, y.device)
