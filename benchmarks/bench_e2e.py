@@ -37,7 +37,7 @@ from engine import (
 from engine.device import Device
 from engine.layers.linear import LinearBase
 from engine.layers.quant import Int4LinearMethod
-from tools.random_int4 import QWEN3_8B, Shape, write_random_int4
+from tools.random_int4 import QWEN3_8B, QWEN36_27B, Shape, write_random_int4
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -220,6 +220,8 @@ def release(device: torch.device | str) -> None:
 def model_args(ap: argparse.ArgumentParser, batches: list[int], adapters: list[int], root: str) -> None:
     """The options every end-to-end script shares (this one and profile_step.py)."""
     ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--shape", choices=["8b", "27b"], default="8b",
+                    help="Qwen3-8B-shaped dense or Qwen3.6-27B-shaped hybrid (every fourth layer full attention)")
     ap.add_argument("--quick", action="store_true", help="tiny shapes, CPU smoke test")
     ap.add_argument("--batches", type=int, nargs="*", default=batches)
     ap.add_argument("--adapters", type=int, nargs="*", default=adapters,
@@ -235,10 +237,13 @@ def write_model(a: argparse.Namespace) -> tuple[torch.device, Shape, int, str, l
     """(device, shape, layers, checkpoint path, adapter paths) for model_args' options; --quick shrinks
     everything to a CPU smoke run."""
     device = torch.device("cuda" if torch.cuda.is_available() and not a.quick else "cpu")
-    s = Shape(256, 768, 2, 4, 2, 64, 1024) if a.quick else QWEN3_8B
-    layers = 2 if a.quick else a.layers
+    big = QWEN36_27B if a.shape == "27b" else QWEN3_8B
+    s = Shape(256, 768, 2, 4, 2, 64, 1024, hybrid=big.hybrid) if a.quick else big
+    layers = (4 if big.hybrid else 2) if a.quick else a.layers
     if a.quick:
-        a.batches, a.adapters, a.new_tokens = [1, 4], [0, 2], 4
+        a.batches, a.adapters, a.new_tokens = [1, 4], [0] if big.hybrid else [0, 2], 4
+    if big.hybrid and max(a.adapters) > 0:  # write_adapter targets the dense model's attention modules
+        raise SystemExit("--shape 27b runs without adapters (--adapters 0)")
     path = write_random_int4(f"{a.root}/model", s, layers=layers, device=device)
     adapters = [write_adapter(f"{a.root}/lora{i}", s, layers, 16, i) for i in range(max(a.adapters))]
     return device, s, layers, path, adapters

@@ -158,17 +158,13 @@ def delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
 def delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       states: torch.Tensor, index: torch.Tensor, backend: str = "reference") -> torch.Tensor:
     """One token per sequence (row b uses state slot index[b]); same inputs and update as
-    delta_rule_varlen with every length 1, with the slots as a device tensor, so no host sync (graph-safe)."""
+    delta_rule_varlen with every length 1, with the slots as a device tensor, so no host sync (graph-safe).
+    The "fla" backend (the GPUs' Triton path) runs kernels.gdn_triton's in-place kernel: fla-core's recurrent
+    kernel takes a dense state, which cost a gather and a scatter of every slot's state per layer."""
     if backend == "fla":
-        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+        from kernels.gdn_triton import delta_rule_decode_triton
 
-        dtype = v.dtype if v.dtype != torch.float32 else torch.bfloat16
-        o, final = fused_recurrent_gated_delta_rule(
-            q=q[:, None].to(dtype), k=k[:, None].to(dtype), v=v[:, None].to(dtype), g=g[:, None].float(),
-            beta=beta[:, None].to(dtype), scale=q.size(-1) ** -0.5, initial_state=states[index],
-            output_final_state=True, use_qk_l2norm_in_kernel=True)
-        states[index] = final.float()
-        return o[:, 0].float()
+        return delta_rule_decode_triton(q, k, v, g, beta, states, index)
     if backend != "reference":
         raise ValueError(f"unknown gated-delta-rule backend {backend!r} (reference, fla)")
     ratio = v.size(1) // k.size(1)

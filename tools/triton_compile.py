@@ -134,12 +134,13 @@ def run_all() -> None:
     compile_only): the engine's start-up checks of the fused ops, paged attention (a split decode with its merge
     too) and int4 (each Triton backend, the dequantization), in bfloat16 and float32; the LoRA kernels split,
     fused, with fp8 weights, with ranks above one rank tile, with one-token programs and with the column expand, and
-    the shrink joined to the RMSNorm and to silu-and-mul."""
+    the shrink joined to the RMSNorm and to silu-and-mul; the Gated DeltaNet decode step."""
     import torch
 
     from engine.lora.token_groups import group_tokens
     from kernels import checks, lora_triton
     from kernels.attention_triton import paged_attention_decode
+    from kernels.gdn_triton import delta_rule_decode_triton
     from kernels.int4 import dequant_triton
     from kernels.lora_prologue import act_shrink, norm_shrink
 
@@ -184,6 +185,11 @@ def run_all() -> None:
     norm_shrink(x, torch.ones(k, dtype=torch.bfloat16), 1e-6, False, x, [store[:, :, i * k:(i + 1) * k] for i in
                                                                          range(3)], info, ranks)
     act_shrink(torch.cat([x, x], 1), store[:, :, :k], info, ranks[:1])
+    for dt in (torch.bfloat16, torch.float32):  # the Gated DeltaNet decode step, Qwen3.6-27B's heads (Hv = 3 Hk)
+        qkv = torch.randn(3, 2 * 2 * 128 + 6 * 128, generator=g).to(dt)
+        q, k2, v = qkv.split([256, 256, 768], dim=-1)
+        delta_rule_decode_triton(q.view(3, 2, 128), k2.view(3, 2, 128), v.view(3, 6, 128), torch.zeros(3, 6),
+                                 torch.ones(3, 6, dtype=dt), torch.zeros(4, 6, 128, 128), torch.tensor([3, 0, 1]))
 
 
 def main() -> int:

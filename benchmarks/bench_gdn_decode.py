@@ -1,0 +1,86 @@
+"""Gated DeltaNet decode step of one layer, Qwen3.6-27B's heads at TP=1 (Hk 16, Hv 48, Dk = Dv = 128): the in-place
+kernel (kernels.gdn_triton) against what the engine ran before it, fla-core's fused_recurrent kernel on the slots
+gathered into a dense state and scattered back. Both in a device graph (as decode runs), side by side, with the
+state's byte floor (read + write of each row's slot at the copy bandwidth). Exits 1 where the two disagree.
+
+    python benchmarks/bench_gdn_decode.py                # on a GPU with fla-core installed
+    TRITON_INTERPRET=1 python benchmarks/bench_gdn_decode.py --quick   # smoke test, CPU: the kernel alone
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_e2e import copy_bandwidth
+from benchmarks.timing import device_sync, graph_time_us, time_us
+from kernels.gdn import delta_rule_decode
+from kernels.gdn_triton import delta_rule_decode_triton
+
+
+def fla_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                 states: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """The engine's decode before the in-place kernel (kernels/gdn.py at c203b60)."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+
+    o, final = fused_recurrent_gated_delta_rule(
+        q=q[:, None], k=k[:, None], v=v[:, None], g=g[:, None].float(), beta=beta[:, None], scale=q.size(-1) ** -0.5,
+        initial_state=states[index], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    states[index] = final.float()
+    return o[:, 0].float()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32, 64])
+    ap.add_argument("--quick", action="store_true", help="tiny heads on the CPU (TRITON_INTERPRET=1), no peer")
+    ap.add_argument("--budget", type=float, default=0.2, help="seconds of timing per form and batch")
+    a = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() and not a.quick else "cpu")
+    hk, hv, dk, dv = (2, 6, 32, 32) if a.quick else (16, 48, 128, 128)
+    batches = [1, 3] if a.quick else a.batches
+    forms = {"in_place": delta_rule_decode_triton}
+    if dev.type != "cpu":
+        forms["fla_gathered"] = fla_gathered
+    bw = copy_bandwidth(dev)
+    g = torch.Generator().manual_seed(0)
+    bad = 0
+    for b in batches:
+        slots = 2 * b + 1
+        qkv = torch.randn(b, 2 * hk * dk + hv * dv, generator=g).to(torch.bfloat16).to(dev)
+        q, k, v = qkv.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        q, k, v = q.view(b, hk, dk), k.view(b, hk, dk), v.view(b, hv, dv)
+        gate = (-F.softplus(torch.randn(b, hv, generator=g)) * 0.5).to(dev)
+        beta = torch.rand(b, hv, generator=g).to(torch.bfloat16).to(dev)
+        s0 = (torch.randn(slots, hv, dk, dv, generator=g) * 0.1).to(dev)
+        index = torch.randperm(slots, generator=g)[:b].to(dev)
+        ref_states = s0.clone()
+        ref = delta_rule_decode(q, k, v, gate, beta, ref_states, index)
+        row: dict[str, object] = {"batch": b, "state_floor_us": 2 * b * hv * dk * dv * 4 / bw * 1e6}
+        for name, fn in forms.items():
+            states = s0.clone()
+            out = fn(q, k, v, gate, beta, states, index)
+            err = max((out - ref).abs().max().item(), (states - ref_states).abs().max().item())
+            row[f"{name}_max_err"] = err
+            bad += err > 1e-3
+
+            call = functools.partial(fn, q, k, v, gate, beta, states, index)
+            us = graph_time_us(call, dev, a.budget)
+            row[f"{name}_us"] = us if us is not None else time_us(call, device_sync(dev), a.budget)
+        if "fla_gathered_us" in row:
+            row["in_place_speedup"] = row["fla_gathered_us"] / row["in_place_us"]  # type: ignore[operator]
+        print(json.dumps(row), flush=True)
+    print("bench_gdn_decode: " + ("FAIL (a form disagrees with the reference)" if bad else "PASS"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
