@@ -14,7 +14,7 @@ LoRAKernelName = Literal["auto", "triton", "reference"]
 LoRADTypeName = Literal["auto", "bfloat16", "float16", "float32", "fp8"]
 AttentionKernelName = Literal["auto", "triton", "reference"]
 FusedKernelName = Literal["auto", "triton", "reference"]
-GDNKernelName = Literal["auto", "fla", "reference"]
+GDNKernelName = Literal["auto", "fla", "triton", "reference"]
 Int4KernelName = Literal["auto", "tuned", "reference", "triton", "triton_mma", "triton_gemv", "cuda_mma",
                          "native_cpu", "native_cuda", "native_xpu", "auto:native_cuda", "auto:native_xpu"]
 
@@ -167,7 +167,9 @@ class KernelConfig:
     fused: FusedKernelName = "auto"
     """Norms, rotary, silu-and-mul: auto (Triton on GPUs where Triton runs, else the reference)."""
     gdn: GDNKernelName = "auto"
-    """Gated DeltaNet (Qwen3.5 hybrids): auto (fla-core on GPUs when installed, else the reference)."""
+    """Gated DeltaNet (Qwen3.5 hybrids): auto (on GPUs fla-core when installed, else triton; the reference on the
+    CPU), fla (fla-core's chunked kernels for prompts, our in-place Triton kernel for decode steps), triton (the
+    decode kernel, prompts on the reference: no fla-core needed) or reference."""
     int4: Int4KernelName = "auto"
     """int4 GEMM: auto (on GPUs `tuned`; the reference on the CPU), tuned (per layer shape and bucket of rows the
     fastest checked kernel, timed at start-up on this device or read from the cache, kernels.int4_tune),

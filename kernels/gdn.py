@@ -13,6 +13,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
+BACKENDS = ("reference", "fla", "triton")
+"""delta_rule_varlen / delta_rule_decode backends (engine.device.Device.gdn_backend chooses)."""
+
 
 def causal_conv1d(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """y = silu(depthwise causal conv over [state | x]); returns (y [n, C], new state [C, K-1]).
@@ -130,16 +133,18 @@ def delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     """Sequences laid end to end (sequence i owns rows cu[i]:cu[i+1] and state slot slots[i]); q, k raw
     [T, Hk, Dk] (l2-normalised here, q also scaled by 1/sqrt(Dk)), v [T, Hv, Dv], g and beta [T, Hv]; value
     head h reads key head h // (Hv / Hk). Updates `states` [slots, Hv, Dk, Dv] in place; returns o [T, Hv, Dv].
-    backend: "reference" (torch, any device) or "fla" (flash-linear-attention's Triton kernels). index and
+    backend: "reference" (torch, any device), "fla" (flash-linear-attention's chunked Triton kernels, decode steps
+    by kernels.gdn_triton) or "triton" (decode steps by kernels.gdn_triton, the rest by the reference). index and
     cu_dev: the same slots and cu on the device where the caller has them (fla reads those, not the lists)."""
-    if backend == "fla":
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown gated-delta-rule backend {backend!r} ({', '.join(BACKENDS)})")
+    decode = all(cu[i + 1] - cu[i] == 1 for i in range(len(slots)))
+    if backend == "fla" or (backend == "triton" and decode):
         idx = index if index is not None else torch.tensor(slots, dtype=torch.long, device=q.device)
-        if all(cu[i + 1] - cu[i] == 1 for i in range(len(slots))):
+        if decode:
             return delta_rule_decode(q, k, v, g, beta, states, idx, backend)
         cu_t = cu_dev.long() if cu_dev is not None else torch.tensor(cu, dtype=torch.long, device=q.device)
         return _delta_rule_fla_chunk(q, k, v, g, beta, states, idx, cu_t)
-    if backend != "reference":
-        raise ValueError(f"unknown gated-delta-rule backend {backend!r} (reference, fla)")
     ratio = v.size(1) // k.size(1)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     for i, slot in enumerate(slots):
@@ -159,14 +164,14 @@ def delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
                       states: torch.Tensor, index: torch.Tensor, backend: str = "reference") -> torch.Tensor:
     """One token per sequence (row b uses state slot index[b]); same inputs and update as
     delta_rule_varlen with every length 1, with the slots as a device tensor, so no host sync (graph-safe).
-    The "fla" backend (the GPUs' Triton path) runs kernels.gdn_triton's in-place kernel: fla-core's recurrent
-    kernel takes a dense state, which cost a gather and a scatter of every slot's state per layer."""
-    if backend == "fla":
+    The "fla" and "triton" backends run kernels.gdn_triton's in-place kernel: fla-core's recurrent kernel takes a
+    dense state, which cost a gather and a scatter of every slot's state per layer."""
+    if backend in ("fla", "triton"):
         from kernels.gdn_triton import delta_rule_decode_triton
 
         return delta_rule_decode_triton(q, k, v, g, beta, states, index)
     if backend != "reference":
-        raise ValueError(f"unknown gated-delta-rule backend {backend!r} (reference, fla)")
+        raise ValueError(f"unknown gated-delta-rule backend {backend!r} ({', '.join(BACKENDS)})")
     ratio = v.size(1) // k.size(1)
     qs = (_l2norm(q.float()) * q.size(-1) ** -0.5).repeat_interleave(ratio, dim=1)  # [B, Hv, Dk]
     ks = _l2norm(k.float()).repeat_interleave(ratio, dim=1)

@@ -161,8 +161,9 @@ def _kernel_flags(g: Any) -> None:
                    help="paged attention and KV write: auto (Triton on GPUs, torch on the CPU)")
     g.add_argument("--fused-kernel", choices=("auto", "triton", "reference"), default="auto",
                    help="norms, rotary, silu-and-mul: auto (Triton on GPUs, torch on the CPU)")
-    g.add_argument("--gdn-kernel", choices=("auto", "fla", "reference"), default="auto",
-                   help="Gated DeltaNet (Qwen3.5 hybrids): auto (fla-core on GPUs when installed, else torch)")
+    g.add_argument("--gdn-kernel", choices=("auto", "fla", "triton", "reference"), default="auto",
+                   help="Gated DeltaNet (Qwen3.5 hybrids): auto (fla-core on GPUs when installed, else triton: our "
+                        "decode kernel with torch for prompts; torch on the CPU)")
     g.add_argument("--int4-kernel", default="auto",
                    choices=("auto", "tuned", "reference", "triton", "triton_mma", "triton_gemv", "cuda_mma",
                             "native_cpu", "native_cuda", "native_xpu", "auto:native_cuda", "auto:native_xpu"),

@@ -1,8 +1,9 @@
 """The engine with the Triton fused ops (kernels.fused) and Triton attention, whose KV write is one of them,
 gives the logits and greedy tokens of the same engine on the torch references: the committed demo model
 (Qwen3 int4: per-head q/k norms, full rotary) and a tiny Qwen3.5 hybrid (zero-centred norms, partial rotary,
-gated query heads strided inside the fused projection). It runs under the Triton interpreter in a child
-process; on a GPU, benchmarks/gpu_engine_check.py makes the same comparison with compiled kernels.
+gated query heads strided inside the fused projection; its Gated DeltaNet decode steps on kernels.gdn_triton,
+counted). It runs under the Triton interpreter in a child process; on a GPU, benchmarks/gpu_engine_check.py makes
+the same comparison with compiled kernels.
 With adapters (the demo's three over mixed batches, Triton LoRA), the wrapped layers after a norm or the activation
 join their shrink to that launch (kernels.lora_prologue, counted so that the case cannot pass by falling back);
 greedy tokens equal the engine on the torch references."""
@@ -24,11 +25,13 @@ REPO = Path(__file__).resolve().parents[2]
 CHECK = r"""
 import sys, torch
 from engine import KernelConfig, SamplingParams
-from tests.helpers import make_engine
-path, prompts = sys.argv[1], [[5, 17, 42, 9, 100, 3, 77], [7, 7, 250, 31]]
+from kernels import gdn_triton
+from tests.helpers import count_calls, make_engine
+path, hybrid, prompts = sys.argv[1], sys.argv[2] == "1", [[5, 17, 42, 9, 100, 3, 77], [7, 7, 250, 31]]
+calls = count_calls(gdn_triton, ["delta_rule_decode_triton"])
 out = {}
 for backend in ("reference", "triton"):
-    with make_engine(path, max_num_seqs=4, kernels=KernelConfig(fused=backend, attention=backend),
+    with make_engine(path, max_num_seqs=4, kernels=KernelConfig(fused=backend, attention=backend, gdn=backend),
                      device="cpu") as e:
         logits = [e.runner.prompt_logits(p) for p in prompts]
         params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
@@ -36,7 +39,9 @@ for backend in ("reference", "triton"):
 for ref, got in zip(out["reference"][0], out["triton"][0]):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 assert out["reference"][1] == out["triton"][1], out
-print("ok")
+# The hybrid's decode steps ran the Gated DeltaNet kernel (its start-up check calls it once too), the dense model none.
+assert (calls["delta_rule_decode_triton"] > 4) == hybrid, calls
+print("ok", calls)
 """
 
 
@@ -80,6 +85,6 @@ def test_fused_triton_engine_equals_reference(model: str, tmp_path: Path) -> Non
     path = str(REPO / "demo" / "model") if model == "demo" else make_qwen35_model(str(tmp_path / "m"), vision=False)
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", CHECK, path], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-c", CHECK, path, str(int(model == "qwen35"))], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

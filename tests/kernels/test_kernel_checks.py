@@ -98,6 +98,11 @@ got = check_ops(ops, s, torch.float32, torch.device("cpu"))
 assert [(c.op, c.chosen, [n for n, _ in c.rejected]) for c in got] == [(op, "reference", ["triton"]) for op, _ in ops]
 for op, _ in ops:
     assert any(f"{op} implementation 'triton' failed its start-up check" in w for w in Warnings.lines), Warnings.lines
+# Gated DeltaNet: fla-core cannot run on CPU tensors; its fallback is the Triton decode kernel, which passes here.
+del os.environ["XPULORA_KERNEL_FAULT"]
+g = CheckShapes(**{**s.__dict__, "gdn": (2, 4, 16, 8)})
+[c] = check_ops([("gdn", "fla")], g, torch.float32, torch.device("cpu"))
+assert (c.chosen, c.checked, [n for n, _ in c.rejected]) == ("triton", True, ["fla"]), c
 print("ok")
 """
 
@@ -109,11 +114,12 @@ def test_triton_candidates_pass_and_faulted_ones_fall_back_under_the_interpreter
 
 
 def test_fla_on_the_cpu_falls_back_to_the_reference_gdn(caplog: pytest.LogCaptureFixture) -> None:
-    """fla-core's kernels cannot run on CPU tensors (nor import without it installed): a real failure."""
+    """fla-core's kernels cannot run on CPU tensors (nor import without it installed), nor, outside the
+    interpreter, the Triton decode kernel tried next: real failures (the interpreter case: CHILD)."""
     with_gdn = CheckShapes(**{**TINY.__dict__, "gdn": (2, 4, 16, 8)})
     with caplog.at_level(logging.WARNING, logger="kernels.registry"):
         [c] = check_ops([("gdn", "fla")], with_gdn, torch.float32, torch.device("cpu"))
-    assert (c.op, c.chosen, [n for n, _ in c.rejected]) == ("gdn", "reference", ["fla"])
+    assert (c.op, c.chosen, [n for n, _ in c.rejected]) == ("gdn", "reference", ["fla", "triton"])
     assert "gdn implementation 'fla' failed its start-up check" in caplog.text
     assert check_ops([("gdn", "fla")], TINY, torch.float32, torch.device("cpu")) == []  # no GDN layers
 

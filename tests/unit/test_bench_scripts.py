@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.interp import interpreter_skip_reason
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,6 +43,23 @@ def test_profile_step_quick(tmp_path: Path) -> None:
     assert all(r["lm_head_ms"] > 0 and r["sampler_ms"] > 0 for r in steps)
     hosts = [r for r in rows if r["part"] == "host"]
     assert len(hosts) == 3 and all(r["top_self_ms_per_step"] for r in hosts)
+
+
+def test_profile_step_quick_hybrid(tmp_path: Path) -> None:
+    """--shape 27b: the Qwen3.6-27B-shaped hybrid (tiny under --quick), without adapters."""
+    steps = [r for r in _run("profile_step.py", tmp_path, "--shape", "27b") if r["part"] == "step"]
+    assert {(r["batch"], r["adapters"]) for r in steps} == {(1, 0), (4, 0)}
+    assert all(r["ms_per_step"] > 0 for r in steps)
+
+
+@pytest.mark.skipif(interpreter_skip_reason() is not None, reason=str(interpreter_skip_reason()))
+def test_bench_gdn_decode_quick() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_gdn_decode.py"), "--quick", "--budget",
+                           "0"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0 and "bench_gdn_decode: PASS" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["batch"] for r in rows] == [1, 3] and all(r["in_place_max_err"] < 1e-5 for r in rows), rows
 
 
 def test_bench_serve_quick(tmp_path: Path) -> None:
