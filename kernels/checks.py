@@ -12,7 +12,7 @@ import torch
 
 from kernels import fused
 from kernels.attention import paged_attention
-from kernels.gdn import delta_rule_decode, delta_rule_varlen
+from kernels.gdn import causal_conv1d_decode, delta_rule_decode, delta_rule_varlen, gated_rms_norm
 from kernels.int4 import Int4Layout, dequant_triton, int4_mm, native_supported, prepare_int4
 from kernels.int4_tune import DEQUANT
 from kernels.int4_tune import TOLERANCE as INT4_TOLERANCE
@@ -200,7 +200,8 @@ def check_fused(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.d
 
 def check_gdn(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.device) -> Choice:
     """The gated delta rule of a prefill step (two sequences, 3 and 2 tokens, from random states in swapped
-    slots) then a decode step: outputs and updated states."""
+    slots) then a decode step: outputs and updated states; the decode step's causal conv (output and shifted
+    state) and the gated RMSNorm."""
     assert s.gdn is not None
     hk, hv, dk, dv = s.gdn
     g = _gen()
@@ -211,13 +212,20 @@ def check_gdn(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.dev
     beta = torch.rand(t + 2, hv, generator=g).to(dtype).to(device)
     s0 = (torch.randn(2, hv, dk, dv, generator=g) * 0.05).to(device)
     index = torch.tensor([1, 0], device=device)
+    c = 2 * hk * dk + hv * dv
+    x, conv0 = _randn(g, 2, c, dtype=dtype, device=device), _randn(g, 2, c, 3, dtype=dtype, device=device)
+    conv_w = _randn(g, c, 4, dtype=dtype, device=device)
+    o, z = _randn(g, t, hv, dv, dtype=torch.float32, device=device), _randn(g, t, hv, dv, dtype=dtype, device=device)
+    norm_w = _randn(g, dv, dtype=dtype, device=device)
 
     def run(name: str) -> Result:
-        states = s0.clone()
+        states, conv = s0.clone(), conv0.clone()
         pre = delta_rule_varlen(q[:t], k[:t], v[:t], gate[:t], beta[:t], states, [1, 0], [0, 3, t], name)
         pre_states = states.clone()
         dec = delta_rule_decode(q[t:], k[t:], v[t:], gate[t:], beta[t:], states, index, name)
-        return {"prefill": pre, "prefill_states": pre_states, "decode": dec, "decode_states": states}
+        return {"prefill": pre, "prefill_states": pre_states, "decode": dec, "decode_states": states,
+                "conv": causal_conv1d_decode(x, conv, index, conv_w, name), "conv_states": conv,
+                "norm": gated_rms_norm(o, z, norm_w, 1e-6, dtype, name)}
 
     # fla-core that fails here (not installed, or broken on this device) still leaves the Triton decode kernel.
     candidates = [chosen, "triton", REFERENCE] if chosen == "fla" else candidates_for(chosen)

@@ -21,7 +21,13 @@ from engine.layers.linear import (
     SectionedColumnParallelLinear,
 )
 from engine.layers.quant import QuantConfig
-from kernels.gdn import causal_conv1d_decode, causal_conv1d_varlen, delta_rule_decode, delta_rule_varlen
+from kernels.gdn import (
+    causal_conv1d_decode,
+    causal_conv1d_varlen,
+    delta_rule_decode,
+    delta_rule_varlen,
+    gated_rms_norm,
+)
 
 CHUNK_THRESHOLD = 16
 """Prompts longer than this use the chunked form of the recurrence."""
@@ -99,7 +105,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
         # Decode (one token per sequence): vectorised over slots with no host sync, so graphs can hold it.
         if meta.max_q_len == 1 and t == ctx.state_index.numel():
-            q, k, v = causal_conv1d_decode(qkv, self.conv_state, ctx.state_index, self.conv1d).split(
+            q, k, v = causal_conv1d_decode(qkv, self.conv_state, ctx.state_index, self.conv1d, self.backend).split(
                 self.local_sections, dim=-1)
             out = delta_rule_decode(q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk),
                                     v.view(t, self.hv, self.dv), g, beta, self.ssm_state, ctx.state_index,
@@ -113,6 +119,5 @@ class GatedDeltaNet(nn.Module):
                                     v.view(t, self.hv, self.dv), g, beta, self.ssm_state, slots, cu, self.backend,
                                     CHUNK_THRESHOLD, ctx.state_index, meta.cu_q)
         # Gated RMSNorm over each head's output: plain weight, norm before the silu(z) gate.
-        o = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
-        o = (self.norm * o.to(x.dtype)).float() * F.silu(z.float())
-        return self.out_proj(o.to(x.dtype).reshape(t, self.hv * self.dv))
+        o = gated_rms_norm(out, z, self.norm, self.eps, x.dtype, self.backend)
+        return self.out_proj(o.reshape(t, self.hv * self.dv))

@@ -1,8 +1,8 @@
 """The engine with the Triton fused ops (kernels.fused) and Triton attention, whose KV write is one of them,
 gives the logits and greedy tokens of the same engine on the torch references: the committed demo model
 (Qwen3 int4: per-head q/k norms, full rotary) and a tiny Qwen3.5 hybrid (zero-centred norms, partial rotary,
-gated query heads strided inside the fused projection; its Gated DeltaNet decode steps on kernels.gdn_triton,
-counted). It runs under the Triton interpreter in a child process; on a GPU, benchmarks/gpu_engine_check.py makes
+gated query heads strided inside the fused projection; its Gated DeltaNet conv, recurrence and gated norm on
+kernels.gdn_triton, counted). It runs under the Triton interpreter in a child process; on a GPU, benchmarks/gpu_engine_check.py makes
 the same comparison with compiled kernels.
 With adapters (the demo's three over mixed batches, Triton LoRA), the wrapped layers after a norm or the activation
 join their shrink to that launch (kernels.lora_prologue, counted so that the case cannot pass by falling back);
@@ -28,7 +28,8 @@ from engine import KernelConfig, SamplingParams
 from kernels import gdn_triton
 from tests.helpers import count_calls, make_engine
 path, hybrid, prompts = sys.argv[1], sys.argv[2] == "1", [[5, 17, 42, 9, 100, 3, 77], [7, 7, 250, 31]]
-calls = count_calls(gdn_triton, ["delta_rule_decode_triton"])
+kinds = ["delta_rule_decode_triton", "conv_decode_triton", "gated_rms_norm_triton"]
+calls = count_calls(gdn_triton, kinds)
 out = {}
 for backend in ("reference", "triton"):
     with make_engine(path, max_num_seqs=4, kernels=KernelConfig(fused=backend, attention=backend, gdn=backend),
@@ -39,8 +40,8 @@ for backend in ("reference", "triton"):
 for ref, got in zip(out["reference"][0], out["triton"][0]):
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 assert out["reference"][1] == out["triton"][1], out
-# The hybrid's decode steps ran the Gated DeltaNet kernel (its start-up check calls it once too), the dense model none.
-assert (calls["delta_rule_decode_triton"] > 4) == hybrid, calls
+# The hybrid's steps ran the Gated DeltaNet kernels (its start-up check calls each once too), the dense model none.
+assert all((calls[k] > 4) == hybrid for k in kinds), calls
 print("ok", calls)
 """
 

@@ -1,7 +1,9 @@
-"""The Gated DeltaNet decode kernel (kernels.gdn_triton) against the torch reference (kernels.gdn.delta_rule_decode,
-itself checked against the token recurrence and transformers in test_gdn.py): outputs, the updated slots, and the
-slots no row names left untouched. Inputs are views of one wider projection, as the layer passes them. Compiled on
-an accelerator; on the CPU in a child pytest under TRITON_INTERPRET=1 (test_kernels_under_interpreter)."""
+"""The Gated DeltaNet kernels (kernels.gdn_triton) against the torch references of kernels.gdn (the recurrence is
+checked against the token loop and transformers in test_gdn.py; the conv and the gated norm are the layer's torch
+forms, which test_qwen35.py holds to transformers): the decode step's outputs, the updated slots, and the slots no
+row names left untouched; the causal conv's output and shifted state; the gated RMSNorm. Inputs are views of one
+wider projection, as the layer passes them. Compiled on an accelerator; on the CPU in a child pytest under
+TRITON_INTERPRET=1 (test_kernels_under_interpreter)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.gdn import delta_rule_decode
+from kernels.gdn import causal_conv1d_decode, delta_rule_decode, gated_rms_norm
 from tests.kernels.test_lora_triton import REPO, _env
 from tests.kernels.triton_env import DEV, HAS_TRITON, INTERPRETING, assert_close_rel, needs_kernels
 
@@ -58,6 +60,45 @@ def test_decode_kernel_matches_reference(b: int, hk: int, ratio: int, dk: int, d
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("b", "c", "k"), [(3, 40, 4), (1, 300, 4), (5, 17, 2), (2, 9, 3)])
+def test_conv_decode_kernel_matches_reference(b: int, c: int, k: int, dtype: torch.dtype) -> None:
+    """Channel counts across and inside one block, kernel widths 2-4; x a strided view; other slots untouched."""
+    from kernels.gdn_triton import conv_decode_triton
+
+    assert DEV is not None
+    g = torch.Generator().manual_seed(c + k)
+    slots = b + 2
+    x = torch.randn(b, c + 7, generator=g).to(dtype)[:, 3:3 + c]
+    states, w = torch.randn(slots, c, k - 1, generator=g).to(dtype), torch.randn(c, k, generator=g).to(dtype)
+    index = torch.randperm(slots, generator=g)[:b]
+    ref_states = states.clone()
+    ref = causal_conv1d_decode(x, ref_states, index, w)
+    d_states = states.to(DEV)
+    out = conv_decode_triton(x.to(DEV), d_states, index.to(DEV), w.to(DEV))
+    assert out.dtype == dtype
+    assert_close_rel(out, ref, (1e-5, 1e-5) if dtype == torch.float32 else (1.6e-2, 1e-2), "y")
+    assert torch.equal(d_states.cpu(), ref_states), "the shifted state is a copy: it must be exact"
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("t", "hv", "dv"), [(4, 3, 128), (1, 2, 40), (7, 1, 16)])
+def test_gated_norm_kernel_matches_reference(t: int, hv: int, dv: int, dtype: torch.dtype) -> None:
+    from kernels.gdn_triton import gated_rms_norm_triton
+
+    assert DEV is not None
+    g = torch.Generator().manual_seed(t * hv + dv)
+    o = torch.randn(t, hv, dv, generator=g) * 3
+    z = torch.randn(t, hv * dv + 5, generator=g).to(dtype)[:, :hv * dv].view(t, hv, dv)  # rows strided
+    w = torch.randn(dv, generator=g).to(dtype)
+    ref = gated_rms_norm(o, z, w, 1e-6, dtype)
+    out = gated_rms_norm_triton(o.to(DEV), z.to(DEV), w.to(DEV), 1e-6, dtype)
+    assert out.dtype == dtype
+    assert_close_rel(out, ref, (1e-5, 1e-5) if dtype == torch.float32 else (1.6e-2, 1e-2), "gated norm")
+
+
+@needs_kernels
 def test_backend_fla_decodes_with_the_kernel() -> None:
     """delta_rule_decode's "fla" backend is this kernel (fla-core is not needed for decode)."""
     assert DEV is not None
@@ -83,6 +124,14 @@ def test_bad_shapes_are_refused() -> None:
         delta_rule_decode_triton(*args[:3], p["g"][:2], *args[4:])
     with pytest.raises(ValueError, match="heads must be contiguous"):
         delta_rule_decode_triton(p["q"].transpose(1, 2).contiguous().transpose(1, 2), *args[1:])
+    from kernels.gdn_triton import conv_decode_triton, gated_rms_norm_triton
+
+    x, w = torch.zeros(2, 8, device=DEV), torch.zeros(8, 4, device=DEV)
+    with pytest.raises(ValueError, match=r"need states \[S, C, K-1\]"):
+        conv_decode_triton(x, torch.zeros(3, 8, 4, device=DEV), torch.zeros(2, dtype=torch.long, device=DEV), w)
+    with pytest.raises(ValueError, match="need o contiguous float32"):
+        gated_rms_norm_triton(torch.zeros(2, 1, 8, device=DEV, dtype=torch.bfloat16), torch.zeros(2, 1, 8, device=DEV),
+                              torch.zeros(8, device=DEV), 1e-6, torch.float32)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
