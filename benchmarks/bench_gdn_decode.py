@@ -1,7 +1,8 @@
 """Gated DeltaNet decode step of one layer, Qwen3.6-27B's heads at TP=1 (Hk 16, Hv 48, Dk = Dv = 128): the in-place
 kernel (kernels.gdn_triton) against what the engine ran before it, fla-core's fused_recurrent kernel on the slots
 gathered into a dense state and scattered back. Both in a device graph (as decode runs), side by side, with the
-state's byte floor (read + write of each row's slot at the copy bandwidth). Exits 1 where the two disagree.
+state's byte floor (read + write of each row's slot at the copy bandwidth). Then the step's causal conv and gated
+RMSNorm, each kernel against the torch form it replaced (`conv_*`, `norm_*`). Exits 1 where two forms disagree.
 
     python benchmarks/bench_gdn_decode.py                # on a GPU with fla-core installed
     TRITON_INTERPRET=1 python benchmarks/bench_gdn_decode.py --quick   # smoke test, CPU: the kernel alone
@@ -14,6 +15,7 @@ import functools
 import json
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_e2e import copy_bandwidth
 from benchmarks.timing import device_sync, graph_time_us, time_us
-from kernels.gdn import delta_rule_decode
-from kernels.gdn_triton import delta_rule_decode_triton
+from kernels.gdn import causal_conv1d_decode, delta_rule_decode, gated_rms_norm
+from kernels.gdn_triton import conv_decode_triton, delta_rule_decode_triton, gated_rms_norm_triton
 
 
 def fla_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -36,6 +38,15 @@ def fla_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
         initial_state=states[index], output_final_state=True, use_qk_l2norm_in_kernel=True)
     states[index] = final.float()
     return o[:, 0].float()
+
+
+def glue_pairs(qkv: torch.Tensor, index: torch.Tensor, conv_w: torch.Tensor, o: torch.Tensor, z: torch.Tensor,
+               norm_w: torch.Tensor) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], ...]]:
+    """part -> (kernel, the torch form it replaced), each a function of the conv state (the norm ignores it)."""
+    return {"conv": (lambda st: conv_decode_triton(qkv, st, index, conv_w),
+                     lambda st: causal_conv1d_decode(qkv, st, index, conv_w)),
+            "norm": (lambda st: gated_rms_norm_triton(o, z, norm_w, 1e-6, torch.bfloat16),
+                     lambda st: gated_rms_norm(o, z, norm_w, 1e-6, torch.bfloat16))}
 
 
 def main() -> int:
@@ -77,6 +88,21 @@ def main() -> int:
             row[f"{name}_us"] = us if us is not None else time_us(call, device_sync(dev), a.budget)
         if "fla_gathered_us" in row:
             row["in_place_speedup"] = row["fla_gathered_us"] / row["in_place_us"]  # type: ignore[operator]
+        # The conv over q|k|v's channels (width 4, bf16 state) and the gated norm: kernel vs torch, same inputs.
+        conv0 = torch.randn(slots, qkv.size(1), 3, generator=g).to(torch.bfloat16).to(dev)
+        conv_w = torch.randn(qkv.size(1), 4, generator=g).to(torch.bfloat16).to(dev)
+        o = torch.randn(b, hv, dv, generator=g).to(dev)
+        z = torch.randn(b, hv * dv, generator=g).to(torch.bfloat16).to(dev).view(b, hv, dv)
+        norm_w = torch.randn(dv, generator=g).to(torch.bfloat16).to(dev)
+        for part, (kernel, torch_form) in glue_pairs(qkv, index, conv_w, o, z, norm_w).items():
+            got = [(f(st), st) for f, st in ((kernel, conv0.clone()), (torch_form, conv0.clone()))]
+            err = (got[0][0].float() - got[1][0].float()).abs().max().item() / got[1][0].float().abs().max().item()
+            row[f"{part}_max_rel_err"] = err
+            bad += err > 2e-2 or not torch.equal(got[0][1], got[1][1])  # bf16 outputs: an ulp; the state a copy
+            for name, f in (("kernel", kernel), ("torch", torch_form)):
+                call = functools.partial(f, conv0.clone())
+                us = graph_time_us(call, dev, a.budget)
+                row[f"{part}_{name}_us"] = us if us is not None else time_us(call, device_sync(dev), a.budget)
         print(json.dumps(row), flush=True)
     print("bench_gdn_decode: " + ("FAIL (a form disagrees with the reference)" if bad else "PASS"))
     return 1 if bad else 0
