@@ -55,24 +55,25 @@ if triton is not None:
         tl.store(o_ptr + (b * HV + h) * DV + rv, tl.sum(s * q[:, None], axis=0), mask=mv)
 
     @triton.jit
-    def _conv_decode_kernel(x_ptr, s_ptr, w_ptr, index_ptr, y_ptr, C, stride_x, K: tl.constexpr, BLOCK_K: tl.constexpr,
+    def _conv_decode_kernel(x_ptr, s_ptr, w_ptr, index_ptr, y_ptr, C, stride_x, K: tl.constexpr,
                             BLOCK_C: tl.constexpr):
         b, cb = tl.program_id(0), tl.program_id(1)
         rc = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-        rk = tl.arange(0, BLOCK_K)
         mc = rc < C
         slot = tl.load(index_ptr + b).to(tl.int64)
-        row = s_ptr + (slot * C + rc[:, None]) * (K - 1) + rk[None, :]
-        in_state = mc[:, None] & (rk[None, :] < K - 1)
+        row = s_ptr + (slot * C + rc) * (K - 1)
         x = tl.load(x_ptr + b * stride_x + rc, mask=mc, other=0.0).to(s_ptr.dtype.element_ty)
-        window = tl.where(rk[None, :] == K - 1, x[:, None], tl.load(row, mask=in_state, other=0.0))
-        w = tl.load(w_ptr + rc[:, None] * K + rk[None, :], mask=mc[:, None] & (rk[None, :] < K), other=0.0)
-        y = tl.sum(window.to(tl.float32) * w.to(tl.float32), axis=1)
+        # One [BLOCK_C] vector per window position, all in one layout: each thread reads and then shifts its own
+        # channels' state (a 2-D tile would let a thread read a position another thread has already overwritten).
+        y = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for j in tl.static_range(K - 1):
+            sj = tl.load(row + j, mask=mc, other=0.0)
+            y += sj.to(tl.float32) * tl.load(w_ptr + rc * K + j, mask=mc, other=0.0).to(tl.float32)
+            if j > 0:
+                tl.store(row + j - 1, sj, mask=mc)
+        y += x.to(tl.float32) * tl.load(w_ptr + rc * K + K - 1, mask=mc, other=0.0).to(tl.float32)
+        tl.store(row + K - 2, x, mask=mc)
         tl.store(y_ptr + b * C + rc, (y / (1.0 + tl.exp(-y))).to(y_ptr.dtype.element_ty), mask=mc)
-        # The state shifts by one: position j takes j + 1 (read before any write of this program's own rows).
-        shifted = tl.where(rk[None, :] == K - 2, x[:, None], tl.load(row + 1, mask=in_state & (rk[None, :] < K - 2),
-                                                                     other=0.0))
-        tl.store(row, shifted, mask=in_state)
 
     @triton.jit
     def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, eps, stride_z, HV: tl.constexpr, DV: tl.constexpr,
@@ -139,7 +140,7 @@ def conv_decode_triton(x: torch.Tensor, states: torch.Tensor, index: torch.Tenso
     if bsz:
         block_c = 256
         _conv_decode_kernel[(bsz, triton.cdiv(c, block_c))](x, states, weight, index, y, c, x.stride(0), K=k,
-                                                           BLOCK_K=triton.next_power_of_2(k), BLOCK_C=block_c)
+                                                           BLOCK_C=block_c)
     return y
 
 
