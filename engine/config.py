@@ -168,8 +168,8 @@ class KernelConfig:
     """Norms, rotary, silu-and-mul: auto (Triton on GPUs where Triton runs, else the reference)."""
     gdn: GDNKernelName = "auto"
     """Gated DeltaNet (Qwen3.5 hybrids): auto (on GPUs fla-core when installed, else triton; the reference on the
-    CPU), fla (fla-core's chunked kernels for prompts, our in-place Triton kernel for decode steps), triton (the
-    decode kernel, prompts on the reference: no fla-core needed) or reference."""
+    CPU), fla (fla-core's chunked kernels for prompts, kernels/gdn_triton.py for decode steps and the gated norm),
+    triton (kernels/gdn_triton.py, prompts' recurrence on the reference: no fla-core needed) or reference."""
     int4: Int4KernelName = "auto"
     """int4 GEMM: auto (on GPUs `tuned`; the reference on the CPU), tuned (per layer shape and bucket of rows the
     fastest checked kernel, timed at start-up on this device or read from the cache, kernels.int4_tune),

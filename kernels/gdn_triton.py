@@ -1,5 +1,5 @@
 """Gated DeltaNet in Triton (kernels.gdn's "fla" and "triton" backends): three launches that each replace a chain of
-torch ops. Decode steps run the first two; the gated norm runs on every step.
+torch ops. Decode steps run the conv and the recurrence; the gated norm runs on every step.
 
     conv_decode:     y[b] = silu(sum_k [states[index[b]] | x[b]] * w); states[index[b]] shifts by one in place
     gated_rms_norm:  y[t, h] = (w * rms_norm(o[t, h])) * silu(z[t, h])
@@ -12,7 +12,7 @@ first (states[index]) and scattered them back after: two more passes over the wh
 largest decode read (3 MiB per sequence and layer). Here each program reads its [Dk, BV] tile of its slot, updates
 it and writes it back (on an H100, 3.6x faster than the gathered form at batch 32: benchmarks/bench_gdn_decode.py).
 Rows of one step must name distinct slots, or share one nothing reads (the graphs' scratch slot for padding rows).
-The conv and the gated norm replace 7 and 9 small torch launches per layer (unmeasured on a GPU so far).
+The conv and the gated norm replace about 9 and 12 small torch launches per layer (unmeasured on a GPU so far).
 """
 
 from __future__ import annotations
