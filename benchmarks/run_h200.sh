@@ -403,5 +403,31 @@ case "${1:-}" in
         | tee -a "$OUT/burst.txt"; date +%T
     done
     ;;
-  *) echo "usage: run_h200.sh tests|check|pytest|ab|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|burst18|prefill18|graphs4096|split18|lora-ab|cols23"; exit 2 ;;
+  gdn30)  # the Gated DeltaNet kernels (kernels/gdn_triton.py): their CUDA tests, bench_gdn_decode (the recurrence, the
+          # conv and the gated norm against the forms they replaced), then the hybrid engine check; exit 1 on a failure
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    failed=""
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gdn_triton.py tests/kernels/test_gdn.py \
+      tests/kernels/test_kernel_checks.py > "$OUT/gdn_tests.txt" 2>&1 || failed="$failed tests"
+    tail -n 3 "$OUT/gdn_tests.txt"
+    timeout 90 python3 benchmarks/bench_gdn_decode.py 2>&1 | tee "$OUT/gdn_decode.txt" | cut -c1-700
+    [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed bench"
+    timeout "${HYBRID_S:-330}" python3 benchmarks/gpu_engine_check.py --only hybrid --root /tmp/gpu-check-h \
+      > "$OUT/engine_hybrid.txt" 2>&1 || failed="$failed hybrid"
+    grep -hE 'PASS|FAIL|"ok": false|Error' "$OUT/engine_hybrid.txt" | tail -n 8
+    if [ -n "$failed" ]; then echo "run_h200 gdn30: FAIL ($failed )"; exit 1; fi
+    echo "run_h200 gdn30: PASS"
+    ;;
+  gdn30-e2e)  # the 27B-shaped hybrid at TP=1 (64 layers, graphs, tuned int4), batch 1 and 32: this tree, .old, this tree
+              # (carry .old: `git archive c203b60`, before the GDN kernels); the first run also tunes the int4 dispatch
+    limit=300
+    for side in new old new; do
+      dir=$PWD; [ $side = old ] && dir=$PWD/.old
+      (cd "$dir" && PYTHONPATH=$dir:/tmp/site timeout $limit python3 benchmarks/gpu_tp_check.py --layers 1 --skip \
+        collectives equal --tp-sizes 1 --int4-kernel tuned --speed-shapes 27b --root /tmp/tp27 2>&1) \
+        | grep --line-buffered -E '"bench"|Error' | sed "s/^/$side /" | tee -a "$OUT/tp1_27b.txt" | cut -c1-330
+      limit=150
+    done
+    ;;
+  *) echo "usage: run_h200.sh tests|check|pytest|ab|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|burst18|prefill18|graphs4096|split18|lora-ab|cols23|gdn30|gdn30-e2e"; exit 2 ;;
 esac
