@@ -65,7 +65,7 @@ def causal_conv1d_decode(x: torch.Tensor, states: torch.Tensor, index: torch.Ten
     """One new input per sequence: y[b] = silu(sum_k [states[index[b]] | x[b]] * weight); states[index[b]]
     shifts by one in place. x [B, C], states [S, C, K-1], index [B] long, weight [C, K]. No host sync.
     Backends as delta_rule_decode's: "fla" and "triton" run kernels.gdn_triton's one launch."""
-    if _triton(backend):
+    if _uses_triton(backend):
         from kernels.gdn_triton import conv_decode_triton
 
         return conv_decode_triton(x, states, index, weight)
@@ -80,7 +80,7 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     """Per head, the RMSNorm of the mixer's output gated by silu(z): (weight * rms_norm(o)) * silu(z), rounded to
     dtype where the layer's torch form rounds. o [T, Hv, Dv] float32, z [T, Hv, Dv], weight [Dv]; returns dtype.
     Backends as delta_rule_decode's: "fla" and "triton" run kernels.gdn_triton's one launch."""
-    if _triton(backend):
+    if _uses_triton(backend):
         from kernels.gdn_triton import gated_rms_norm_triton
 
         return gated_rms_norm_triton(o, z, weight, eps, dtype)
@@ -88,7 +88,7 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return ((weight * n.to(dtype)).float() * F.silu(z.float())).to(dtype)
 
 
-def _triton(backend: str) -> bool:
+def _uses_triton(backend: str) -> bool:
     """The backend runs kernels.gdn_triton's kernels (decode steps, the conv and the gated norm)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown gated-delta-rule backend {backend!r} ({', '.join(BACKENDS)})")
@@ -161,7 +161,7 @@ def delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     backend: "reference" (torch, any device), "fla" (flash-linear-attention's chunked Triton kernels, decode steps
     by kernels.gdn_triton) or "triton" (decode steps by kernels.gdn_triton, the rest by the reference). index and
     cu_dev: the same slots and cu on the device where the caller has them (fla reads those, not the lists)."""
-    _triton(backend)  # validates the name
+    _uses_triton(backend)  # validates the name
     decode = all(cu[i + 1] - cu[i] == 1 for i in range(len(slots)))
     if backend == "fla" or (backend == "triton" and decode):
         idx = index if index is not None else torch.tensor(slots, dtype=torch.long, device=q.device)
@@ -190,7 +190,7 @@ def delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     delta_rule_varlen with every length 1, with the slots as a device tensor, so no host sync (graph-safe).
     The "fla" and "triton" backends run kernels.gdn_triton's in-place kernel: fla-core's recurrent kernel takes a
     dense state, which cost a gather and a scatter of every slot's state per layer."""
-    if _triton(backend):
+    if _uses_triton(backend):
         from kernels.gdn_triton import delta_rule_decode_triton
 
         return delta_rule_decode_triton(q, k, v, g, beta, states, index)
