@@ -2,7 +2,8 @@
 kernel (kernels.gdn_triton) against what the engine ran before it, fla-core's fused_recurrent kernel on the slots
 gathered into a dense state and scattered back. Both in a device graph (as decode runs), side by side, with the
 state's byte floor (read + write of each row's slot at the copy bandwidth). Then the step's causal conv and gated
-RMSNorm, each kernel against the torch form it replaced (`conv_*`, `norm_*`). Exits 1 where two forms disagree.
+RMSNorm and the gating, each kernel against the torch form it replaced (`conv_*`, `norm_*`,
+`gating_*`). Exits 1 where two forms disagree.
 
     python benchmarks/bench_gdn_decode.py                # on a GPU with fla-core installed
     TRITON_INTERPRET=1 python benchmarks/bench_gdn_decode.py --quick   # smoke test, CPU: the kernel alone
@@ -24,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.bench_e2e import copy_bandwidth
 from benchmarks.timing import device_sync, graph_time_us, time_us
-from kernels.gdn import causal_conv1d_decode, delta_rule_decode, gated_rms_norm
-from kernels.gdn_triton import conv_decode_triton, delta_rule_decode_triton, gated_rms_norm_triton
+from kernels.gdn import causal_conv1d_decode, delta_rule_decode, gated_rms_norm, gdn_gating
+from kernels.gdn_triton import conv_decode_triton, delta_rule_decode_triton, gated_rms_norm_triton, gating_triton
 
 
 def fla_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -41,12 +42,15 @@ def fla_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 
 
 def glue_pairs(qkv: torch.Tensor, index: torch.Tensor, conv_w: torch.Tensor, o: torch.Tensor, z: torch.Tensor,
-               norm_w: torch.Tensor) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], ...]]:
-    """part -> (kernel, the torch form it replaced), each a function of the conv state (the norm ignores it)."""
+               norm_w: torch.Tensor, ab: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+               ) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], ...]]:
+    """part -> (kernel, the torch form it replaced), each a function of the conv state (only the conv uses it)."""
     return {"conv": (lambda st: conv_decode_triton(qkv, st, index, conv_w),
                      lambda st: causal_conv1d_decode(qkv, st, index, conv_w)),
             "norm": (lambda st: gated_rms_norm_triton(o, z, norm_w, 1e-6, torch.bfloat16),
-                     lambda st: gated_rms_norm(o, z, norm_w, 1e-6, torch.bfloat16))}
+                     lambda st: gated_rms_norm(o, z, norm_w, 1e-6, torch.bfloat16)),
+            "gating": (lambda st: torch.stack(gating_triton(ab, a_log, dt_bias)),
+                       lambda st: torch.stack(gdn_gating(ab, a_log, dt_bias)))}
 
 
 def main() -> int:
@@ -94,7 +98,9 @@ def main() -> int:
         o = torch.randn(b, hv, dv, generator=g).to(dev)
         z = torch.randn(b, hv * dv, generator=g).to(torch.bfloat16).to(dev).view(b, hv, dv)
         norm_w = torch.randn(dv, generator=g).to(torch.bfloat16).to(dev)
-        for part, (kernel, torch_form) in glue_pairs(qkv, index, conv_w, o, z, norm_w).items():
+        ab = (torch.randn(b, 2 * hv, generator=g) * 4).to(torch.bfloat16).to(dev)
+        a_log, dt_bias = torch.randn(hv, generator=g).to(dev), torch.randn(hv, generator=g).to(dev)
+        for part, (kernel, torch_form) in glue_pairs(qkv, index, conv_w, o, z, norm_w, ab, a_log, dt_bias).items():
             got = [(f(st), st) for f, st in ((kernel, conv0.clone()), (torch_form, conv0.clone()))]
             err = (got[0][0].float() - got[1][0].float()).abs().max().item() / got[1][0].float().abs().max().item()
             row[f"{part}_max_rel_err"] = err

@@ -168,7 +168,7 @@ class KernelConfig:
     """Norms, rotary, silu-and-mul: auto (Triton on GPUs where Triton runs, else the reference)."""
     gdn: GDNKernelName = "auto"
     """Gated DeltaNet (Qwen3.5 hybrids): auto (on GPUs fla-core when installed, else triton; the reference on the
-    CPU), fla (fla-core's chunked kernels for prompts, kernels/gdn_triton.py for decode steps and the gated norm),
+    CPU), fla (fla-core's chunked kernels for prompts, kernels/gdn_triton.py for decode steps, gating, gated norm),
     triton (kernels/gdn_triton.py, prompts' recurrence on the reference: no fla-core needed) or reference."""
     int4: Int4KernelName = "auto"
     """int4 GEMM: auto (on GPUs `tuned`; the reference on the CPU), tuned (per layer shape and bucket of rows the

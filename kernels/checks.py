@@ -12,7 +12,7 @@ import torch
 
 from kernels import fused
 from kernels.attention import paged_attention
-from kernels.gdn import causal_conv1d_decode, delta_rule_decode, delta_rule_varlen, gated_rms_norm
+from kernels.gdn import causal_conv1d_decode, delta_rule_decode, delta_rule_varlen, gated_rms_norm, gdn_gating
 from kernels.int4 import Int4Layout, dequant_triton, int4_mm, native_supported, prepare_int4
 from kernels.int4_tune import DEQUANT
 from kernels.int4_tune import TOLERANCE as INT4_TOLERANCE
@@ -201,7 +201,7 @@ def check_fused(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.d
 def check_gdn(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.device) -> Choice:
     """The gated delta rule of a prefill step (two sequences, 3 and 2 tokens, from random states in swapped
     slots) then a decode step: outputs and updated states; the decode step's causal conv (output and shifted
-    state) and the gated RMSNorm."""
+    state), the gating and the gated RMSNorm."""
     assert s.gdn is not None
     hk, hv, dk, dv = s.gdn
     g = _gen()
@@ -217,6 +217,8 @@ def check_gdn(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.dev
     conv_w = _randn(g, c, 4, dtype=dtype, device=device)
     o, z = _randn(g, t, hv, dv, dtype=torch.float32, device=device), _randn(g, t, hv, dv, dtype=dtype, device=device)
     norm_w = _randn(g, dv, dtype=dtype, device=device)
+    ab, a_log, dt_bias = (_randn(g, *shape, dtype=dt, device=device) for shape, dt in
+                          (((t, 2 * hv), dtype), ((hv,), torch.float32), ((hv,), torch.float32)))
 
     def run(name: str) -> Result:
         states, conv = s0.clone(), conv0.clone()
@@ -225,7 +227,8 @@ def check_gdn(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.dev
         dec = delta_rule_decode(q[t:], k[t:], v[t:], gate[t:], beta[t:], states, index, name)
         return {"prefill": pre, "prefill_states": pre_states, "decode": dec, "decode_states": states,
                 "conv": causal_conv1d_decode(x, conv, index, conv_w, name), "conv_states": conv,
-                "norm": gated_rms_norm(o, z, norm_w, 1e-6, dtype, name)}
+                "norm": gated_rms_norm(o, z, norm_w, 1e-6, dtype, name),
+                "gating": torch.stack(gdn_gating(ab * 8, a_log, dt_bias, name))}  # * 8: softplus's both branches
 
     # fla-core that fails here (not installed, or broken on this device) still leaves the Triton decode kernel.
     candidates = [chosen, "triton", REFERENCE] if chosen == "fla" else candidates_for(chosen)

@@ -88,6 +88,19 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     return ((weight * n.to(dtype)).float() * F.silu(z.float())).to(dtype)
 
 
+def gdn_gating(ab: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+               backend: str = "reference") -> tuple[torch.Tensor, torch.Tensor]:
+    """The decay and the write strength from the [b | a] projection: g = -exp(A_log) * softplus(a + dt_bias),
+    beta = sigmoid(b). ab [T, 2 Hv] (rows may be strided), A_log and dt_bias [Hv]; returns (g, beta) [T, Hv]
+    float32. Backends as delta_rule_decode's: "fla" and "triton" run kernels.gdn_triton's one launch."""
+    if _uses_triton(backend):
+        from kernels.gdn_triton import gating_triton
+
+        return gating_triton(ab, a_log, dt_bias)
+    b, a = ab.float().split(ab.size(1) // 2, dim=-1)
+    return -a_log.float().exp() * F.softplus(a + dt_bias.float()), b.sigmoid()
+
+
 def _uses_triton(backend: str) -> bool:
     """The backend runs kernels.gdn_triton's kernels (decode steps, the conv and the gated norm)."""
     if backend not in BACKENDS:

@@ -1,6 +1,7 @@
-"""Gated DeltaNet in Triton (kernels.gdn's "fla" and "triton" backends): three launches that each replace a chain of
-torch ops. Decode steps run the conv and the recurrence; the gated norm runs on every step.
+"""Gated DeltaNet in Triton (kernels.gdn's "fla" and "triton" backends): four launches that each replace a chain of
+torch ops. Decode steps run the conv and the recurrence; the gating and the gated norm run on every step.
 
+    gating:          g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), from the [b | a] projection
     conv_decode:     y[b] = silu(sum_k [states[index[b]] | x[b]] * w); states[index[b]] shifts by one in place
     gated_rms_norm:  y[t, h] = (w * rms_norm(o[t, h])) * silu(z[t, h])
     delta_rule_decode, per sequence b, value head h (key head h // (Hv / Hk)), S = states[index[b], h] [Dk, Dv]:
@@ -12,7 +13,8 @@ first (states[index]) and scattered them back after: two more passes over the wh
 largest decode read (3 MiB per sequence and layer). Here each program reads its [Dk, BV] tile of its slot, updates
 it and writes it back (on an H100, 3.6x faster than the gathered form at batch 32: benchmarks/bench_gdn_decode.py).
 Rows of one step must name distinct slots, or share one nothing reads (the graphs' scratch slot for padding rows).
-The conv and the gated norm replace about 9 and 12 small torch launches per layer (unmeasured on a GPU so far).
+The gating, the conv and the gated norm replace about 7, 9 and 12 small torch launches per layer (unmeasured on a GPU
+so far).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from kernels.triton_env import tl, triton
 
-__all__ = ["conv_decode_triton", "delta_rule_decode_triton", "gated_rms_norm_triton"]
+__all__ = ["conv_decode_triton", "delta_rule_decode_triton", "gated_rms_norm_triton", "gating_triton"]
 
 BLOCK_V = 32
 """Value columns per program: a [Dk, 32] float32 tile per program (16 KiB at Dk = 128) stays in registers."""
@@ -74,6 +76,20 @@ if triton is not None:
         y += x.to(tl.float32) * tl.load(w_ptr + rc * K + K - 1, mask=mc, other=0.0).to(tl.float32)
         tl.store(row + K - 2, x, mask=mc)
         tl.store(y_ptr + b * C + rc, (y / (1.0 + tl.exp(-y))).to(y_ptr.dtype.element_ty), mask=mc)
+
+    @triton.jit
+    def _gating_kernel(ab_ptr, a_log_ptr, dt_bias_ptr, g_ptr, beta_ptr, stride_ab, HV: tl.constexpr,
+                       BLOCK: tl.constexpr):
+        t = tl.program_id(0)
+        r = tl.arange(0, BLOCK)
+        m = r < HV
+        b = tl.load(ab_ptr + t * stride_ab + r, mask=m, other=0.0).to(tl.float32)
+        a = tl.load(ab_ptr + t * stride_ab + HV + r, mask=m, other=0.0).to(tl.float32)
+        a = a + tl.load(dt_bias_ptr + r, mask=m, other=0.0).to(tl.float32)
+        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # torch's threshold
+        g = -tl.exp(tl.load(a_log_ptr + r, mask=m, other=0.0).to(tl.float32)) * softplus
+        tl.store(g_ptr + t * HV + r, g, mask=m)
+        tl.store(beta_ptr + t * HV + r, 1.0 / (1.0 + tl.exp(-b)), mask=m)
 
     @triton.jit
     def _gated_norm_kernel(o_ptr, z_ptr, w_ptr, y_ptr, eps, stride_z, HV: tl.constexpr, DV: tl.constexpr,
@@ -161,3 +177,20 @@ def gated_rms_norm_triton(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
         _gated_norm_kernel[(t, hv)](o, z, weight, y, eps, z.stride(0), HV=hv, DV=dv,
                                     BLOCK=triton.next_power_of_2(dv))
     return y
+
+
+def gating_triton(ab: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.gdn.gdn_gating in one launch: g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) from
+    ab = [b | a] [T, 2 Hv] (rows may be strided); A_log, dt_bias [Hv]. Returns (g, beta) [T, Hv] float32."""
+    if triton is None:
+        raise RuntimeError("the Triton GDN gating needs triton")
+    t, two_hv = ab.shape
+    hv = two_hv // 2
+    if two_hv % 2 or a_log.shape != (hv,) or dt_bias.shape != (hv,) or ab.stride(1) != 1:
+        raise ValueError(f"ab {tuple(ab.shape)} strides {ab.stride()}, A_log {tuple(a_log.shape)}, dt_bias "
+                         f"{tuple(dt_bias.shape)}: need ab [T, 2 Hv] with contiguous rows, A_log and dt_bias [Hv]")
+    g = torch.empty(t, hv, dtype=torch.float32, device=ab.device)
+    beta = torch.empty_like(g)
+    if t:
+        _gating_kernel[(t,)](ab, a_log, dt_bias, g, beta, ab.stride(0), HV=hv, BLOCK=triton.next_power_of_2(hv))
+    return g, beta

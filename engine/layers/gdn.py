@@ -8,7 +8,6 @@ slot before its first chunk; every later chunk or decode step continues from it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.device import Kernels
@@ -27,6 +26,7 @@ from kernels.gdn import (
     delta_rule_decode,
     delta_rule_varlen,
     gated_rms_norm,
+    gdn_gating,
 )
 
 CHUNK_THRESHOLD = 16
@@ -100,9 +100,7 @@ class GatedDeltaNet(nn.Module):
         t = x.size(0)
         qkv = self.in_proj_qkv(x)
         z = self.in_proj_z(x).view(t, self.hv, self.dv)
-        b, a = self.in_proj_ba(x).float().split([self.hv, self.hv], dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())
+        g, beta = gdn_gating(self.in_proj_ba(x), self.A_log, self.dt_bias, self.backend)
         # Decode (one token per sequence): vectorised over slots with no host sync, so graphs can hold it.
         if meta.max_q_len == 1 and t == ctx.state_index.numel():
             q, k, v = causal_conv1d_decode(qkv, self.conv_state, ctx.state_index, self.conv1d, self.backend).split(

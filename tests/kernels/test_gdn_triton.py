@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.gdn import causal_conv1d_decode, delta_rule_decode, gated_rms_norm
+from kernels.gdn import causal_conv1d_decode, delta_rule_decode, gated_rms_norm, gdn_gating
 from tests.kernels.test_lora_triton import REPO, _env
 from tests.kernels.triton_env import DEV, HAS_TRITON, INTERPRETING, assert_close_rel, needs_kernels
 
@@ -96,6 +96,25 @@ def test_gated_norm_kernel_matches_reference(t: int, hv: int, dv: int, dtype: to
     out = gated_rms_norm_triton(o.to(DEV), z.to(DEV), w.to(DEV), 1e-6, dtype)
     assert out.dtype == dtype
     assert_close_rel(out, ref, (1e-5, 1e-5) if dtype == torch.float32 else (1.6e-2, 1e-2), "gated norm")
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("t", "hv"), [(5, 48), (1, 3), (9, 24)])
+def test_gating_kernel_matches_reference(t: int, hv: int, dtype: torch.dtype) -> None:
+    """a + dt_bias on both sides of softplus's threshold (20); ab a strided view."""
+    from kernels.gdn_triton import gating_triton
+
+    assert DEV is not None
+    g = torch.Generator().manual_seed(t + hv)
+    ab = (torch.randn(t, 2 * hv + 3, generator=g) * 12).to(dtype)[:, :2 * hv]
+    a_log, dt_bias = torch.randn(hv, generator=g), torch.randn(hv, generator=g) * 4
+    ref = gdn_gating(ab, a_log, dt_bias)
+    got = gating_triton(ab.to(DEV), a_log.to(DEV), dt_bias.to(DEV))
+    assert ((ab[:, hv:].float() + dt_bias) > 20).any() or t * hv < 10, "the large branch is not exercised"
+    for name, x, r in zip(("g", "beta"), got, ref):
+        assert x.dtype == torch.float32 and x.shape == (t, hv)
+        assert_close_rel(x, r, (1e-5, 1e-5), name)
 
 
 @needs_kernels
