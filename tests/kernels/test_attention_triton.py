@@ -17,9 +17,6 @@ Reading a wrong block, a key past the context or past the causal limit moves out
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,7 +30,14 @@ from kernels.attention import (
     paged_attention_batched,
     paged_attention_ref,
 )
-from tests.kernels.triton_env import DEV, HAS_TRITON, INTERPRETING, assert_close_rel, needs_kernels
+from tests.kernels.triton_env import (
+    DEV,
+    INTERPRETING,
+    assert_close_rel,
+    needs_kernels,
+    pytest_under_interpreter,
+    reruns_under_interpreter,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -205,17 +209,9 @@ def test_cuda_graph_capture_decode() -> None:
     _assert_close(out, _ref(dict(b, ctx=new_ctx)), torch.bfloat16, "graph replay")
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.skipif(INTERPRETING or DEV is not None, reason="kernels run in this process already")
+@reruns_under_interpreter
 def test_kernels_under_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "not interpreter and not cuda_graph"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    # Every selected case ran its kernel: none may skip (a child without a kernel device would skip them all).
-    assert " passed" in proc.stdout and " failed" not in proc.stdout and " skipped" not in proc.stdout, \
-        proc.stdout[-3000:]
+    pytest_under_interpreter(__file__, "not interpreter and not cuda_graph")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])

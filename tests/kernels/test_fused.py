@@ -8,9 +8,6 @@ in the order of sums (checked at 1e-5); bf16 outputs may sit one rounding apart 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,14 @@ import torch
 from kernels import fused
 from kernels import reference as ref
 from kernels.attention import write_kv as write_kv_ref
-from tests.kernels.triton_env import DEV, HAS_TRITON, INTERPRETING, assert_close_rel, needs_kernels
+from tests.kernels.triton_env import (
+    DEV,
+    INTERPRETING,
+    assert_close_rel,
+    needs_kernels,
+    pytest_under_interpreter,
+    reruns_under_interpreter,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1.6e-2)}
@@ -201,13 +205,6 @@ def test_rope_write_kv_rejects_mismatched_inputs() -> None:
                             slots, "reference")
 
 
-@pytest.mark.skipif(not HAS_TRITON or INTERPRETING or DEV is not None, reason="CPU-only machines with triton")
+@reruns_under_interpreter
 def test_kernels_under_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "triton"],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    # Every selected case ran its kernel: none may skip.
-    assert " passed" in proc.stdout and " failed" not in proc.stdout and " skipped" not in proc.stdout, \
-        proc.stdout[-3000:]
+    pytest_under_interpreter(__file__, "triton")

@@ -7,16 +7,18 @@ TRITON_INTERPRET=1 (test_kernels_under_interpreter)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kernels.gdn import causal_conv1d_decode, delta_rule_decode, gated_rms_norm, gdn_gating
-from tests.kernels.test_lora_triton import REPO, _env
-from tests.kernels.triton_env import DEV, HAS_TRITON, INTERPRETING, assert_close_rel, needs_kernels
+from tests.kernels.triton_env import (
+    DEV,
+    assert_close_rel,
+    needs_kernels,
+    pytest_under_interpreter,
+    reruns_under_interpreter,
+)
 
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-5, 1e-5)}
 """Both compute in float32 from the same rounded inputs; only the sums' order differs."""
@@ -153,12 +155,6 @@ def test_bad_shapes_are_refused() -> None:
                               torch.zeros(8, device=DEV), 1e-6, torch.float32)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.skipif(INTERPRETING or DEV is not None, reason="kernels run in this process already")
+@reruns_under_interpreter
 def test_kernels_under_interpreter() -> None:
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "not interpreter"], cwd=REPO, env=_env(TRITON_INTERPRET="1"), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and " failed" not in proc.stdout and " skipped" not in proc.stdout, \
-        proc.stdout[-3000:]
+    pytest_under_interpreter(__file__, "not interpreter")

@@ -14,16 +14,20 @@ child pytest under TRITON_INTERPRET=1 (test_kernels_under_interpreter).
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from engine.lora.punica import group_tokens
 from kernels import reference
-from tests.kernels.test_lora_triton import REPO, TOLERANCES, _env
-from tests.kernels.triton_env import DEV, HAS_TRITON, INTERPRETING, assert_close_rel, needs_kernels
+from tests.kernels.test_lora_triton import TOLERANCES
+from tests.kernels.triton_env import (
+    DEV,
+    HAS_TRITON,
+    assert_close_rel,
+    needs_kernels,
+    pytest_under_interpreter,
+    reruns_under_interpreter,
+)
 
 
 def _layer(seed: int, n_slices: int, k: int, dtype: torch.dtype, num_tokens: int = 11, num_slots: int = 4,
@@ -207,12 +211,6 @@ def test_prologue_takes_small_steps_only_by_default(monkeypatch: pytest.MonkeyPa
     assert use_prologue(8, 16, False) and not use_prologue(9, 16, False)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.skipif(INTERPRETING or DEV is not None, reason="kernels run in this process already")
+@reruns_under_interpreter
 def test_kernels_under_interpreter() -> None:
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "not interpreter"], cwd=REPO, env=_env(TRITON_INTERPRET="1"), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and " failed" not in proc.stdout and " skipped" not in proc.stdout, \
-        proc.stdout[-3000:]
+    pytest_under_interpreter(__file__, "not interpreter")

@@ -29,7 +29,14 @@ import torch
 
 from engine.lora.punica import SlotRanks, TritonLoRABatch, group_tokens
 from kernels import reference
-from tests.kernels.triton_env import DEV, HAS_TRITON, INTERPRETING, assert_close_rel, needs_kernels
+from tests.kernels.triton_env import (
+    DEV,
+    HAS_TRITON,
+    assert_close_rel,
+    needs_kernels,
+    pytest_under_interpreter,
+    reruns_under_interpreter,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -505,17 +512,9 @@ def test_cuda_graph_capture_and_replay_with_new_mapping(variant: str) -> None:
 # the same cases on the CPU under the Triton interpreter
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-@pytest.mark.skipif(INTERPRETING or DEV is not None, reason="kernels run in this process already")
+@reruns_under_interpreter
 def test_kernels_under_interpreter() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-         "not interpreter and not bench and not cuda_graph"],
-        cwd=REPO, env=_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    # Every selected case ran its kernel: none may skip (a child without a kernel device would skip them all).
-    assert " passed" in proc.stdout and " failed" not in proc.stdout and " skipped" not in proc.stdout, \
-        proc.stdout[-3000:]
+    pytest_under_interpreter(__file__, "not interpreter and not bench and not cuda_graph")
 
 
 def test_imports_and_reference_backends_without_triton() -> None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,3 +39,23 @@ def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, tol: tuple[float, flo
     ref32 = ref.detach().cpu().float()
     atol = tol[1] * max(ref32.abs().max().item(), 1e-6)
     torch.testing.assert_close(out.detach().cpu().float(), ref32, rtol=tol[0], atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+reruns_under_interpreter = pytest.mark.skipif(
+    not HAS_TRITON or INTERPRETING or DEV is not None,
+    reason="needs triton; elsewhere the kernels run in this process already")
+"""For a file's test_kernels_under_interpreter, which runs the file's kernel cases on CPU-only machines."""
+
+
+def pytest_under_interpreter(path: str, select: str = "not interpreter") -> None:
+    """Run the cases of the test file `path` that `select` (pytest -k) picks in a child pytest under
+    TRITON_INTERPRET=1 (it must be set before triton is imported). All must pass and none may skip: a child without
+    a kernel device would skip them all."""
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path, "-k", select],
+                          cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and " failed" not in proc.stdout and " skipped" not in proc.stdout, \
+        proc.stdout[-3000:]
