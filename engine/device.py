@@ -270,20 +270,16 @@ class Device:
         return "triton" if self.kind != "cpu" and triton_env.usable() else "reference"
 
     def gdn_backend(self, requested: str = "auto") -> str:
-        """Gated-delta-rule kernels (kernels.gdn.BACKENDS): on GPUs fla-core's Triton kernels when installed (decode
-        steps by our in-place kernel either way), else our decode kernel with the torch reference for prompts."""
-        if requested != "auto":
-            return requested
-        if self.kind == "cpu":
-            return "reference"
+        """Gated-delta-rule kernels (kernels.gdn.BACKENDS): on GPUs fla-core's for prompts when installed, our Triton
+        kernels (kernels.gdn_triton) for the rest; without fla-core, prompts' recurrence on the torch reference."""
+        if requested != "auto" or self.kind == "cpu":
+            return "reference" if requested == "auto" else requested
         if importlib.util.find_spec("fla") is not None:
             return "fla"
         if triton_env.usable():
-            log.warning("fla-core is not installed: Gated DeltaNet prompts use the slow torch reference on %s "
-                        "(decode steps use the Triton kernel)", self.kind)
+            log.warning("no fla-core: Gated DeltaNet prompts use the slow torch reference on %s", self.kind)
             return "triton"
-        log.warning("neither fla-core nor triton is usable: Gated DeltaNet layers use the slow torch reference on %s",
-                    self.kind)
+        log.warning("no fla-core, no triton: Gated DeltaNet layers use the slow torch reference on %s", self.kind)
         return "reference"
 
     def describe(self) -> str:
