@@ -277,9 +277,9 @@ class Device:
         if importlib.util.find_spec("fla") is not None:
             return "fla"
         if triton_env.usable():
-            log.warning("no fla-core: Gated DeltaNet prompts use the slow torch reference on %s", self.kind)
+            log.warning("fla-core not installed: Gated DeltaNet prompts use the slow torch reference on %s", self.kind)
             return "triton"
-        log.warning("no fla-core, no triton: Gated DeltaNet layers use the slow torch reference on %s", self.kind)
+        log.warning("no fla-core nor triton: Gated DeltaNet layers use the slow torch reference on %s", self.kind)
         return "reference"
 
     def describe(self) -> str:
