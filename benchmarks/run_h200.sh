@@ -420,13 +420,13 @@ case "${1:-}" in
     ;;
   gdn30-e2e)  # the 27B-shaped hybrid at TP=1 (64 layers, graphs, tuned int4), batch 1 and 32: this tree, .old, this tree
               # (carry .old: `git archive c203b60`, before the GDN kernels); the first run also tunes the int4 dispatch
-    limit=300
+    limit=260
     for side in new old new; do
       dir=$PWD; [ $side = old ] && dir=$PWD/.old
       (cd "$dir" && PYTHONPATH=$dir:/tmp/site timeout $limit python3 benchmarks/gpu_tp_check.py --layers 1 --skip \
         collectives equal --tp-sizes 1 --int4-kernel tuned --speed-shapes 27b --root /tmp/tp27 2>&1) \
         | grep --line-buffered -E '"bench"|Error' | sed "s/^/$side /" | tee -a "$OUT/tp1_27b.txt" | cut -c1-330
-      limit=150
+      limit=140
     done
     ;;
   *) echo "usage: run_h200.sh tests|check|pytest|ab|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|burst18|prefill18|graphs4096|split18|lora-ab|cols23|gdn30|gdn30-e2e"; exit 2 ;;
