@@ -30,14 +30,7 @@ from kernels.attention import (
     paged_attention_batched,
     paged_attention_ref,
 )
-from tests.kernels.triton_env import (
-    DEV,
-    INTERPRETING,
-    assert_close_rel,
-    needs_kernels,
-    pytest_under_interpreter,
-    reruns_under_interpreter,
-)
+from tests.kernels.triton_env import DEV, INTERPRETING, assert_close_rel, needs_kernels, pytest_under_interpreter
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -209,7 +202,6 @@ def test_cuda_graph_capture_decode() -> None:
     _assert_close(out, _ref(dict(b, ctx=new_ctx)), torch.bfloat16, "graph replay")
 
 
-@reruns_under_interpreter
 def test_kernels_under_interpreter() -> None:
     pytest_under_interpreter(__file__, "not interpreter and not cuda_graph")
 

@@ -16,14 +16,7 @@ import torch
 from kernels import fused
 from kernels import reference as ref
 from kernels.attention import write_kv as write_kv_ref
-from tests.kernels.triton_env import (
-    DEV,
-    INTERPRETING,
-    assert_close_rel,
-    needs_kernels,
-    pytest_under_interpreter,
-    reruns_under_interpreter,
-)
+from tests.kernels.triton_env import DEV, INTERPRETING, assert_close_rel, needs_kernels, pytest_under_interpreter
 
 REPO = Path(__file__).resolve().parents[2]
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1.6e-2, 1.6e-2)}
@@ -205,6 +198,5 @@ def test_rope_write_kv_rejects_mismatched_inputs() -> None:
                             slots, "reference")
 
 
-@reruns_under_interpreter
 def test_kernels_under_interpreter() -> None:
     pytest_under_interpreter(__file__, "triton")

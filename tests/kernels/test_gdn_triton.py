@@ -12,13 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.gdn import causal_conv1d_decode, delta_rule_decode, gated_rms_norm, gdn_gating
-from tests.kernels.triton_env import (
-    DEV,
-    assert_close_rel,
-    needs_kernels,
-    pytest_under_interpreter,
-    reruns_under_interpreter,
-)
+from tests.kernels.triton_env import DEV, assert_close_rel, needs_kernels, pytest_under_interpreter
 
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-5, 1e-5)}
 """Both compute in float32 from the same rounded inputs; only the sums' order differs."""
@@ -155,6 +149,5 @@ def test_bad_shapes_are_refused() -> None:
                               torch.zeros(8, device=DEV), 1e-6, torch.float32)
 
 
-@reruns_under_interpreter
 def test_kernels_under_interpreter() -> None:
     pytest_under_interpreter(__file__, "not interpreter")

@@ -20,14 +20,7 @@ import torch
 from engine.lora.punica import group_tokens
 from kernels import reference
 from tests.kernels.test_lora_triton import TOLERANCES
-from tests.kernels.triton_env import (
-    DEV,
-    HAS_TRITON,
-    assert_close_rel,
-    needs_kernels,
-    pytest_under_interpreter,
-    reruns_under_interpreter,
-)
+from tests.kernels.triton_env import DEV, HAS_TRITON, assert_close_rel, needs_kernels, pytest_under_interpreter
 
 
 def _layer(seed: int, n_slices: int, k: int, dtype: torch.dtype, num_tokens: int = 11, num_slots: int = 4,
@@ -211,6 +204,5 @@ def test_prologue_takes_small_steps_only_by_default(monkeypatch: pytest.MonkeyPa
     assert use_prologue(8, 16, False) and not use_prologue(9, 16, False)
 
 
-@reruns_under_interpreter
 def test_kernels_under_interpreter() -> None:
     pytest_under_interpreter(__file__, "not interpreter")

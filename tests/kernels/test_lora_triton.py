@@ -29,14 +29,7 @@ import torch
 
 from engine.lora.punica import SlotRanks, TritonLoRABatch, group_tokens
 from kernels import reference
-from tests.kernels.triton_env import (
-    DEV,
-    HAS_TRITON,
-    assert_close_rel,
-    needs_kernels,
-    pytest_under_interpreter,
-    reruns_under_interpreter,
-)
+from tests.kernels.triton_env import DEV, HAS_TRITON, assert_close_rel, needs_kernels, pytest_under_interpreter
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -512,7 +505,6 @@ def test_cuda_graph_capture_and_replay_with_new_mapping(variant: str) -> None:
 # the same cases on the CPU under the Triton interpreter
 
 
-@reruns_under_interpreter
 def test_kernels_under_interpreter() -> None:
     pytest_under_interpreter(__file__, "not interpreter and not bench and not cuda_graph")
 

@@ -41,16 +41,12 @@ def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, tol: tuple[float, flo
     torch.testing.assert_close(out.detach().cpu().float(), ref32, rtol=tol[0], atol=atol, msg=lambda m: f"{what}: {m}")
 
 
-reruns_under_interpreter = pytest.mark.skipif(
-    not HAS_TRITON or INTERPRETING or DEV is not None,
-    reason="needs triton; elsewhere the kernels run in this process already")
-"""For a file's test_kernels_under_interpreter, which runs the file's kernel cases on CPU-only machines."""
-
-
 def pytest_under_interpreter(path: str, select: str = "not interpreter") -> None:
     """Run the cases of the test file `path` that `select` (pytest -k) picks in a child pytest under
     TRITON_INTERPRET=1 (it must be set before triton is imported). All must pass and none may skip: a child without
-    a kernel device would skip them all."""
+    a kernel device would skip them all. Skips where triton is missing or the kernels run in this process already."""
+    if not HAS_TRITON or DEV is not None:
+        pytest.skip("needs triton; elsewhere the kernels run in this process already")
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
