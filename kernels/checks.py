@@ -228,7 +228,7 @@ def check_gdn(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.dev
         return {"prefill": pre, "prefill_states": pre_states, "decode": dec, "decode_states": states,
                 "conv": causal_conv1d_decode(x, conv, index, conv_w, name), "conv_states": conv,
                 "norm": gated_rms_norm(o, z, norm_w, 1e-6, dtype, name),
-                "gating": torch.stack(gdn_gating(ab * 8, a_log, dt_bias, name))}  # * 8: softplus's both branches
+                "gating": torch.stack(gdn_gating(ab * 8, a_log, dt_bias, name))}  # * 8: large a too
 
     # fla-core that fails here (not installed, or broken on this device) still leaves the Triton decode kernel.
     candidates = [chosen, "triton", REFERENCE] if chosen == "fla" else candidates_for(chosen)
