@@ -419,9 +419,15 @@ case "${1:-}" in
     echo "run_h200 gdn30: PASS"
     ;;
   gdn30-e2e)  # the 27B-shaped hybrid at TP=1 (64 layers, graphs, tuned int4), batch 1 and 32: this tree, .old, this tree
-              # (carry .old: `git archive c203b60`, before the GDN kernels); the first run also tunes the int4 dispatch
-    limit=260
-    for side in new old new; do
+              # (carry .old: `git archive c203b60`, before the GDN kernels); the first run also tunes the int4 dispatch.
+              # GDN_BENCH=1 runs bench_gdn_decode.py first (and sides "new old" only, to fit one call)
+    limit=260 sides="new old new"
+    if [ -n "${GDN_BENCH:-}" ]; then
+      sides="new old"
+      PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 90 python3 benchmarks/bench_gdn_decode.py 2>&1 | tee "$OUT/gdn_decode.txt" \
+        | cut -c1-700
+    fi
+    for side in $sides; do
       dir=$PWD; [ $side = old ] && dir=$PWD/.old
       (cd "$dir" && PYTHONPATH=$dir:/tmp/site timeout $limit python3 benchmarks/gpu_tp_check.py --layers 1 --skip \
         collectives equal --tp-sizes 1 --int4-kernel tuned --speed-shapes 27b --root /tmp/tp27 2>&1) \
