@@ -3,7 +3,8 @@ kernel (kernels.gdn_triton) against what the engine ran before it, fla-core's fu
 gathered into a dense state and scattered back. Both in a device graph (as decode runs), side by side, with the
 state's byte floor (read + write of each row's slot at the copy bandwidth). Then the step's causal conv and gated
 RMSNorm and the gating, each kernel against the torch form it replaced (`conv_*`, `norm_*`,
-`gating_*`). Exits 1 where two forms disagree.
+`gating_*`), and the gating, recurrence and norm joined in one launch against the three (`joined_*`). Exits 1
+where two forms disagree.
 
     python benchmarks/bench_gdn_decode.py                # on a GPU with fla-core installed
     TRITON_INTERPRET=1 python benchmarks/bench_gdn_decode.py --quick   # smoke test, CPU: the kernel alone
@@ -26,7 +27,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_e2e import copy_bandwidth
 from benchmarks.timing import device_sync, graph_time_us, time_us
 from kernels.gdn import causal_conv1d_decode, delta_rule_decode, gated_rms_norm, gdn_gating
-from kernels.gdn_triton import conv_decode_triton, delta_rule_decode_triton, gated_rms_norm_triton, gating_triton
+from kernels.gdn_triton import (
+    conv_decode_triton,
+    decode_out_triton,
+    delta_rule_decode_triton,
+    gated_rms_norm_triton,
+    gating_triton,
+)
 
 
 def fla_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -51,6 +58,21 @@ def glue_pairs(qkv: torch.Tensor, index: torch.Tensor, conv_w: torch.Tensor, o: 
                      lambda st: gated_rms_norm(o, z, norm_w, 1e-6, torch.bfloat16)),
             "gating": (lambda st: torch.stack(gating_triton(ab, a_log, dt_bias)),
                        lambda st: torch.stack(gdn_gating(ab, a_log, dt_bias)))}
+
+
+def joined_pair(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ab: torch.Tensor, a_log: torch.Tensor,
+                dt_bias: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, index: torch.Tensor
+                ) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+    """(decode_out_triton, the gating + in-place recurrence + gated norm launches it joins), functions of the state."""
+    def joined(st: torch.Tensor) -> torch.Tensor:
+        return decode_out_triton(q, k, v, ab, a_log, dt_bias, z, norm_w, 1e-6, st, index, torch.bfloat16)
+
+    def chain(st: torch.Tensor) -> torch.Tensor:
+        g, beta = gating_triton(ab, a_log, dt_bias)
+        o = delta_rule_decode_triton(q, k, v, g, beta, st, index)
+        return gated_rms_norm_triton(o, z, norm_w, 1e-6, torch.bfloat16)
+
+    return joined, chain
 
 
 def main() -> int:
@@ -109,6 +131,16 @@ def main() -> int:
                 call = functools.partial(f, conv0.clone())
                 us = graph_time_us(call, dev, a.budget)
                 row[f"{part}_{name}_us"] = us if us is not None else time_us(call, device_sync(dev), a.budget)
+        # The gating, the recurrence and the gated norm joined in one launch, against those three launches.
+        joined, chain = joined_pair(q, k, v, ab, a_log, dt_bias, z, norm_w, index)
+        (y1, st1), (y2, st2) = ((f(st), st) for f, st in ((joined, s0.clone()), (chain, s0.clone())))
+        row["joined_max_rel_err"] = (y1.float() - y2.float()).abs().max().item() / y2.float().abs().max().item()
+        row["joined_state_err"] = (st1 - st2).abs().max().item()
+        bad += row["joined_max_rel_err"] > 2e-2 or row["joined_state_err"] > 1e-5  # type: ignore[operator]
+        for name, f in (("kernel", joined), ("three", chain)):
+            call = functools.partial(f, s0.clone())
+            us = graph_time_us(call, dev, a.budget)
+            row[f"joined_{name}_us"] = us if us is not None else time_us(call, device_sync(dev), a.budget)
         print(json.dumps(row), flush=True)
     print("bench_gdn_decode: " + ("FAIL (a form disagrees with the reference)" if bad else "PASS"))
     return 1 if bad else 0

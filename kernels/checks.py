@@ -12,7 +12,14 @@ import torch
 
 from kernels import fused
 from kernels.attention import paged_attention
-from kernels.gdn import causal_conv1d_decode, delta_rule_decode, delta_rule_varlen, gated_rms_norm, gdn_gating
+from kernels.gdn import (
+    causal_conv1d_decode,
+    delta_rule_decode,
+    delta_rule_varlen,
+    gated_rms_norm,
+    gdn_decode_out,
+    gdn_gating,
+)
 from kernels.int4 import Int4Layout, dequant_triton, int4_mm, native_supported, prepare_int4
 from kernels.int4_tune import DEQUANT
 from kernels.int4_tune import TOLERANCE as INT4_TOLERANCE
@@ -200,8 +207,8 @@ def check_fused(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.d
 
 def check_gdn(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.device) -> Choice:
     """The gated delta rule of a prefill step (two sequences, 3 and 2 tokens, from random states in swapped
-    slots) then a decode step: outputs and updated states; the decode step's causal conv (output and shifted
-    state), the gating and the gated RMSNorm."""
+    slots) then a decode step: outputs and updated states; a second decode step joined to its gating and gated norm
+    (gdn_decode_out); the decode step's causal conv (output and shifted state), the gating and the gated RMSNorm."""
     assert s.gdn is not None
     hk, hv, dk, dv = s.gdn
     g = _gen()
@@ -225,7 +232,11 @@ def check_gdn(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.dev
         pre = delta_rule_varlen(q[:t], k[:t], v[:t], gate[:t], beta[:t], states, [1, 0], [0, 3, t], name)
         pre_states = states.clone()
         dec = delta_rule_decode(q[t:], k[t:], v[t:], gate[t:], beta[t:], states, index, name)
-        return {"prefill": pre, "prefill_states": pre_states, "decode": dec, "decode_states": states,
+        dec_states = states.clone()
+        out = gdn_decode_out(q[t:], k[t:], v[t:], ab[:2] * 8, a_log, dt_bias, z[:2], norm_w, 1e-6, states, index,
+                             dtype, name)
+        return {"prefill": pre, "prefill_states": pre_states, "decode": dec, "decode_states": dec_states,
+                "decode_out": out, "decode_out_states": states,
                 "conv": causal_conv1d_decode(x, conv, index, conv_w, name), "conv_states": conv,
                 "norm": gated_rms_norm(o, z, norm_w, 1e-6, dtype, name),
                 "gating": torch.stack(gdn_gating(ab * 8, a_log, dt_bias, name))}  # * 8: large a too

@@ -217,6 +217,20 @@ def delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     return torch.einsum("bhkv,bhk->bhv", s, qs)
 
 
+def gdn_decode_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ab: torch.Tensor, a_log: torch.Tensor,
+                   dt_bias: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, eps: float, states: torch.Tensor,
+                   index: torch.Tensor, dtype: torch.dtype, backend: str = "reference") -> torch.Tensor:
+    """A decode step after the conv: g, beta = gdn_gating(ab); o = delta_rule_decode(q, k, v, g, beta) (states
+    updated in place); returns gated_rms_norm(o, z) in dtype. The "fla" and "triton" backends run it in one launch
+    (kernels.gdn_triton.decode_out_triton), where the three took three."""
+    if _uses_triton(backend):
+        from kernels.gdn_triton import decode_out_triton
+
+        return decode_out_triton(q, k, v, ab, a_log, dt_bias, z, norm_w, eps, states, index, dtype)
+    g, beta = gdn_gating(ab, a_log, dt_bias)
+    return gated_rms_norm(delta_rule_decode(q, k, v, g, beta, states, index), z, norm_w, eps, dtype)
+
+
 def _delta_rule_fla_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                           states: torch.Tensor, index: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     # Imported here: fla needs triton and a GPU at import time, and must stay off the CPU path.

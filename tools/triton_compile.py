@@ -134,14 +134,20 @@ def run_all() -> None:
     compile_only): the engine's start-up checks of the fused ops, paged attention (a split decode with its merge
     too) and int4 (each Triton backend, the dequantization), in bfloat16 and float32; the LoRA kernels split,
     fused, with fp8 weights, with ranks above one rank tile, with one-token programs and with the column expand, and
-    the shrink joined to the RMSNorm and to silu-and-mul; the Gated DeltaNet decode step, conv, gating and gated
-    norm."""
+    the shrink joined to the RMSNorm and to silu-and-mul; the Gated DeltaNet decode step, conv, gating, gated
+    norm and the joined decode step (gating, recurrence, norm)."""
     import torch
 
     from engine.lora.token_groups import group_tokens
     from kernels import checks, lora_triton
     from kernels.attention_triton import paged_attention_decode
-    from kernels.gdn_triton import conv_decode_triton, delta_rule_decode_triton, gated_rms_norm_triton, gating_triton
+    from kernels.gdn_triton import (
+        conv_decode_triton,
+        decode_out_triton,
+        delta_rule_decode_triton,
+        gated_rms_norm_triton,
+        gating_triton,
+    )
     from kernels.int4 import dequant_triton
     from kernels.lora_prologue import act_shrink, norm_shrink
 
@@ -195,6 +201,9 @@ def run_all() -> None:
                            torch.zeros(qkv.size(1), 4, dtype=dt))
         gated_rms_norm_triton(torch.zeros(3, 6, 128), v.view(3, 6, 128), torch.ones(128, dtype=dt), 1e-6, dt)
         gating_triton(qkv[:, :12], torch.zeros(6), torch.zeros(6))
+        decode_out_triton(q.view(3, 2, 128), k2.view(3, 2, 128), v.view(3, 6, 128), qkv[:, :12], torch.zeros(6),
+                          torch.zeros(6), v.view(3, 6, 128), torch.ones(128, dtype=dt), 1e-6,
+                          torch.zeros(4, 6, 128, 128), torch.tensor([3, 0, 1]), dt)
 
 
 def main() -> int:

@@ -23,9 +23,9 @@ from engine.layers.quant import QuantConfig
 from kernels.gdn import (
     causal_conv1d_decode,
     causal_conv1d_varlen,
-    delta_rule_decode,
     delta_rule_varlen,
     gated_rms_norm,
+    gdn_decode_out,
     gdn_gating,
 )
 
@@ -100,22 +100,23 @@ class GatedDeltaNet(nn.Module):
         t = x.size(0)
         qkv = self.in_proj_qkv(x)
         z = self.in_proj_z(x).view(t, self.hv, self.dv)
-        g, beta = gdn_gating(self.in_proj_ba(x), self.A_log, self.dt_bias, self.backend)
+        ab = self.in_proj_ba(x)
+        # Each head's output goes through a gated RMSNorm (plain weight, norm before the silu(z) gate).
         # Decode (one token per sequence): vectorised over slots with no host sync, so graphs can hold it.
         if meta.max_q_len == 1 and t == ctx.state_index.numel():
             q, k, v = causal_conv1d_decode(qkv, self.conv_state, ctx.state_index, self.conv1d, self.backend).split(
                 self.local_sections, dim=-1)
-            out = delta_rule_decode(q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk),
-                                    v.view(t, self.hv, self.dv), g, beta, self.ssm_state, ctx.state_index,
-                                    self.backend)
+            o = gdn_decode_out(q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk), v.view(t, self.hv, self.dv),
+                               ab, self.A_log, self.dt_bias, z, self.norm, self.eps, self.ssm_state, ctx.state_index,
+                               x.dtype, self.backend)
         else:
             assert slots is not None
             cu = meta.cu_q_list
+            g, beta = gdn_gating(ab, self.A_log, self.dt_bias, self.backend)
             q, k, v = causal_conv1d_varlen(qkv, self.conv_state, ctx.state_index, self.conv1d, cu).split(
                 self.local_sections, dim=-1)
             out = delta_rule_varlen(q.view(t, self.hk, self.dk), k.view(t, self.hk, self.dk),
                                     v.view(t, self.hv, self.dv), g, beta, self.ssm_state, slots, cu, self.backend,
                                     CHUNK_THRESHOLD, ctx.state_index, meta.cu_q)
-        # Gated RMSNorm over each head's output: plain weight, norm before the silu(z) gate.
-        o = gated_rms_norm(out, z, self.norm, self.eps, x.dtype, self.backend)
+            o = gated_rms_norm(out, z, self.norm, self.eps, x.dtype, self.backend)
         return self.out_proj(o.reshape(t, self.hv * self.dv))

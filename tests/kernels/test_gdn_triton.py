@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.gdn import causal_conv1d_decode, delta_rule_decode, gated_rms_norm, gdn_gating
+from kernels.gdn import causal_conv1d_decode, delta_rule_decode, gated_rms_norm, gdn_decode_out, gdn_gating
 from tests.kernels.triton_env import DEV, assert_close_rel, needs_kernels, pytest_under_interpreter
 
 TOLERANCES = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-5, 1e-5)}
@@ -51,6 +51,37 @@ def test_decode_kernel_matches_reference(b: int, hk: int, ratio: int, dk: int, d
     tol = TOLERANCES[dtype]
     assert_close_rel(out, ref, tol, "o")
     assert_close_rel(d["states"], ref_states, tol, "states")
+    untouched = sorted(set(range(b + 3)) - set(p["index"].tolist()))
+    assert torch.equal(d["states"][untouched].cpu(), p["states"][untouched]), "a slot no row names changed"
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("b", "hk", "ratio", "dk", "dv"), [(5, 2, 3, 32, 64), (3, 3, 1, 16, 16), (4, 1, 2, 24, 40),
+                                                            (2, 2, 3, 128, 128)])
+def test_decode_out_kernel_matches_reference(b: int, hk: int, ratio: int, dk: int, dv: int, dtype: torch.dtype) -> None:
+    """The gating, the recurrence and the gated norm in one launch against the three torch forms in a row; ab and z
+    strided views; a + dt_bias on both sides of softplus's threshold."""
+    from kernels.gdn_triton import decode_out_triton
+
+    assert DEV is not None
+    p = _problem(b, hk, ratio, dk, dv, dtype, slots=b + 3, seed=b + dk)
+    g = torch.Generator().manual_seed(dv)
+    hv = hk * ratio
+    ab = (torch.randn(b, 2 * hv + 3, generator=g) * 12).to(dtype)[:, :2 * hv]
+    z = torch.randn(b, hv * dv + 5, generator=g).to(dtype)[:, :hv * dv].view(b, hv, dv)
+    a_log, dt_bias, w = torch.randn(hv, generator=g), torch.randn(hv, generator=g) * 4, torch.randn(dv, generator=g)
+    w = w.to(dtype)
+    assert ((ab[:, hv:].float() + dt_bias) > 20).any() or b * hv < 10, "the large branch is not exercised"
+    ref_states = p["states"].clone()
+    args = (ab, a_log, dt_bias, z, w, 1e-6)
+    ref = gdn_decode_out(p["q"], p["k"], p["v"], *args, ref_states, p["index"], dtype)
+    d = _on(p, DEV)
+    out = decode_out_triton(d["q"], d["k"], d["v"], *(x.to(DEV) if isinstance(x, torch.Tensor) else x for x in args),
+                            d["states"], d["index"], dtype)
+    assert out.dtype == dtype
+    assert_close_rel(out, ref, (1e-5, 1e-5) if dtype == torch.float32 else (1.6e-2, 1e-2), "y")
+    assert_close_rel(d["states"], ref_states, TOLERANCES[dtype], "states")
     untouched = sorted(set(range(b + 3)) - set(p["index"].tolist()))
     assert torch.equal(d["states"][untouched].cpu(), p["states"][untouched]), "a slot no row names changed"
 
@@ -139,7 +170,15 @@ def test_bad_shapes_are_refused() -> None:
         delta_rule_decode_triton(*args[:3], p["g"][:2], *args[4:])
     with pytest.raises(ValueError, match="heads must be contiguous"):
         delta_rule_decode_triton(p["q"].transpose(1, 2).contiguous().transpose(1, 2), *args[1:])
-    from kernels.gdn_triton import conv_decode_triton, gated_rms_norm_triton
+    from kernels.gdn_triton import conv_decode_triton, decode_out_triton, gated_rms_norm_triton
+
+    z, ab, hv1 = torch.zeros(3, 6, 16, device=DEV), torch.zeros(3, 12, device=DEV), torch.zeros(6, device=DEV)
+    with pytest.raises(ValueError, match=r"ab \[B, 2 Hv\]"):
+        decode_out_triton(*args[:3], ab[:, :6], hv1, hv1, z, torch.zeros(16, device=DEV), 1e-6, p["states"],
+                          p["index"], torch.float32)
+    with pytest.raises(ValueError, match="each row must be contiguous"):
+        decode_out_triton(*args[:3], ab, hv1, hv1, z.transpose(1, 2).contiguous().transpose(1, 2),
+                          torch.zeros(16, device=DEV), 1e-6, p["states"], p["index"], torch.float32)
 
     x, w = torch.zeros(2, 8, device=DEV), torch.zeros(8, 4, device=DEV)
     with pytest.raises(ValueError, match=r"need states \[S, C, K-1\]"):
