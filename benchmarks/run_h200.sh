@@ -420,7 +420,7 @@ case "${1:-}" in
     ;;
   gdn30-e2e)  # the 27B-shaped hybrid at TP=1 (64 layers, graphs, tuned int4), batch 1 and 32: this tree, .old, this tree
               # (carry .old: `git archive c203b60`, before the GDN kernels); the first run also tunes the int4 dispatch.
-              # GDN_BENCH=1 runs bench_gdn_decode.py first (and sides "new old" only, to fit one call)
+              # GDN_BENCH=1: bench_gdn_decode.py first, the sides "new old" only, then profile_step --shape 27b (one call)
     limit=260 sides="new old new"
     if [ -n "${GDN_BENCH:-}" ]; then
       sides="new old"
@@ -434,6 +434,11 @@ case "${1:-}" in
         | grep --line-buffered -E '"bench"|Error' | sed "s/^/$side /" | tee -a "$OUT/tp1_27b.txt" | cut -c1-330
       limit=140
     done
+    if [ -n "${GDN_BENCH:-}" ]; then  # then where this tree's 27B step goes (16 layers, kernels of one eager forward)
+      PYTHONPATH=$PWD:${PYTHONPATH:-} timeout 150 python3 benchmarks/profile_step.py --shape 27b --layers 16 \
+        --batches 1 32 --int4-kernel tuned --top 24 2>&1 | grep --line-buffered -E '"part"|Error' \
+        | tee "$OUT/profile27b.txt" | cut -c1-3000
+    fi
     ;;
   *) echo "usage: run_h200.sh tests|check|pytest|ab|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|burst18|prefill18|graphs4096|split18|lora-ab|cols23|gdn30|gdn30-e2e"; exit 2 ;;
 esac
