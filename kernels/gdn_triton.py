@@ -1,6 +1,6 @@
 """Gated DeltaNet in Triton (kernels.gdn's "fla" and "triton" backends): launches that each replace a chain of torch
-ops. A decode step runs two: the conv, then decode_out (gating, recurrence and gated norm in one program per
-sequence and value head). Prompts' steps run the gating and the gated norm (the recurrence is fla-core's or torch's).
+ops. A decode step runs three: the conv, the recurrence with its gating, the gated norm (decode_out). Prompts'
+steps run the gating and the gated norm (the recurrence is fla-core's or torch's).
 
     gating:          g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b), from the [b | a] projection
     conv_decode:     y[b] = silu(sum_k [states[index[b]] | x[b]] * w); states[index[b]] shifts by one in place
@@ -9,7 +9,7 @@ sequence and value head). Prompts' steps run the gating and the gated norm (the 
 
     q = l2norm(q) / sqrt(Dk); k = l2norm(k); S *= exp(g); S += k (beta (v - S^T k))^T; o = S^T q
 
-    decode_out:      gated_rms_norm(delta_rule_decode(q, k, v, gating(ab)), z)
+    decode_out:      gated_rms_norm(delta_rule_decode(q, k, v, gating(ab)), z): the gating inside the recurrence
 
 fla-core's fused_recurrent kernel does the recurrence on a dense [B, Hv, Dk, Dv] state, so the caller gathered the
 slots first (states[index]) and scattered them back after: two more passes over the whole state, which is
@@ -36,10 +36,12 @@ BLOCK_V = 32
 if triton is not None:
 
     @triton.jit
-    def _decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, s_ptr, index_ptr, o_ptr, scale,
+    def _decode_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, s_ptr, index_ptr, o_ptr, scale,
                        stride_q, stride_k, stride_v, stride_g, stride_beta,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                       BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, GATED: tl.constexpr):
+        # GATED: g_ptr is the [b | a] projection, and the program computes its head's g and beta (_gating_kernel's
+        # formulas); beta_ptr, a_log_ptr and dt_bias_ptr otherwise unused.
         b, h, vb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         hk = h // (HV // HK)
         rk = tl.arange(0, BLOCK_K)
@@ -50,8 +52,14 @@ if triton is not None:
         q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
         k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
         v = tl.load(v_ptr + b * stride_v + h * DV + rv, mask=mv, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + b * stride_g + h).to(tl.float32)
-        beta = tl.load(beta_ptr + b * stride_beta + h).to(tl.float32)
+        if GATED:
+            a = tl.load(g_ptr + b * stride_g + HV + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+            softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # torch's threshold
+            g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
+            beta = 1.0 / (1.0 + tl.exp(-tl.load(g_ptr + b * stride_g + h).to(tl.float32)))
+        else:
+            g = tl.load(g_ptr + b * stride_g + h).to(tl.float32)
+            beta = tl.load(beta_ptr + b * stride_beta + h).to(tl.float32)
         slot = tl.load(index_ptr + b).to(tl.int64)
         tile = s_ptr + ((slot * HV + h) * DK + rk[:, None]) * DV + rv[None, :]
         mask = mk[:, None] & mv[None, :]
@@ -60,42 +68,6 @@ if triton is not None:
         s = s + k[:, None] * delta[None, :]
         tl.store(tile, s, mask=mask)
         tl.store(o_ptr + (b * HV + h) * DV + rv, tl.sum(s * q[:, None], axis=0), mask=mv)
-
-    @triton.jit
-    def _decode_out_kernel(q_ptr, k_ptr, v_ptr, ab_ptr, a_log_ptr, dt_bias_ptr, z_ptr, w_ptr, s_ptr, index_ptr, y_ptr,
-                           scale, eps, stride_q, stride_k, stride_v, stride_ab, stride_z,
-                           HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                           BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
-        # _decode_kernel's update over a whole [Dk, Dv] slot, so that the program also owns its head's whole output
-        # row for the norm; the gating comes first, in the same program.
-        b, h = tl.program_id(0), tl.program_id(1)
-        hk = h // (HV // HK)
-        rk, rv = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_V)
-        mk, mv = rk < DK, rv < DV
-        slot = tl.load(index_ptr + b).to(tl.int64)
-        tile = s_ptr + ((slot * HV + h) * DK + rk[:, None]) * DV + rv[None, :]
-        mask = mk[:, None] & mv[None, :]
-        s = tl.load(tile, mask=mask, other=0.0)
-        a = tl.load(ab_ptr + b * stride_ab + HV + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
-        softplus = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(a)))  # torch's threshold
-        g = -tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus
-        beta = 1.0 / (1.0 + tl.exp(-tl.load(ab_ptr + b * stride_ab + h).to(tl.float32)))
-        q = tl.load(q_ptr + b * stride_q + hk * DK + rk, mask=mk, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + b * stride_k + hk * DK + rk, mask=mk, other=0.0).to(tl.float32)
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6) * scale
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-        v = tl.load(v_ptr + b * stride_v + h * DV + rv, mask=mv, other=0.0).to(tl.float32)
-        s = s * tl.exp(g)
-        delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
-        s = s + k[:, None] * delta[None, :]
-        tl.store(tile, s, mask=mask)
-        o = tl.sum(s * q[:, None], axis=0)  # masked columns are 0 and add nothing to the norm
-        o = o * tl.rsqrt(tl.sum(o * o, axis=0) / DV + eps)
-        dt = y_ptr.dtype.element_ty
-        w = tl.load(w_ptr + rv, mask=mv, other=0.0).to(tl.float32)
-        gated = (w * o.to(dt).to(tl.float32)).to(dt).to(tl.float32)  # rounded where the torch form rounds
-        z = tl.load(z_ptr + b * stride_z + h * DV + rv, mask=mv, other=0.0).to(tl.float32)
-        tl.store(y_ptr + (b * HV + h) * DV + rv, (gated * (z / (1.0 + tl.exp(-z)))).to(dt), mask=mv)
 
     @triton.jit
     def _conv_decode_kernel(x_ptr, s_ptr, w_ptr, index_ptr, y_ptr, C, stride_x, K: tl.constexpr,
@@ -179,39 +151,39 @@ def delta_rule_decode_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if bsz == 0:
         return o
     grid = (bsz, hv, triton.cdiv(dv, BLOCK_V))
-    _decode_kernel[grid](q, k, v, g, beta, states, index, o, dk ** -0.5,
+    _decode_kernel[grid](q, k, v, g, beta, g, g, states, index, o, dk ** -0.5,
                          q.stride(0), k.stride(0), v.stride(0), g.stride(0), beta.stride(0),
-                         HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=BLOCK_V)
+                         HK=hk, HV=hv, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=BLOCK_V, GATED=False)
     return o
 
 
 def decode_out_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ab: torch.Tensor, a_log: torch.Tensor,
                       dt_bias: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, eps: float, states: torch.Tensor,
                       index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """kernels.gdn.gdn_decode_out in one launch (the gating, delta_rule_decode in place, the gated norm): q, k
-    [B, Hk, Dk] raw, v and z [B, Hv, Dv], ab [B, 2 Hv], A_log and dt_bias [Hv], norm_w [Dv], states as
-    delta_rule_decode_triton's. Returns [B, Hv, Dv] in dtype."""
+    """kernels.gdn.gdn_decode_out in two launches: the recurrence in place with its gating (each program computes
+    its head's g and beta), then the gated norm. q, k [B, Hk, Dk] raw, v and z [B, Hv, Dv], ab [B, 2 Hv], A_log and
+    dt_bias [Hv], norm_w [Dv], states as delta_rule_decode_triton's. Returns [B, Hv, Dv] in dtype.
+    The norm stays apart: a program over a whole [Dk, Dv] slot (one per SM for its registers) was 3-18 % slower
+    than the three launches on an H100 (bench_gdn_decode.py, thirty-first session)."""
     if triton is None:
         raise RuntimeError("the Triton gated-delta-rule decode needs triton")
     bsz, hv, dv = v.shape
     dk = q.size(2)
-    if z.shape != v.shape or ab.shape != (bsz, 2 * hv) or a_log.shape != (hv,) or dt_bias.shape != (hv,) \
-            or norm_w.shape != (dv,):
-        raise ValueError(f"v {tuple(v.shape)}, z {tuple(z.shape)}, ab {tuple(ab.shape)}, A_log {tuple(a_log.shape)}, "
-                         f"dt_bias {tuple(dt_bias.shape)}, norm {tuple(norm_w.shape)}: need z as v, ab [B, 2 Hv], "
-                         f"[Hv] and [Dv]")
+    if ab.shape != (bsz, 2 * hv) or a_log.shape != (hv,) or dt_bias.shape != (hv,) or ab.stride(1) != 1:
+        raise ValueError(f"v {tuple(v.shape)}, ab {tuple(ab.shape)} strides {ab.stride()}, A_log "
+                         f"{tuple(a_log.shape)}, dt_bias {tuple(dt_bias.shape)}: need ab [B, 2 Hv] with contiguous "
+                         f"rows, A_log and dt_bias [Hv]")
+    if z.shape != v.shape or z.stride(2) != 1 or z.stride(1) != dv or norm_w.shape != (dv,):
+        raise ValueError(f"z {tuple(z.shape)} strides {z.stride()}, norm {tuple(norm_w.shape)}: need z as v with each "
+                         f"row contiguous, norm [Dv]")  # before the launch that updates the states
     _check_decode(q, k, v, states, index)
-    if ab.stride(1) != 1 or z.stride(2) != 1 or z.stride(1) != dv:
-        raise ValueError(f"ab strides {ab.stride()}, z strides {z.stride()}: each row must be contiguous")
-    y = torch.empty(bsz, hv, dv, dtype=dtype, device=v.device)
-    if bsz == 0:
-        return y
-    block_k, block_v = triton.next_power_of_2(dk), triton.next_power_of_2(dv)
-    _decode_out_kernel[(bsz, hv)](q, k, v, ab, a_log, dt_bias, z, norm_w, states, index, y, dk ** -0.5, eps,
-                                  q.stride(0), k.stride(0), v.stride(0), ab.stride(0), z.stride(0),
-                                  HK=q.size(1), HV=hv, DK=dk, DV=dv, BLOCK_K=block_k, BLOCK_V=block_v,
-                                  num_warps=8 if block_k * block_v >= 8192 else 4)
-    return y
+    o = torch.empty(bsz, hv, dv, dtype=torch.float32, device=v.device)
+    if bsz:
+        _decode_kernel[(bsz, hv, triton.cdiv(dv, BLOCK_V))](
+            q, k, v, ab, ab, a_log, dt_bias, states, index, o, dk ** -0.5, q.stride(0), k.stride(0), v.stride(0),
+            ab.stride(0), ab.stride(0), HK=q.size(1), HV=hv, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk),
+            BLOCK_V=BLOCK_V, GATED=True)
+    return gated_rms_norm_triton(o, z, norm_w, eps, dtype)
 
 
 def conv_decode_triton(x: torch.Tensor, states: torch.Tensor, index: torch.Tensor,

@@ -173,12 +173,14 @@ def test_bad_shapes_are_refused() -> None:
     from kernels.gdn_triton import conv_decode_triton, decode_out_triton, gated_rms_norm_triton
 
     z, ab, hv1 = torch.zeros(3, 6, 16, device=DEV), torch.zeros(3, 12, device=DEV), torch.zeros(6, device=DEV)
+    before = p["states"].clone()
     with pytest.raises(ValueError, match=r"ab \[B, 2 Hv\]"):
         decode_out_triton(*args[:3], ab[:, :6], hv1, hv1, z, torch.zeros(16, device=DEV), 1e-6, p["states"],
                           p["index"], torch.float32)
-    with pytest.raises(ValueError, match="each row must be contiguous"):
+    with pytest.raises(ValueError, match="need z as v with each row contiguous"):
         decode_out_triton(*args[:3], ab, hv1, hv1, z.transpose(1, 2).contiguous().transpose(1, 2),
                           torch.zeros(16, device=DEV), 1e-6, p["states"], p["index"], torch.float32)
+    assert torch.equal(p["states"], before), "a refused call changed the states"
 
     x, w = torch.zeros(2, 8, device=DEV), torch.zeros(8, 4, device=DEV)
     with pytest.raises(ValueError, match=r"need states \[S, C, K-1\]"):
