@@ -3,7 +3,7 @@ kernel (kernels.gdn_triton) against what the engine ran before it, fla-core's fu
 gathered into a dense state and scattered back. Both in a device graph (as decode runs), side by side, with the
 state's byte floor (read + write of each row's slot at the copy bandwidth). Then the step's causal conv and gated
 RMSNorm and the gating, each kernel against the torch form it replaced (`conv_*`, `norm_*`,
-`gating_*`), and the gating, recurrence and norm joined in one launch against the three (`joined_*`). Exits 1
+`gating_*`), and the recurrence with its gating + the norm against the three launches (`joined_*`). Exits 1
 where two forms disagree.
 
     python benchmarks/bench_gdn_decode.py                # on a GPU with fla-core installed
@@ -63,7 +63,8 @@ def glue_pairs(qkv: torch.Tensor, index: torch.Tensor, conv_w: torch.Tensor, o: 
 def joined_pair(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ab: torch.Tensor, a_log: torch.Tensor,
                 dt_bias: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, index: torch.Tensor
                 ) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
-    """(decode_out_triton, the gating + in-place recurrence + gated norm launches it joins), functions of the state."""
+    """(decode_out_triton: the gating inside the recurrence, then the norm; the three launches it replaces), functions
+    of the state."""
     def joined(st: torch.Tensor) -> torch.Tensor:
         return decode_out_triton(q, k, v, ab, a_log, dt_bias, z, norm_w, 1e-6, st, index, torch.bfloat16)
 
@@ -131,7 +132,7 @@ def main() -> int:
                 call = functools.partial(f, conv0.clone())
                 us = graph_time_us(call, dev, a.budget)
                 row[f"{part}_{name}_us"] = us if us is not None else time_us(call, device_sync(dev), a.budget)
-        # The gating, the recurrence and the gated norm joined in one launch, against those three launches.
+        # The gating joined to the recurrence (then the gated norm), against the three launches.
         joined, chain = joined_pair(q, k, v, ab, a_log, dt_bias, z, norm_w, index)
         (y1, st1), (y2, st2) = ((f(st), st) for f, st in ((joined, s0.clone()), (chain, s0.clone())))
         row["joined_max_rel_err"] = (y1.float() - y2.float()).abs().max().item() / y2.float().abs().max().item()

@@ -207,7 +207,7 @@ def check_fused(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.d
 
 def check_gdn(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.device) -> Choice:
     """The gated delta rule of a prefill step (two sequences, 3 and 2 tokens, from random states in swapped
-    slots) then a decode step: outputs and updated states; a second decode step joined to its gating and gated norm
+    slots) then a decode step: outputs and updated states; a second decode step with its gating and gated norm
     (gdn_decode_out); the decode step's causal conv (output and shifted state), the gating and the gated RMSNorm."""
     assert s.gdn is not None
     hk, hv, dk, dv = s.gdn

@@ -221,8 +221,8 @@ def gdn_decode_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ab: torch.
                    dt_bias: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, eps: float, states: torch.Tensor,
                    index: torch.Tensor, dtype: torch.dtype, backend: str = "reference") -> torch.Tensor:
     """A decode step after the conv: g, beta = gdn_gating(ab); o = delta_rule_decode(q, k, v, g, beta) (states
-    updated in place); returns gated_rms_norm(o, z) in dtype. The "fla" and "triton" backends run it in one launch
-    (kernels.gdn_triton.decode_out_triton), where the three took three."""
+    updated in place); returns gated_rms_norm(o, z) in dtype. The "fla" and "triton" backends run it in two launches
+    (kernels.gdn_triton.decode_out_triton: the gating inside the recurrence's programs), where the three took three."""
     if _uses_triton(backend):
         from kernels.gdn_triton import decode_out_triton
 

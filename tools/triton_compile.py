@@ -135,7 +135,7 @@ def run_all() -> None:
     too) and int4 (each Triton backend, the dequantization), in bfloat16 and float32; the LoRA kernels split,
     fused, with fp8 weights, with ranks above one rank tile, with one-token programs and with the column expand, and
     the shrink joined to the RMSNorm and to silu-and-mul; the Gated DeltaNet decode step, conv, gating, gated
-    norm and the joined decode step (gating, recurrence, norm)."""
+    norm and the decode step with its gating and norm (decode_out)."""
     import torch
 
     from engine.lora.token_groups import group_tokens

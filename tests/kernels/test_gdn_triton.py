@@ -60,7 +60,7 @@ def test_decode_kernel_matches_reference(b: int, hk: int, ratio: int, dk: int, d
 @pytest.mark.parametrize(("b", "hk", "ratio", "dk", "dv"), [(5, 2, 3, 32, 64), (3, 3, 1, 16, 16), (4, 1, 2, 24, 40),
                                                             (2, 2, 3, 128, 128)])
 def test_decode_out_kernel_matches_reference(b: int, hk: int, ratio: int, dk: int, dv: int, dtype: torch.dtype) -> None:
-    """The gating, the recurrence and the gated norm in one launch against the three torch forms in a row; ab and z
+    """The recurrence with its gating, then the gated norm, against the three torch forms in a row; ab and z
     strided views; a + dt_bias on both sides of softplus's threshold."""
     from kernels.gdn_triton import decode_out_triton
 
