@@ -440,5 +440,22 @@ case "${1:-}" in
         | tee "$OUT/profile27b.txt" | cut -c1-3000
     fi
     ;;
-  *) echo "usage: run_h200.sh tests|check|pytest|ab|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|burst18|prefill18|graphs4096|split18|lora-ab|cols23|gdn30|gdn30-e2e"; exit 2 ;;
+  gdn31)  # the thirty-first session's last GDN form (the gating inside the recurrence, the norm its own launch; not yet
+          # run on CUDA): its CUDA tests, bench_gdn_decode (joined_* against the three launches), the hybrid engine's
+          # triton-GDN check; exit 1 on a failure. Then, in the next call, `GDN_BENCH=1 ... gdn30-e2e` with .old =
+          # `git archive 04c8437` (the one-launch form with the norm, measured in the thirty-first session's call 1)
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    failed=""
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gdn_triton.py tests/kernels/test_kernel_checks.py \
+      > "$OUT/gdn_tests.txt" 2>&1 || failed="$failed tests"
+    tail -n 2 "$OUT/gdn_tests.txt"
+    timeout 90 python3 benchmarks/bench_gdn_decode.py 2>&1 | tee "$OUT/gdn_decode.txt" | cut -c1-300
+    [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed bench"
+    timeout 150 python3 benchmarks/gpu_engine_check.py --only hybrid --hybrid-triton-only --root /tmp/gpu-check-h \
+      2>&1 | grep --line-buffered -E 'PASS|FAIL|"check"|Error' | tee "$OUT/engine_hybrid.txt" | cut -c1-200
+    [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed hybrid"
+    if [ -n "$failed" ]; then echo "run_h200 gdn31: FAIL ($failed )"; exit 1; fi
+    echo "run_h200 gdn31: PASS"
+    ;;
+  *) echo "usage: run_h200.sh tests|check|pytest|ab|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|burst18|prefill18|graphs4096|split18|lora-ab|cols23|gdn30|gdn30-e2e|gdn31"; exit 2 ;;
 esac
