@@ -163,7 +163,7 @@ def decode_out_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ab: tor
     """kernels.gdn.gdn_decode_out in two launches: the recurrence in place with its gating (each program computes
     its head's g and beta), then the gated norm. q, k [B, Hk, Dk] raw, v and z [B, Hv, Dv], ab [B, 2 Hv], A_log and
     dt_bias [Hv], norm_w [Dv], states as delta_rule_decode_triton's. Returns [B, Hv, Dv] in dtype.
-    The norm stays apart: a program over a whole [Dk, Dv] slot (one per SM for its registers) was 3-18 % slower
+    The norm stays apart: a program over a whole [Dk, Dv] slot (one per SM for its registers) was 4-18 % slower
     than the three launches on an H100 (bench_gdn_decode.py, thirty-first session)."""
     if triton is None:
         raise RuntimeError("the Triton gated-delta-rule decode needs triton")
