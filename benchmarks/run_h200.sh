@@ -10,6 +10,15 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+# The int4 dispatch tables tuned on an earlier machine of the same GPU (kernels/int4_tune.py's cache, keyed by device
+# name, shape and backends): carry .kcache (a copy of an earlier call's $OUT/kcache) and a fresh machine skips the
+# timing (about 130 s for the 27B's shapes). Every call returns its tables in $OUT/kcache.
+if [ -z "${XPULORA_KERNEL_CACHE_DIR:-}" ]; then
+  export XPULORA_KERNEL_CACHE_DIR=/tmp/kcache
+  mkdir -p /tmp/kcache
+  [ -d .kcache ] && cp -n .kcache/*.json /tmp/kcache/ 2>/dev/null
+  trap 'mkdir -p "$OUT/kcache" && cp /tmp/kcache/*.json "$OUT/kcache/" 2>/dev/null' EXIT
+fi
 # 36-layer decode at the given batches (no adapters, tuned int4) from .old (carry it: `git archive <commit before>`)
 # and from this tree, one after the other in one call
 decode_old_new() {
