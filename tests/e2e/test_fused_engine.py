@@ -2,8 +2,9 @@
 gives the logits and greedy tokens of the same engine on the torch references: the committed demo model
 (Qwen3 int4: per-head q/k norms, full rotary) and a tiny Qwen3.5 hybrid (zero-centred norms, partial rotary,
 gated query heads strided inside the fused projection; its Gated DeltaNet on kernels.gdn_triton: decode steps'
-conv and joined gating + recurrence + norm, prompts' gating and norm, each counted). It runs under the Triton interpreter in a child process; on a GPU,
-benchmarks/gpu_engine_check.py makes the same comparison with compiled kernels.
+conv, recurrence with its gating (decode_out) and gated norm, prompts' gating and gated norm, each counted). It
+runs under the Triton interpreter in a child process; on a GPU, benchmarks/gpu_engine_check.py makes the same
+comparison with compiled kernels.
 With adapters (the demo's three over mixed batches, Triton LoRA), the wrapped layers after a norm or the activation
 join their shrink to that launch (kernels.lora_prologue, counted so that the case cannot pass by falling back);
 greedy tokens equal the engine on the torch references."""
