@@ -78,8 +78,8 @@ def causal_conv1d_decode(x: torch.Tensor, states: torch.Tensor, index: torch.Ten
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
                    backend: str = "reference") -> torch.Tensor:
     """Per head, the RMSNorm of the mixer's output gated by silu(z): (weight * rms_norm(o)) * silu(z), rounded to
-    dtype where the layer's torch form rounds. o [T, Hv, Dv] float32, z [T, Hv, Dv], weight [Dv]; returns dtype.
-    Backends as delta_rule_decode's: "fla" and "triton" run kernels.gdn_triton's one launch."""
+    dtype after the norm, after the weight and at the end. o [T, Hv, Dv] float32, z [T, Hv, Dv], weight [Dv];
+    returns dtype. Backends as delta_rule_decode's: "fla" and "triton" run kernels.gdn_triton's one launch."""
     if _uses_triton(backend):
         from kernels.gdn_triton import gated_rms_norm_triton
 
