@@ -1,10 +1,10 @@
 """Gated DeltaNet decode step of one layer, Qwen3.6-27B's heads at TP=1 (Hk 16, Hv 48, Dk = Dv = 128): the in-place
 kernel (kernels.gdn_triton) against what the engine ran before it, fla-core's fused_recurrent kernel on the slots
 gathered into a dense state and scattered back. Both in a device graph (as decode runs), side by side, with the
-state's byte floor (read + write of each row's slot at the copy bandwidth). Then the step's causal conv and gated
-RMSNorm and the gating, each kernel against the torch form it replaced (`conv_*`, `norm_*`,
-`gating_*`), and the recurrence with its gating + the norm against the three launches (`joined_*`). Exits 1
-where two forms disagree.
+state's byte floor (read + write of each row's slot at the copy bandwidth). Then the step's causal conv, gated
+RMSNorm, gating and [b | a] projection (hidden 5120 -> 96), each kernel against the torch form it replaced (`conv_*`,
+`norm_*`, `gating_*`, `proj_*`; the projection also per launch shape, `proj_cfg_*`), and the recurrence with its
+gating + the norm against the three launches (`joined_*`). Exits 1 where two forms disagree.
 
     python benchmarks/bench_gdn_decode.py                # on a GPU with fla-core installed
     TRITON_INTERPRET=1 python benchmarks/bench_gdn_decode.py --quick   # smoke test, CPU: the kernel alone
@@ -34,6 +34,11 @@ from kernels.gdn_triton import (
     gated_rms_norm_triton,
     gating_triton,
 )
+from kernels.skinny_triton import skinny_linear_triton
+
+PROJ_CONFIGS = ((1, 1, 2048, 4), (1, 2, 2048, 4), (1, 4, 1024, 4), (2, 2, 2048, 4), (4, 2, 1024, 4), (4, 4, 512, 4),
+                (4, 2, 2048, 8), (8, 2, 512, 4))
+"""skinny_linear's launch shapes (BLOCK_M, BLOCK_N, BLOCK_K, warps) swept on the [b | a] projection (`proj_cfg_*`)."""
 
 
 def fla_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -49,10 +54,11 @@ def fla_gathered(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
 
 
 def glue_pairs(qkv: torch.Tensor, index: torch.Tensor, conv_w: torch.Tensor, o: torch.Tensor, z: torch.Tensor,
-               norm_w: torch.Tensor, ab: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
-               ) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], ...]]:
+               norm_w: torch.Tensor, ab: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, x: torch.Tensor,
+               w_ba: torch.Tensor) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], ...]]:
     """part -> (kernel, the torch form it replaced), each a function of the conv state (only the conv uses it)."""
-    return {"conv": (lambda st: conv_decode_triton(qkv, st, index, conv_w),
+    return {"proj": (lambda st: skinny_linear_triton(x, w_ba), lambda st: F.linear(x, w_ba)),
+            "conv": (lambda st: conv_decode_triton(qkv, st, index, conv_w),
                      lambda st: causal_conv1d_decode(qkv, st, index, conv_w)),
             "norm": (lambda st: gated_rms_norm_triton(o, z, norm_w, 1e-6, torch.bfloat16),
                      lambda st: gated_rms_norm(o, z, norm_w, 1e-6, torch.bfloat16)),
@@ -123,7 +129,11 @@ def main() -> int:
         norm_w = torch.randn(dv, generator=g).to(torch.bfloat16).to(dev)
         ab = (torch.randn(b, 2 * hv, generator=g) * 4).to(torch.bfloat16).to(dev)
         a_log, dt_bias = torch.randn(hv, generator=g).to(dev), torch.randn(hv, generator=g).to(dev)
-        for part, (kernel, torch_form) in glue_pairs(qkv, index, conv_w, o, z, norm_w, ab, a_log, dt_bias).items():
+        hidden = 5120 if not a.quick else 320
+        x = torch.randn(b, hidden, generator=g).to(torch.bfloat16).to(dev)
+        w_ba = (torch.randn(2 * hv, hidden, generator=g) * hidden ** -0.5).to(torch.bfloat16).to(dev)
+        pairs = glue_pairs(qkv, index, conv_w, o, z, norm_w, ab, a_log, dt_bias, x, w_ba)
+        for part, (kernel, torch_form) in pairs.items():
             got = [(f(st), st) for f, st in ((kernel, conv0.clone()), (torch_form, conv0.clone()))]
             err = (got[0][0].float() - got[1][0].float()).abs().max().item() / got[1][0].float().abs().max().item()
             row[f"{part}_max_rel_err"] = err
@@ -132,6 +142,12 @@ def main() -> int:
                 call = functools.partial(f, conv0.clone())
                 us = graph_time_us(call, dev, a.budget)
                 row[f"{part}_{name}_us"] = us if us is not None else time_us(call, device_sync(dev), a.budget)
+        # The [b | a] projection's launch shapes (the `proj` pair above runs skinny_config's).
+        for cfg in PROJ_CONFIGS if dev.type != "cpu" else ():
+            call = functools.partial(skinny_linear_triton, x, w_ba, None, cfg)
+            err = (call().float() - F.linear(x, w_ba).float()).abs().max().item()
+            bad += err > 2e-2
+            row["proj_cfg_{}x{}x{}w{}_us".format(*cfg)] = graph_time_us(call, dev, a.budget)
         # The gating joined to the recurrence (then the gated norm), against the three launches.
         joined, chain = joined_pair(q, k, v, ab, a_log, dt_bias, z, norm_w, index)
         (y1, st1), (y2, st2) = ((f(st), st) for f, st in ((joined, s0.clone()), (chain, s0.clone())))

@@ -135,7 +135,7 @@ def run_all() -> None:
     too) and int4 (each Triton backend, the dequantization), in bfloat16 and float32; the LoRA kernels split,
     fused, with fp8 weights, with ranks above one rank tile, with one-token programs and with the column expand, and
     the shrink joined to the RMSNorm and to silu-and-mul; the Gated DeltaNet decode step, conv, gating, gated
-    norm and the decode step with its gating and norm (decode_out)."""
+    norm and the decode step with its gating and norm (decode_out); the skinny linear (Qwen3.5's [b | a] projection)."""
     import torch
 
     from engine.lora.token_groups import group_tokens
@@ -150,6 +150,7 @@ def run_all() -> None:
     )
     from kernels.int4 import dequant_triton
     from kernels.lora_prologue import act_shrink, norm_shrink
+    from kernels.skinny_triton import skinny_linear_triton
 
     cpu = torch.device("cpu")
     shapes = checks.CheckShapes(hidden=256, intermediate=512, num_heads=4, num_kv_heads=2, head_dim=64,
@@ -204,6 +205,9 @@ def run_all() -> None:
         decode_out_triton(q.view(3, 2, 128), k2.view(3, 2, 128), v.view(3, 6, 128), qkv[:, :12], torch.zeros(6),
                           torch.zeros(6), v.view(3, 6, 128), torch.ones(128, dtype=dt), 1e-6,
                           torch.zeros(4, 6, 128, 128), torch.tensor([3, 0, 1]), dt)
+        for rows in (1, 32):
+            skinny_linear_triton(torch.zeros(rows, 5120, dtype=dt), torch.zeros(96, 5120, dtype=dt),
+                                 torch.zeros(96, dtype=dt) if rows == 1 else None)
 
 
 def main() -> int:

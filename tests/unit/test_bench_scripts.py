@@ -61,7 +61,7 @@ def test_bench_gdn_decode_quick() -> None:
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert [r["batch"] for r in rows] == [1, 3], rows
     assert all(r["in_place_max_err"] < 1e-5 and r["joined_state_err"] < 1e-5
-               and all(r[f"{p}_max_rel_err"] < 2e-2 for p in ("conv", "norm", "gating", "joined")) for r in rows), rows
+               and all(r[f"{p}_max_rel_err"] < 2e-2 for p in ("conv", "norm", "gating", "proj", "joined")) for r in rows), rows
 
 
 def test_bench_serve_quick(tmp_path: Path) -> None:
