@@ -455,7 +455,8 @@ case "${1:-}" in
           # `git archive 04c8437` (the one-launch form with the norm, measured in the thirty-first session's call 1)
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     failed=""
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gdn_triton.py tests/kernels/test_kernel_checks.py \
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_gdn_triton.py tests/kernels/test_skinny.py \
+      tests/kernels/test_kernel_checks.py \
       > "$OUT/gdn_tests.txt" 2>&1 || failed="$failed tests"
     tail -n 2 "$OUT/gdn_tests.txt"
     timeout 90 python3 benchmarks/bench_gdn_decode.py 2>&1 | tee "$OUT/gdn_decode.txt" | cut -c1-300
