@@ -19,11 +19,13 @@ from kernels.gdn import (
     gated_rms_norm,
     gdn_decode_out,
     gdn_gating,
+    uses_triton,
 )
 from kernels.int4 import Int4Layout, dequant_triton, int4_mm, native_supported, prepare_int4
 from kernels.int4_tune import DEQUANT
 from kernels.int4_tune import TOLERANCE as INT4_TOLERANCE
 from kernels.registry import REFERENCE, Choice, Result, choose
+from kernels.skinny_triton import skinny_linear
 
 
 @dataclass(frozen=True)
@@ -208,7 +210,8 @@ def check_fused(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.d
 def check_gdn(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.device) -> Choice:
     """The gated delta rule of a prefill step (two sequences, 3 and 2 tokens, from random states in swapped
     slots) then a decode step: outputs and updated states; a second decode step with its gating and gated norm
-    (gdn_decode_out); the decode step's causal conv (output and shifted state), the gating and the gated RMSNorm."""
+    (gdn_decode_out); the decode step's causal conv (output and shifted state), the gating, the gated RMSNorm and the
+    [b | a] projection (kernels.skinny_triton where the candidate runs Triton)."""
     assert s.gdn is not None
     hk, hv, dk, dv = s.gdn
     g = _gen()
@@ -226,6 +229,8 @@ def check_gdn(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.dev
     norm_w = _randn(g, dv, dtype=dtype, device=device)
     ab, a_log, dt_bias = (_randn(g, *shape, dtype=dt, device=device) for shape, dt in
                           (((t, 2 * hv), dtype), ((hv,), torch.float32), ((hv,), torch.float32)))
+    hidden, w_ba = _randn(g, 3, s.hidden, dtype=dtype, device=device), _randn(g, 2 * hv, s.hidden, dtype=dtype,
+                                                                             device=device)
 
     def run(name: str) -> Result:
         states, conv = s0.clone(), conv0.clone()
@@ -239,7 +244,8 @@ def check_gdn(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.dev
                 "decode_out": out, "decode_out_states": states,
                 "conv": causal_conv1d_decode(x, conv, index, conv_w, name), "conv_states": conv,
                 "norm": gated_rms_norm(o, z, norm_w, 1e-6, dtype, name),
-                "gating": torch.stack(gdn_gating(ab * 8, a_log, dt_bias, name))}  # * 8: large a too
+                "gating": torch.stack(gdn_gating(ab * 8, a_log, dt_bias, name)),  # * 8: large a too
+                "proj": skinny_linear(hidden, w_ba, None, uses_triton(name))}
 
     # fla-core that fails here (not installed, or broken on this device) still leaves the Triton decode kernel.
     candidates = [chosen, "triton", REFERENCE] if chosen == "fla" else candidates_for(chosen)

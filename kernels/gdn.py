@@ -65,7 +65,7 @@ def causal_conv1d_decode(x: torch.Tensor, states: torch.Tensor, index: torch.Ten
     """One new input per sequence: y[b] = silu(sum_k [states[index[b]] | x[b]] * weight); states[index[b]]
     shifts by one in place. x [B, C], states [S, C, K-1], index [B] long, weight [C, K]. No host sync.
     Backends as delta_rule_decode's: "fla" and "triton" run kernels.gdn_triton's one launch."""
-    if _uses_triton(backend):
+    if uses_triton(backend):
         from kernels.gdn_triton import conv_decode_triton
 
         return conv_decode_triton(x, states, index, weight)
@@ -80,7 +80,7 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
     """Per head, the RMSNorm of the mixer's output gated by silu(z): (weight * rms_norm(o)) * silu(z), rounded to
     dtype after the norm, after the weight and at the end. o [T, Hv, Dv] float32, z [T, Hv, Dv], weight [Dv];
     returns dtype. Backends as delta_rule_decode's: "fla" and "triton" run kernels.gdn_triton's one launch."""
-    if _uses_triton(backend):
+    if uses_triton(backend):
         from kernels.gdn_triton import gated_rms_norm_triton
 
         return gated_rms_norm_triton(o, z, weight, eps, dtype)
@@ -93,7 +93,7 @@ def gdn_gating(ab: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
     """The decay and the write strength from the [b | a] projection: g = -exp(A_log) * softplus(a + dt_bias),
     beta = sigmoid(b). ab [T, 2 Hv] (rows may be strided), A_log and dt_bias [Hv]; returns (g, beta) [T, Hv]
     float32. Backends as delta_rule_decode's: "fla" and "triton" run kernels.gdn_triton's one launch."""
-    if _uses_triton(backend):
+    if uses_triton(backend):
         from kernels.gdn_triton import gating_triton
 
         return gating_triton(ab, a_log, dt_bias)
@@ -101,7 +101,7 @@ def gdn_gating(ab: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
     return -a_log.float().exp() * F.softplus(a + dt_bias.float()), b.sigmoid()
 
 
-def _uses_triton(backend: str) -> bool:
+def uses_triton(backend: str) -> bool:
     """The backend runs kernels.gdn_triton's kernels (decode steps, the conv and the gated norm)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown gated-delta-rule backend {backend!r} ({', '.join(BACKENDS)})")
@@ -174,7 +174,7 @@ def delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     backend: "reference" (torch, any device), "fla" (flash-linear-attention's chunked Triton kernels, decode steps
     by kernels.gdn_triton) or "triton" (decode steps by kernels.gdn_triton, the rest by the reference). index and
     cu_dev: the same slots and cu on the device where the caller has them (fla reads those, not the lists)."""
-    _uses_triton(backend)  # validates the name
+    uses_triton(backend)  # validates the name
     decode = all(cu[i + 1] - cu[i] == 1 for i in range(len(slots)))
     if backend == "fla" or (backend == "triton" and decode):
         idx = index if index is not None else torch.tensor(slots, dtype=torch.long, device=q.device)
@@ -203,7 +203,7 @@ def delta_rule_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     delta_rule_varlen with every length 1, with the slots as a device tensor, so no host sync (graph-safe).
     The "fla" and "triton" backends run kernels.gdn_triton's in-place kernel: fla-core's recurrent kernel takes a
     dense state, which cost a gather and a scatter of every slot's state per layer."""
-    if _uses_triton(backend):
+    if uses_triton(backend):
         from kernels.gdn_triton import delta_rule_decode_triton
 
         return delta_rule_decode_triton(q, k, v, g, beta, states, index)
@@ -223,7 +223,7 @@ def gdn_decode_out(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ab: torch.
     """A decode step after the conv: g, beta = gdn_gating(ab); o = delta_rule_decode(q, k, v, g, beta) (states
     updated in place); returns gated_rms_norm(o, z) in dtype. The "fla" and "triton" backends run it in two launches
     (kernels.gdn_triton.decode_out_triton: the gating inside the recurrence's programs), where the three took three."""
-    if _uses_triton(backend):
+    if uses_triton(backend):
         from kernels.gdn_triton import decode_out_triton
 
         return decode_out_triton(q, k, v, ab, a_log, dt_bias, z, norm_w, eps, states, index, dtype)

@@ -13,10 +13,11 @@ the bytes, not the multiply-adds, set the time).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from kernels.triton_env import FLOATS, tl, triton
+from kernels.triton_env import FLOATS, tl, triton, usable_on
 
-__all__ = ["MAX_FEATURES", "MAX_ROWS", "skinny_config", "skinny_linear_triton"]
+__all__ = ["MAX_FEATURES", "MAX_ROWS", "skinny_config", "skinny_linear", "skinny_linear_triton", "takes"]
 
 MAX_FEATURES = 256
 """Widest output the kernel takes: past this, cuBLAS's tiles are full and its split-K is no longer needed."""
@@ -56,6 +57,20 @@ def skinny_config(m: int, k: int) -> tuple[int, int, int, int]:
     block_m = min(4, _pow2(m))
     block_k = min(2048, _pow2(k))
     return block_m, 2, block_k, 4
+
+
+def takes(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """skinny_linear_triton runs this problem here: decode-sized rows, few features, its layouts, a Triton device."""
+    return (x.dim() == 2 and 0 < x.size(0) <= MAX_ROWS and w.dim() == 2 and w.size(0) <= MAX_FEATURES
+            and x.size(1) == w.size(1) and x.dtype in FLOATS and w.dtype == x.dtype and x.stride(1) == 1
+            and w.is_contiguous() and (bias is None or bias.dtype == x.dtype) and usable_on(x.device.type))
+
+
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, use_triton: bool) -> torch.Tensor:
+    """F.linear(x, w, bias), by skinny_linear_triton where use_triton and it takes the problem (takes)."""
+    if use_triton and takes(x, w, bias):
+        return skinny_linear_triton(x, w, bias)
+    return F.linear(x, w, bias)
 
 
 def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

@@ -19,7 +19,7 @@ from engine.layers.linear import (
     RowParallelLinear,
     SectionedColumnParallelLinear,
 )
-from engine.layers.quant import QuantConfig
+from engine.layers.quant import QuantConfig, with_skinny
 from kernels.gdn import (
     causal_conv1d_decode,
     causal_conv1d_varlen,
@@ -27,6 +27,7 @@ from kernels.gdn import (
     gated_rms_norm,
     gdn_decode_out,
     gdn_gating,
+    uses_triton,
 )
 
 CHUNK_THRESHOLD = 16
@@ -50,9 +51,11 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = ColumnParallelLinear(hidden, value_dim, False,
                                               quant.method_for([f"{prefix}.in_proj_z"], int4), dtype,
                                               f"{prefix}.in_proj_z")
-        self.in_proj_ba = MergedColumnParallelLinear(
-            hidden, [v_heads, v_heads], False,
-            quant.method_for([f"{prefix}.in_proj_b", f"{prefix}.in_proj_a"], int4), dtype, f"{prefix}.in_proj_ba")
+        # 2 Hv features (5120 -> 96 on the 27B): one launch for decode rows where the GDN runs Triton
+        ba = quant.method_for([f"{prefix}.in_proj_b", f"{prefix}.in_proj_a"], int4)
+        self.in_proj_ba = MergedColumnParallelLinear(hidden, [v_heads, v_heads], False,
+                                                     with_skinny(ba, uses_triton(kernels.gdn)), dtype,
+                                                     f"{prefix}.in_proj_ba")
         self.out_proj = RowParallelLinear(value_dim, hidden, False, quant.method_for([f"{prefix}.out_proj"], int4),
                                           dtype, f"{prefix}.out_proj")
         self.sections = [key_dim, key_dim, value_dim]

@@ -19,6 +19,7 @@ from engine.errors import QuantConfigError
 from kernels.int4 import Int4Layout, PreparedInt4, dequant_triton, int4_mm, native_supported, prepare_int4
 from kernels.int4_tune import DEQUANT, Shape, tune
 from kernels.reference import unpack_int4_cols
+from kernels.skinny_triton import skinny_linear
 
 SUPPORTED_FORMATS = ("auto_round:auto_gptq", "auto_round", "auto_round:gptqmodel")
 SMALL_M = {"native": 4, "triton": 64}
@@ -104,6 +105,19 @@ class UnquantizedLinearMethod:
 
     def dense_weight(self, layer: nn.Module) -> torch.Tensor:
         return layer.weight.data
+
+
+class SkinnyLinearMethod(UnquantizedLinearMethod):
+    """16-bit weights with few output features (Qwen3.5's [b | a] projection): decode rows in one Triton launch
+    (kernels.skinny_triton), where cuBLAS splits K into two; other rows and devices F.linear."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return skinny_linear(x, layer.weight, bias, True)
+
+
+def with_skinny(method: LinearMethod, on: bool) -> LinearMethod:
+    """The 16-bit method's skinny form where `on` (the GDN backend runs Triton kernels); any other method as is."""
+    return SkinnyLinearMethod() if on and type(method) is UnquantizedLinearMethod else method
 
 
 @dataclass

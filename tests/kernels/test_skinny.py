@@ -69,3 +69,18 @@ def test_skinny_refuses_what_it_does_not_take() -> None:
 
 def test_kernels_under_interpreter() -> None:
     pytest_under_interpreter(__file__, "not interpreter")
+
+
+def test_only_16bit_layers_take_the_skinny_method() -> None:
+    from engine.layers.linear import MergedColumnParallelLinear
+    from engine.layers.quant import Int4LinearMethod, SkinnyLinearMethod, UnquantizedLinearMethod, with_skinny
+
+    int4 = Int4LinearMethod(128, 1, "reference")
+    assert type(with_skinny(UnquantizedLinearMethod(), True)) is SkinnyLinearMethod
+    assert type(with_skinny(UnquantizedLinearMethod(), False)) is UnquantizedLinearMethod
+    assert with_skinny(int4, True) is int4
+    # Where the kernel does not take the rows (too many here; on the CPU outside the interpreter, any), F.linear.
+    layer = MergedColumnParallelLinear(64, [5, 5], False, SkinnyLinearMethod(), torch.float32, "ba")
+    layer.weight.data.copy_(torch.randn(10, 64))
+    x = torch.randn(70, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.weight), rtol=0, atol=0)
