@@ -467,5 +467,20 @@ case "${1:-}" in
     if [ -n "$failed" ]; then echo "run_h200 gdn31: FAIL ($failed )"; exit 1; fi
     echo "run_h200 gdn31: PASS"
     ;;
-  *) echo "usage: run_h200.sh tests|check|pytest|ab|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|burst18|prefill18|graphs4096|split18|lora-ab|cols23|gdn30|gdn30-e2e|gdn31"; exit 2 ;;
+  e2e27b)  # the 27B-shaped hybrid at TP=1 (64 layers, graphs, tuned int4), batch 1 and 32, per tree of E2E_SIDES
+           # (default "new old": this tree, then .old; any other name X is the tree in .X, carried), then where this
+           # tree's 27B step goes (profile_step, 16 layers). Carry .kcache (an earlier call's $OUT/kcache) to skip tuning
+    limit=${E2E27_FIRST_S:-260}
+    for side in ${E2E_SIDES:-new old}; do
+      dir=$PWD; [ "$side" != new ] && dir=$PWD/.$side
+      (cd "$dir" && PYTHONPATH=$dir:/tmp/site timeout "$limit" python3 benchmarks/gpu_tp_check.py --layers 1 --skip \
+        collectives equal --tp-sizes 1 --int4-kernel tuned --speed-shapes 27b --root /tmp/tp27 2>&1) \
+        | grep --line-buffered -E '"bench"|Error' | sed "s/^/$side /" | tee -a "$OUT/tp1_27b.txt" | cut -c1-330
+      limit=140
+    done
+    PYTHONPATH=$PWD:${PYTHONPATH:-} timeout "${PROFILE_S:-150}" python3 benchmarks/profile_step.py --shape 27b \
+      --layers 16 --batches 1 32 --int4-kernel tuned --top 24 2>&1 | grep --line-buffered -E '"part"|Error' \
+      | tee "$OUT/profile27b.txt" | cut -c1-3000
+    ;;
+  *) echo "usage: run_h200.sh tests|check|pytest|ab|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|burst18|prefill18|graphs4096|split18|lora-ab|cols23|gdn30|gdn30-e2e|gdn31|e2e27b"; exit 2 ;;
 esac
