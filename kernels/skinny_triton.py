@@ -3,7 +3,7 @@
     y[m, n] = sum_k x[m, k] * w[n, k]  (+ bias[n])       reference: torch.nn.functional.linear
 
 Qwen3.5's [b | a] projection (hidden -> 2 Hv: 5120 -> 96 on the 27B) reads 1 MB per GDN layer; cuBLAS runs it as
-a split-K GEMM and its reduce, two launches of ~3 us each on an H100 (docs/PERFORMANCE.md, thirty-first session).
+a split-K GEMM and its reduce, two launches, ~6 us together in a graph on an H100 whatever the rows (up to 64).
 Here each program takes BLOCK_N features of BLOCK_M rows over the whole of K (a compile-time constant, so the
 loop unrolls and its loads can all be in flight at once), sums in float32, and stores once: deterministic, no
 workspace. A program's product is a [BLOCK_M, BLOCK_N, BLOCK_K] broadcast (no tensor cores: at these sizes
@@ -20,9 +20,12 @@ from kernels.triton_env import FLOATS, tl, triton, usable_on
 __all__ = ["MAX_FEATURES", "MAX_ROWS", "skinny_config", "skinny_linear", "skinny_linear_triton", "takes"]
 
 MAX_FEATURES = 256
-"""Widest output the kernel takes: past this, cuBLAS's tiles are full and its split-K is no longer needed."""
-MAX_ROWS = 64
-"""Most rows (decode tokens) it takes: past this a step is a prompt's, and cuBLAS's GEMM tiles win."""
+"""Widest output it takes (a program per 2 features: 128 programs); the 27B's projection has 96. Wider outputs were
+not timed against cuBLAS."""
+MAX_ROWS = 16
+"""Most rows it takes. On an H100 at 5120 -> 96 in a graph (benchmarks/bench_gdn_decode.py, `proj_*`): 3.3 / 4.6 us
+against cuBLAS's 6.1 / 6.1 at 1 / 8 rows, but 7.0 / 12.4 against 6.4 / 6.4 at 32 / 64, where each program's rows
+re-read its weights (docs/PERFORMANCE.md, thirty-second session)."""
 
 if triton is not None:
 
