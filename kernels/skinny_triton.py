@@ -66,7 +66,8 @@ def takes(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """skinny_linear_triton runs this problem here: decode-sized rows, few features, its layouts, a Triton device."""
     return (x.dim() == 2 and 0 < x.size(0) <= MAX_ROWS and w.dim() == 2 and w.size(0) <= MAX_FEATURES
             and x.size(1) == w.size(1) and x.dtype in FLOATS and w.dtype == x.dtype and x.stride(1) == 1
-            and w.is_contiguous() and (bias is None or bias.dtype == x.dtype) and usable_on(x.device.type))
+            and w.is_contiguous() and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous()))
+            and usable_on(x.device.type))
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, use_triton: bool) -> torch.Tensor:
@@ -84,8 +85,8 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         raise ValueError(f"skinny_linear: x {tuple(x.shape)} and w {tuple(w.shape)} do not share K")
     if x.dtype not in FLOATS or w.dtype != x.dtype or (bias is not None and bias.shape != (w.size(0),)):
         raise ValueError(f"skinny_linear: x {x.dtype}, w {w.dtype}, bias {None if bias is None else bias.shape}")
-    if x.stride(1) != 1 or not w.is_contiguous():
-        raise ValueError("skinny_linear: x's rows and w must be contiguous in K")
+    if x.stride(1) != 1 or not w.is_contiguous() or (bias is not None and not bias.is_contiguous()):
+        raise ValueError("skinny_linear: x's rows, w and the bias must be contiguous")
     m, k = x.shape
     n = w.size(0)
     if m > MAX_ROWS or n > MAX_FEATURES:

@@ -61,6 +61,8 @@ def test_skinny_refuses_what_it_does_not_take() -> None:
         skinny_linear_triton(x, w.float())
     with pytest.raises(ValueError, match="contiguous"):
         skinny_linear_triton(x.t().contiguous().t(), w)
+    with pytest.raises(ValueError, match="contiguous"):
+        skinny_linear_triton(x, w, w.new_zeros(16)[::2])
     with pytest.raises(ValueError, match="exceed"):
         skinny_linear_triton(x.new_zeros(MAX_ROWS + 1, 64), w)
     with pytest.raises(ValueError, match="exceed"):
