@@ -180,13 +180,15 @@ def check_attention(chosen: str, s: CheckShapes, dtype: torch.dtype, device: tor
 
 
 def check_fused(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.device) -> Choice:
-    """RMSNorm with and without the residual add, per-head q/k norm + rotary with the KV write, silu-and-mul."""
+    """RMSNorm with and without the residual add, per-head q/k norm + rotary with the KV write, silu-and-mul, and
+    gated attention's output gate (its gate a strided view, as in the query projection)."""
     g = _gen()
     x, res = (_randn(g, TOKENS, s.hidden, dtype=dtype, device=device) for _ in range(2))
     w = (1.0 + 0.1 * torch.randn(s.hidden, generator=g)).to(dtype).to(device)
     heads = _randn(g, TOKENS, s.num_heads, s.head_dim, dtype=dtype, device=device)
     hw = (1.0 + 0.1 * torch.randn(s.head_dim, generator=g)).to(dtype).to(device) if s.qk_norm else None
     gate_up = _randn(g, TOKENS, 2 * s.intermediate, dtype=dtype, device=device)
+    qg = _randn(g, TOKENS, s.num_heads, 2 * s.head_dim, dtype=dtype, device=device) * 4
     half = s.rotary_dim // 2
     angles = torch.arange(64).float()[:, None] * 10000.0 ** (-torch.arange(half).float() / half)
     cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).to(device)
@@ -202,7 +204,8 @@ def check_fused(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.d
         return {"rms_norm": y, "residual_add": h, "rms_norm_alone": fused.rms_norm(x, w, 1e-6, s.zero_centered, None,
                                                                                    name)[0],
                 "rope_write_kv": torch.cat([q_rot.flatten(), kc.flatten(), vc.flatten()]),
-                "silu_and_mul": fused.silu_and_mul(gate_up, name)}
+                "silu_and_mul": fused.silu_and_mul(gate_up, name),
+                "sigmoid_gate": fused.sigmoid_gate(heads.reshape(TOKENS, -1), qg[:, :, s.head_dim:], name)}
 
     return _choose("fused", chosen, run, dtype)
 

@@ -1,7 +1,8 @@
-"""The small per-layer ops (RMSNorm with the residual add, silu-and-mul, the KV cache write, and q / k's norm +
-rotary with that write) behind one interface: `backend` is "reference" (kernels.reference, any device) or "triton"
-(kernels.fused_triton, one launch per op). The caller (engine/device.py) picks the backend. norm_rope alone is the
-reference's: the Triton backend only runs it joined with the cache write (rope_write_kv)."""
+"""The small per-layer ops (RMSNorm with the residual add, silu-and-mul, the KV cache write, q / k's norm + rotary
+with that write, and gated attention's output gate) behind one interface: `backend` is "reference"
+(kernels.reference, any device) or "triton" (kernels.fused_triton, one launch per op). The caller (engine/device.py)
+picks the backend. norm_rope alone is the reference's: the Triton backend only runs it joined with the cache write
+(rope_write_kv)."""
 
 from __future__ import annotations
 
@@ -68,6 +69,20 @@ def silu_and_mul(x: torch.Tensor, backend: str) -> torch.Tensor:
 
         return silu_and_mul_triton(x)
     return ref.silu_and_mul(x)
+
+
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, backend: str) -> torch.Tensor:
+    """o * sigmoid(gate) for gated attention's output: o [T, H * D], gate [T, H, D] (a strided view of the query
+    projection: the torch form copies it first). Triton: one launch where torch takes three."""
+    _check(backend)
+    t, h, d = gate.shape
+    if o.shape != (t, h * d) or o.dtype != gate.dtype:
+        raise ValueError(f"sigmoid_gate: o {tuple(o.shape)} {o.dtype}, gate {tuple(gate.shape)} {gate.dtype}")
+    if backend == "triton":
+        from kernels.fused_triton import sigmoid_gate_triton
+
+        return sigmoid_gate_triton(o.contiguous(), gate if gate.stride(2) == 1 else gate.contiguous())
+    return o * torch.sigmoid(gate.reshape(t, -1))
 
 
 def _check_write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -129,6 +129,18 @@ if triton is not None:
         tl.store(y_ptr + t * D + offs, _silu_mul(x_ptr + t * stride_x + offs, D, m, y_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
+    def _sigmoid_gate_kernel(o_ptr, g_ptr, y_ptr, D, stride_gt, stride_gh, BLOCK: tl.constexpr):
+        """y[t, h, :] = o[t, h, :] * sigmoid(g[t, h, :]), the sigmoid rounded to o's dtype first (as torch does)."""
+        t, h = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        m = offs < D
+        row = (t * tl.num_programs(1) + h) * D
+        g = tl.load(g_ptr + t * stride_gt + h * stride_gh + offs, mask=m, other=0.0).to(tl.float32)
+        o = tl.load(o_ptr + row + offs, mask=m, other=0.0)
+        sig = (1.0 / (1.0 + tl.exp(-g))).to(o.dtype).to(tl.float32)
+        tl.store(y_ptr + row + offs, (o.to(tl.float32) * sig).to(y_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
     def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, W, stride_k, stride_v, BLOCK: tl.constexpr):
         """k_cache.flat[slot[t]] = k[t]; v likewise (W = kv_heads * head_dim elements per token)."""
         t = tl.program_id(0).to(tl.int64)
@@ -193,6 +205,16 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
         block = min(1024, triton.next_power_of_2(d))
         _silu_and_mul_kernel[(x2.size(0), triton.cdiv(d, block))](x2, y, d, x2.stride(0), BLOCK=block, num_warps=4)
     return y.view(*x.shape[:-1], d)
+
+
+def sigmoid_gate_triton(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """o [T, H * D] contiguous, gate [T, H, D] with unit stride over D -> [T, H * D] (kernels.fused.sigmoid_gate)."""
+    t, h, d = gate.shape
+    y = torch.empty_like(o)
+    if t:
+        _sigmoid_gate_kernel[(t, h)](o, gate, y, d, gate.stride(0), gate.stride(1),
+                                     BLOCK=triton.next_power_of_2(d), num_warps=1 if d <= 256 else 4)
+    return y
 
 
 def write_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

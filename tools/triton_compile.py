@@ -205,7 +205,7 @@ def run_all() -> None:
         decode_out_triton(q.view(3, 2, 128), k2.view(3, 2, 128), v.view(3, 6, 128), qkv[:, :12], torch.zeros(6),
                           torch.zeros(6), v.view(3, 6, 128), torch.ones(128, dtype=dt), 1e-6,
                           torch.zeros(4, 6, 128, 128), torch.tensor([3, 0, 1]), dt)
-        for rows in (1, 32):
+        for rows in (1, 16):
             skinny_linear_triton(torch.zeros(rows, 5120, dtype=dt), torch.zeros(96, 5120, dtype=dt),
                                  torch.zeros(96, dtype=dt) if rows == 1 else None)
 

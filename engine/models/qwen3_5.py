@@ -24,6 +24,7 @@ from engine.layers.norm import RMSNorm
 from engine.layers.quant import QuantConfig
 from engine.layers.rotary import RotaryEmbedding, rope_theta_of
 from engine.models.qwen import QKVAttention, QwenDecoderLayer, QwenForCausalLM, QwenMLP, QwenModel
+from kernels.fused import sigmoid_gate
 
 HYBRID_ARCHS = ("qwen3_5", "qwen3_5_text")
 
@@ -97,6 +98,7 @@ class GatedAttention(QKVAttention):
         self.q_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype, zero_centered=True, backend=kernels.fused)
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, dtype, zero_centered=True, backend=kernels.fused)
         self.attn = Attention(self.num_heads, self.num_kv_heads, a.head_dim, a.head_dim**-0.5, kernels.attention)
+        self.fused = kernels.fused
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
         t, hd = qkv.size(0), self.head_dim
@@ -104,7 +106,7 @@ class GatedAttention(QKVAttention):
         q, gate = qg.view(t, self.num_heads, 2 * hd).split([hd, hd], dim=-1)
         kv_heads = (t, self.num_kv_heads, hd)
         o = self.attn(positions, q, k.reshape(kv_heads), v.reshape(kv_heads), rotary, self.q_norm, self.k_norm)
-        return self.o_proj(o * torch.sigmoid(gate.reshape(t, -1)))
+        return self.o_proj(sigmoid_gate(o, gate, self.fused))
 
 
 class HybridDecoderLayer(QwenDecoderLayer):

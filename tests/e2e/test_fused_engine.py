@@ -1,11 +1,11 @@
 """The engine with the Triton fused ops (kernels.fused) and Triton attention, whose KV write is one of them,
 gives the logits and greedy tokens of the same engine on the torch references: the committed demo model
 (Qwen3 int4: per-head q/k norms, full rotary) and a tiny Qwen3.5 hybrid (zero-centred norms, partial rotary,
-gated query heads strided inside the fused projection; its Gated DeltaNet on kernels.gdn_triton: decode steps'
-conv, recurrence with its gating (decode_out), gated norm and [b | a] projection (kernels.skinny_triton), prompts'
-gating and gated norm, each counted). It
-runs under the Triton interpreter in a child process; on a GPU, benchmarks/gpu_engine_check.py makes the same
-comparison with compiled kernels.
+gated query heads strided inside the fused projection, their output gate; its Gated DeltaNet on kernels.gdn_triton:
+decode steps' conv, recurrence with its gating (decode_out), gated norm and [b | a] projection
+(kernels.skinny_triton), prompts' gating and gated norm; each kernel counted). It runs under the Triton
+interpreter in a child process; on a GPU, benchmarks/gpu_engine_check.py makes the same comparison with compiled
+kernels.
 With adapters (the demo's three over mixed batches, Triton LoRA), the wrapped layers after a norm or the activation
 join their shrink to that launch (kernels.lora_prologue, counted so that the case cannot pass by falling back);
 greedy tokens equal the engine on the torch references."""
@@ -27,12 +27,13 @@ REPO = Path(__file__).resolve().parents[2]
 CHECK = r"""
 import sys, torch
 from engine import KernelConfig, SamplingParams
-from kernels import gdn_triton, skinny_triton
+from kernels import fused_triton, gdn_triton, skinny_triton
 from tests.helpers import count_calls, make_engine
 path, hybrid, prompts = sys.argv[1], sys.argv[2] == "1", [[5, 17, 42, 9, 100, 3, 77], [7, 7, 250, 31]]
 kinds = ["decode_out_triton", "conv_decode_triton", "gated_rms_norm_triton", "gating_triton"]
 calls = count_calls(gdn_triton, kinds)
 skinny = count_calls(skinny_triton, ["skinny_linear_triton"])  # the [b | a] projection's decode rows
+gates = count_calls(fused_triton, ["sigmoid_gate_triton"])  # gated attention's output gate
 out = {}
 for backend in ("reference", "triton"):
     with make_engine(path, max_num_seqs=4, kernels=KernelConfig(fused=backend, attention=backend, gdn=backend),
@@ -45,7 +46,8 @@ for ref, got in zip(out["reference"][0], out["triton"][0]):
 assert out["reference"][1] == out["triton"][1], out
 # The hybrid's steps ran the Gated DeltaNet kernels (its start-up check calls each once too), the dense model none.
 calls.update(skinny)
-assert all((calls[k] > 4) == hybrid for k in kinds + ["skinny_linear_triton"]), calls
+calls.update(gates)
+assert all((calls[k] > 4) == hybrid for k in kinds + ["skinny_linear_triton", "sigmoid_gate_triton"]), calls
 print("ok", calls)
 """
 

@@ -77,6 +77,15 @@ def test_silu_and_mul_reference_is_the_formula() -> None:
     torch.testing.assert_close(ref.silu_and_mul(x), x[:, :5] * torch.sigmoid(x[:, :5]) * x[:, 5:])
 
 
+def test_sigmoid_gate_reference_is_the_formula() -> None:
+    qg = _rand(3, 2, 16) * 4  # [T, H, query | gate] as gated attention's projection holds them
+    o = _rand(3, 16, seed=1)
+    got = fused.sigmoid_gate(o, qg[:, :, 8:], "reference")
+    torch.testing.assert_close(got, o * (1 / (1 + torch.exp(-qg[:, :, 8:].reshape(3, 16)))))
+    with pytest.raises(ValueError, match="sigmoid_gate"):
+        fused.sigmoid_gate(o[:, :8], qg[:, :, 8:], "reference")
+
+
 def test_unknown_backend_and_bad_shapes_raise() -> None:
     x = _rand(2, 8)
     with pytest.raises(ValueError, match="unknown fused-op backend"):
@@ -121,6 +130,18 @@ def test_rms_norm_triton(dtype: torch.dtype, d: int, zero_centered: bool) -> Non
             assert_close_rel(h, want_h, TOL[dtype], "h")
         else:
             assert torch.equal(h.cpu(), want_h), "the residual sum is one rounding, as torch's"
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "head_dim"), [(3, 256), (2, 80), (1, 1024)])
+def test_sigmoid_gate_triton(dtype: torch.dtype, heads: int, head_dim: int) -> None:
+    assert DEV is not None
+    qg = _rand(5, heads, 2 * head_dim, dtype=dtype) * 4
+    gate = qg[:, :, head_dim:]  # strided: the query half sits between heads
+    o = _rand(5, heads * head_dim, dtype=dtype, seed=1)
+    got = fused.sigmoid_gate(o.to(DEV), qg.to(DEV)[:, :, head_dim:], "triton")
+    assert_close_rel(got, fused.sigmoid_gate(o, gate, "reference"), TOL[dtype])
 
 
 @needs_kernels

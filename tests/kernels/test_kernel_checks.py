@@ -133,6 +133,7 @@ def test_a_slightly_wrong_fused_kernel_is_caught_by_its_own_part(monkeypatch: py
     monkeypatch.delenv(FAULT_ENV, raising=False)
     monkeypatch.setattr(fused_triton, "rms_norm_triton", ref.rms_norm)
     monkeypatch.setattr(fused_triton, "rope_write_kv_triton", lambda *a: fused.rope_write_kv(*a, "reference"))
+    monkeypatch.setattr(fused_triton, "sigmoid_gate_triton", lambda o, g: fused.sigmoid_gate(o, g, "reference"))
     monkeypatch.setattr(fused_triton, "silu_and_mul_triton", lambda x: ref.silu_and_mul(x) * 1.01)
     [c] = check_ops([("fused", "triton")], TINY, torch.float32, torch.device("cpu"))
     assert c.chosen == "reference" and c.rejected[0][1].startswith("silu_and_mul: max abs error"), c
