@@ -461,7 +461,7 @@ case "${1:-}" in
     tail -n 2 "$OUT/gdn_tests.txt"
     timeout 90 python3 benchmarks/bench_gdn_decode.py 2>&1 | tee "$OUT/gdn_decode.txt" | cut -c1-300
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed bench"
-    timeout 150 python3 benchmarks/gpu_engine_check.py --only hybrid --hybrid-triton-only --root /tmp/gpu-check-h \
+    timeout 300 python3 benchmarks/gpu_engine_check.py --only hybrid --hybrid-triton-only --root /tmp/gpu-check-h \
       2>&1 | grep --line-buffered -E 'PASS|FAIL|"check"|Error' | tee "$OUT/engine_hybrid.txt" | cut -c1-200
     [ "${PIPESTATUS[0]}" = 0 ] || failed="$failed hybrid"
     if [ -n "$failed" ]; then echo "run_h200 gdn31: FAIL ($failed )"; exit 1; fi
