@@ -56,7 +56,7 @@ def _pow2(n: int) -> int:
 
 def skinny_config(m: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps): up to 4 rows and 2 features per program, so that a decode step's grid has
-    one program per 2 features per 4 rows; K in at most four unrolled slices of <= 2048."""
+    one program per 2 features per 4 rows; K in unrolled slices of at most 2048 (three at the 27B's 5120)."""
     block_m = min(4, _pow2(m))
     block_k = min(2048, _pow2(k))
     return block_m, 2, block_k, 4
