@@ -10,12 +10,15 @@ scales and zeros, plus activations in and out, over the time), one JSON line eac
   bf16       F.linear(x, W) with the dense bf16 weight [N, K] (the peer)
   native     torch's int4 op for the device (kernels.int4 native_<device>; not timed above 64 rows: its time
              grows about linearly with M, 10-25x bf16 there)
-  triton     the split-K W4A16 kernel on the checkpoint layout (kernels.int4_triton), its rule's launch shape
+  triton     the split-K W4A16 kernel on the checkpoint layout (kernels.int4_triton), its rule's launch shape (this
+             and mma: not timed above 256 rows, where the tuned dispatch does not consider them)
   mma        the W4A16 kernel on the repacked layout (kernels.int4_mma): a small sweep of launch shapes, each
              timed and checked; `mma_us` is the best, `mma_sweep` all of them
   cuda       the CUDA C tensor-core kernel on its repacked layout (kernels.int4_cuda, CUDA only, up to 64 rows):
              every compiled launch shape, each timed and checked; `cuda_us` the best, `cuda_sweep` all of them
   dequant    one fused Triton dequantization into a transient bf16 weight, then the bf16 GEMM
+  chunked    the same in pieces of output features (kernels.int4.dequant_chunks: each piece's GEMM right after it,
+             from 128 rows): `chunked_us` the best width, `chunked_sweep` all of them
   best       the fastest int4 method at this M: what the tuned dispatch (kernels.int4_tune) serves
 Each call reads the next of several weight copies (256 MB or more in all), so weights come from HBM, not from
 the 50 MB L2. Weights are random int4 in the AutoRound/GPTQ-v1 layout, group 128, symmetric zero points (the
@@ -42,11 +45,14 @@ from benchmarks.timing import default_device, device_sync, graph_time_us, time_u
 from kernels import triton_env
 from kernels.int4 import (
     INT4_BACKENDS,
+    DequantConfig,
     GemvConfig,
     Int4Layout,
     MmaConfig,
     PreparedInt4,
     TritonInt4Config,
+    dequant_chunks,
+    dequant_mm,
     dequant_triton,
     gemv_config,
     int4_mm,
@@ -70,6 +76,8 @@ FULL = dict(shapes=SHAPES_8B + SHAPES_27B, ms=[1, 4, 8, 16, 32, 64, 256, 1024])
 QUICK = dict(shapes=[(256, 384), (512, 256)], ms=[1, 16])
 GROUP = 128
 NATIVE_MAX_M = 64
+KERNEL_MAX_M = 256
+"""The memory-bound Triton kernels (mma, triton) are not timed above this, where the tuner does not time them either."""
 TOL = (1.6e-2, 1e-2)
 """bf16 (rtol, atol relative to max|ref|), as tests/kernels/test_int4.py."""
 
@@ -115,7 +123,9 @@ def mma_sweep(m: int, k: int, n: int) -> list[MmaConfig]:
                               if c.fits(m, k, n, GROUP)))
 
 
-def cfg_name(c: MmaConfig | TritonInt4Config | GemvConfig | CudaMmaConfig) -> str:
+def cfg_name(c: MmaConfig | TritonInt4Config | GemvConfig | CudaMmaConfig | DequantConfig) -> str:
+    if isinstance(c, DequantConfig):
+        return f"n{c.chunk_n}"
     if isinstance(c, CudaMmaConfig):
         return f"w{c.warps} u{c.unroll} n{c.tiles}" + (f" k{c.splits}" if c.splits > 1 else "")
     if isinstance(c, GemvConfig):
@@ -156,7 +166,7 @@ def run_shape(dev: torch.device, k: int, n: int, ms: list[int], methods: list[st
     ref_w = dequant_int4(*ckpts[0], GROUP, 1, dtype=torch.float32)  # [K, N]
     prepared: dict[str, list[PreparedInt4]] = {}
     for meth in methods:
-        backend = {"native": f"native_{dev.type}", "dequant": "triton", "mma": "triton_mma",
+        backend = {"native": f"native_{dev.type}", "dequant": "triton", "chunked": "triton", "mma": "triton_mma",
                    "gemv": "triton_gemv", "cuda": "cuda_mma"}.get(meth, meth)
         if native_supported(backend, layout, dtype):  # type: ignore[arg-type]
             prepared[meth] = [prepare_int4(*c, layout, backend, dtype=dtype) for c in ckpts]  # type: ignore[arg-type]
@@ -184,19 +194,25 @@ def run_shape(dev: torch.device, k: int, n: int, ms: list[int], methods: list[st
             if meth == "native" and m > NATIVE_MAX_M:
                 rec["native_us"] = None
                 continue
-            if meth in ("mma", "gemv", "cuda"):
-                if (meth == "gemv" and m > GEMV_MAX_ROWS) or (meth == "cuda" and m > CUDA_MAX_ROWS):
+            if meth in ("mma", "triton") and m > KERNEL_MAX_M:
+                continue
+            if meth in ("mma", "gemv", "cuda", "chunked"):
+                if ((meth == "gemv" and m > GEMV_MAX_ROWS) or (meth == "cuda" and m > CUDA_MAX_ROWS)
+                        or (meth == "chunked" and (m < 128 or not dequant_chunks(k, n)))):
                     continue
                 sweep = {}
                 configs: list = (mma_sweep(m, k, n) if meth == "mma" else _gemv_variants(k, n, GROUP)
-                                 if meth == "gemv" else cuda_variants(m, k, n))
+                                 if meth == "gemv" else cuda_variants(m, k, n) if meth == "cuda"
+                                 else [DequantConfig(c) for c in dequant_chunks(k, n)])
                 for c in configs:
-                    us = time_it(f"{meth}[{cfg_name(c)}]", lambda w, c=c: int4_mm(x, replace(w, config=c)), ws)
+                    fn = ((lambda w, c=c: dequant_mm(x, w.weight, w.zeros, w.scales, GROUP, 1, None, c))
+                          if meth == "chunked" else (lambda w, c=c: int4_mm(x, replace(w, config=c))))
+                    us = time_it(f"{meth}[{cfg_name(c)}]", fn, ws)
                     if us is not None:
                         sweep[cfg_name(c)] = round(us, 2)
                 rec[f"{meth}_sweep"] = dict(sorted(sweep.items(), key=lambda t: t[1]))
                 rule_cfg = (mma_config(m, k, n, GROUP) if meth == "mma" else gemv_config(m, k, n, GROUP)
-                            if meth == "gemv" else cuda_rule(m, k, n))
+                            if meth == "gemv" else cuda_rule(m, k, n) if meth == "cuda" else None)
                 rule = cfg_name(rule_cfg) if rule_cfg is not None else "-"
                 rec[f"{meth}_rule"], rec[f"{meth}_rule_us"] = rule, sweep.get(rule)
                 if sweep:
@@ -242,7 +258,7 @@ def target(m: int) -> tuple[str, Callable[[float], bool]] | None:
 
 
 def print_table(recs: list[dict]) -> tuple[int, int]:
-    cols = ["native", "triton", "mma", "gemv", "cuda", "dequant"]
+    cols = ["native", "triton", "mma", "gemv", "cuda", "dequant", "chunked"]
     print(f"\n{'K x N':>13} {'M':>5} {'bf16':>8} " + " ".join(f"{c:>8}" for c in cols)
           + f" {'best':>8} {'best/bf16':>10}  target")
     passed = total = 0
@@ -332,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     if f"native_{dev.type}" in INT4_BACKENDS:
         methods.append("native")
     if triton_env.usable_on(dev.type):
-        methods += ["triton", "mma", "gemv", "dequant"]
+        methods += ["triton", "mma", "gemv", "dequant", "chunked"]
     if dev.type == "cuda":
         methods.append("cuda")
     else:

@@ -22,7 +22,8 @@ from kernels.triton_env import FLOATS, interpreting, tl, triton
 if TYPE_CHECKING:
     from kernels.int4 import PreparedInt4
 
-__all__ = ["TritonInt4Config", "dequant_triton", "triton_config", "triton_mm"]
+__all__ = ["DequantConfig", "TritonInt4Config", "dequant_chunks", "dequant_mm", "dequant_triton", "triton_config",
+           "triton_mm"]
 
 _MAX_TILES = 1 << 16
 """Split-K tile counters per device (each launch leaves its counters at zero). Every launch numbers its tiles
@@ -177,40 +178,101 @@ def triton_mm(x2: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None,
 
 
 # ----------------------------------------------------------------------------------------------------
-# Fused dequantization (for large M: dequantize once into a transient dense weight, then a dense GEMM)
+# Fused dequantization (for large M: dequantize into a transient dense weight, then a dense GEMM)
 
 if triton is not None:
 
     @triton.jit
-    def _dequant_gptq_kernel(qw_ptr, qz_ptr, sc_ptr, out_ptr, KW, N, GROUP_SIZE: tl.constexpr,
-                             ZERO_OFFSET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
+    def _dequant_gptq_kernel(qw_ptr, qz_ptr, sc_ptr, out_ptr, KW, N, qw_stride, qz_stride, sc_stride, out_stride,
+                             GROUP_SIZE: tl.constexpr, ZERO_OFFSET: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_N: tl.constexpr):
         """W[8r + j, n] = scales[(8r+j)//G, n] * (u_j(qweight[r, n]) - (z((8r+j)//G, n) + ZERO_OFFSET))."""
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < KW) & (cols[None, :] < N)
-        words = tl.load(qw_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0)
+        words = tl.load(qw_ptr + rows[:, None] * qw_stride + cols[None, :], mask=mask, other=0)
         grp = (rows * 8) // GROUP_SIZE  # the 8 k of a word share a group (G is a multiple of 8)
-        zw = tl.load(qz_ptr + grp[:, None] * (N // 8) + cols[None, :] // 8, mask=mask, other=0)
+        zw = tl.load(qz_ptr + grp[:, None] * qz_stride + cols[None, :] // 8, mask=mask, other=0)
         z = ((zw >> ((cols[None, :] % 8) * 4)) & 0xF) + ZERO_OFFSET
-        s = tl.load(sc_ptr + grp[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sc_ptr + grp[:, None] * sc_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         for j in tl.static_range(8):
             u = (words >> (4 * j)) & 0xF
             w = (u - z).to(tl.float32) * s
-            tl.store(out_ptr + (rows[:, None] * 8 + j) * N + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_ptr + (rows[:, None] * 8 + j) * out_stride + cols[None, :], w.to(out_ptr.dtype.element_ty),
+                     mask=mask)
+
+
+def _dequant_into(out: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
+                  group_size: int, zero_offset: int) -> None:
+    kw, n = qweight.shape
+    block_r, block_n = 16, 128
+    if triton.cdiv(kw, block_r) * triton.cdiv(n, block_n) < 1024:  # a piece: enough programs to fill a large GPU
+        block_r, block_n = 8, 64
+    _dequant_gptq_kernel[(triton.cdiv(kw, block_r), triton.cdiv(n, block_n))](
+        qweight, qzeros, scales, out, kw, n, qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0),
+        GROUP_SIZE=group_size, ZERO_OFFSET=zero_offset, BLOCK_R=block_r, BLOCK_N=block_n)
+
+
+def _check_ckpt(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
+    if triton is None:
+        raise RuntimeError("the int4 dequantization needs the triton package")
+    kw, n = qweight.shape
+    if group_size % 8 or qzeros.shape != (kw * 8 // group_size, n // 8) or scales.shape != (kw * 8 // group_size, n):
+        raise ValueError(f"int4 dequant: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, scales "
+                         f"{tuple(scales.shape)} do not fit group size {group_size}")
+    if any(t.stride(-1) != 1 for t in (qweight, qzeros, scales)):
+        raise ValueError("int4 dequant: the checkpoint tensors need unit column strides")
 
 
 def dequant_triton(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
                    zero_offset: int, dtype: torch.dtype) -> torch.Tensor:
     """kernels.reference.dequant_int4 in one Triton pass: W [K, N] in dtype."""
-    if triton is None:
-        raise RuntimeError("dequant_triton needs the triton package")
-    kw, n = qweight.shape
-    if group_size % 8 or qzeros.shape != (kw * 8 // group_size, n // 8) or scales.shape != (kw * 8 // group_size, n):
-        raise ValueError(f"dequant_triton: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, scales "
-                         f"{tuple(scales.shape)} do not fit group size {group_size}")
-    out = torch.empty(kw * 8, n, dtype=dtype, device=qweight.device)
-    block_r, block_n = 16, 128
-    _dequant_gptq_kernel[(triton.cdiv(kw, block_r), triton.cdiv(n, block_n))](
-        qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), out, kw, n, GROUP_SIZE=group_size,
-        ZERO_OFFSET=zero_offset, BLOCK_R=block_r, BLOCK_N=block_n)
+    _check_ckpt(qweight, qzeros, scales, group_size)
+    out = torch.empty(qweight.shape[0] * 8, qweight.shape[1], dtype=dtype, device=qweight.device)
+    _dequant_into(out, qweight, qzeros, scales, group_size, zero_offset)
     return out
+
+
+@dataclass(frozen=True)
+class DequantConfig:
+    """How `dequant_mm` runs: W dequantized `chunk_n` output features at a time into one reused buffer, each piece's
+    GEMM right after it (0: the whole W at once). A piece small enough to stay in the last-level cache is written
+    and read back there, not in device memory: a large-M GEMM then costs about its own time plus the int4 read."""
+
+    chunk_n: int = 0
+
+    def __post_init__(self) -> None:
+        if self.chunk_n < 0 or self.chunk_n % 8:
+            raise ValueError(f"DequantConfig: chunk_n must be 0 or a positive multiple of 8, got {self.chunk_n}")
+
+
+def dequant_chunks(k: int, n: int) -> list[int]:
+    """The chunk widths the tuner times for a K x N layer: pieces of about 8, 16 and 24 MB in bf16 (multiples of 256
+    features), those narrower than N."""
+    out = {max(256, (mb * 2**20 // (2 * k)) // 256 * 256) for mb in (8, 16, 24)}
+    return sorted(c for c in out if c < n)
+
+
+def dequant_mm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
+               zero_offset: int, bias: torch.Tensor | None = None, config: DequantConfig = DequantConfig()
+               ) -> torch.Tensor:
+    """y = x @ dequant(W) (+ bias) for a 2-D x, W dequantized in pieces of config.chunk_n output features."""
+    _check_ckpt(qweight, qzeros, scales, group_size)
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    if x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"dequant_mm: x {tuple(x.shape)} does not fit K = {k}")
+    c = config.chunk_n
+    if c == 0 or c >= n:
+        w = dequant_triton(qweight, qzeros, scales, group_size, zero_offset, x.dtype)
+        return torch.addmm(bias, x, w) if bias is not None else x @ w
+    buf = torch.empty(k, c, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for n0 in range(0, n, c):
+        n1 = min(n, n0 + c)
+        w = buf[:, :n1 - n0]
+        _dequant_into(w, qweight[:, n0:n1], qzeros[:, n0 // 8:n1 // 8], scales[:, n0:n1], group_size, zero_offset)
+        if bias is not None:
+            torch.addmm(bias[n0:n1], x, w, out=y[:, n0:n1])
+        else:
+            torch.mm(x, w, out=y[:, n0:n1])
+    return y

@@ -4,7 +4,8 @@
     path = table.path_for(rows)                          # a pure function of the row count (graph-safe)
 
 A path is a backend of kernels.int4 with a launch shape (`triton_mma[64x16x128 s4 w4 st3]`), or `dequant` (one
-fused dequantization into a transient dense weight, then the dense GEMM). Each bucket of rows (1, 2, 3-4, ...,
+fused dequantization into a transient dense weight, then the dense GEMM; `dequant[n2048]`: in pieces of 2048 output
+features that stay in the last-level cache). Each bucket of rows (1, 2, 3-4, ...,
 257-512, above) is timed at its largest row count on random weights of the layer's shape, several copies in
 turn so that they come from device memory rather than the last call's cache, with the caller's timer (the
 engine's times graph replays where the device has graphs: what decode steps run). The table is logged and kept
@@ -23,19 +24,19 @@ import hashlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path as FsPath
 
 import torch
 
 from kernels.int4 import (
-    CudaMmaConfig,
+    DequantConfig,
     GemvConfig,
     Int4Layout,
     MmaConfig,
     PreparedInt4,
-    TritonInt4Config,
-    dequant_triton,
+    dequant_chunks,
+    dequant_mm,
     gemv_config,
     int4_mm,
     mma_config,
@@ -45,6 +46,7 @@ from kernels.int4 import (
 from kernels.int4_cuda import CUDA_MAX_ROWS
 from kernels.int4_cuda import tuner_variants as cuda_variants
 from kernels.int4_mma import split_for
+from kernels.int4_table import DEQUANT, Path, Shape, TunedTable, table_from_json
 from kernels.kernel_cache import cache_dir, cache_lock, read_json, update_json
 from kernels.reference import dequant_int4
 from kernels.registry import mismatch
@@ -56,9 +58,8 @@ BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 512)
 """Upper row counts of the tuned buckets; rows above the last form one more bucket, timed at LARGE_M. 192: the
 mixed-step graphs of 160 and 192 tokens (64 decodes and a prompt or two) are 3 token tiles of 64 but 4 at 256."""
 LARGE_M = 1024
-DEQUANT = "dequant"
 CACHE_FILE = "int4_dispatch.json"
-TABLE_VERSION = 8
+TABLE_VERSION = 9
 """Part of the cache key: bump it when the kernels or their candidates change, so that old tables are timed again."""
 TIMED_BYTES = 256 * 2**20
 """Weight copies timed in turn add up to at least this (several times a large GPU's last-level cache)."""
@@ -71,98 +72,6 @@ moves outputs by ~10 % of their scale."""
 
 Timer = Callable[[Sequence[Callable[[], object]]], float]
 """µs per call of the given calls (each on its own weight copy), timed as the engine will run them."""
-
-
-@dataclass(frozen=True)
-class Path:
-    """One way to compute y = x @ W: a kernels.int4 backend (with a launch shape for the Triton ones), or dequant."""
-
-    backend: str
-    config: MmaConfig | TritonInt4Config | GemvConfig | CudaMmaConfig | None = None
-
-    @property
-    def name(self) -> str:
-        if isinstance(self.config, CudaMmaConfig):
-            c = self.config
-            split = f" k{c.splits}" if c.splits > 1 else ""
-            return f"{self.backend}[w{c.warps} u{c.unroll} n{c.tiles}{split}]"
-        if isinstance(self.config, MmaConfig):
-            c = self.config
-            fold = " fold" if c.fold else ""
-            return (f"{self.backend}[{c.block_n}x{c.block_t}x{c.block_k} s{c.split_k} w{c.num_warps} "
-                    f"st{c.num_stages}{fold}]")
-        if isinstance(self.config, TritonInt4Config):
-            c = self.config
-            return f"{self.backend}[{c.block_m}x{c.block_n}x{c.block_k} s{c.split_k} w{c.num_warps} st{c.num_stages}]"
-        if isinstance(self.config, GemvConfig):
-            c = self.config
-            pf = "" if c.prefetch else " noprefetch"
-            return f"{self.backend}[{c.block_n}x{c.block_kw} s{c.split_k} w{c.num_warps} st{c.num_stages}{pf}]"
-        return self.backend
-
-    @staticmethod
-    def parse(name: str) -> Path:
-        backend, _, rest = name.partition("[")
-        if not rest:
-            return Path(backend)
-        if backend == "cuda_mma":
-            warps, unroll, tiles, *split = rest.rstrip("]").split(" ")
-            if len(split) > 1 or (split and split[0][0] != "k"):
-                raise ValueError(f"int4 dispatch: unknown path {name!r}")
-            return Path(backend, CudaMmaConfig(int(warps[1:]), int(unroll[1:]), int(tiles[1:]),
-                                               int(split[0][1:]) if split else 1))
-        tile, split, warps, stages, *flags = rest.rstrip("]").split(" ")
-        if backend == "triton_gemv" and flags in ([], ["noprefetch"]):
-            bn, bkw = (int(v) for v in tile.split("x"))
-            return Path(backend, GemvConfig(bn, bkw, int(split[1:]), int(warps[1:]), int(stages[2:]), not flags))
-        a, b, c = (int(v) for v in tile.split("x"))
-        args = (a, b, c, int(split[1:]), int(warps[1:]), int(stages[2:]))
-        if backend == "triton_mma" and flags in ([], ["fold"]):
-            return Path(backend, MmaConfig(*args, fold=bool(flags)))
-        if flags:
-            raise ValueError(f"int4 dispatch: unknown flags in path {name!r}")
-        if backend == "triton":
-            return Path(backend, TritonInt4Config(*args))
-        raise ValueError(f"int4 dispatch: unknown path {name!r}")
-
-
-@dataclass(frozen=True)
-class TunedTable:
-    """(max rows or None for any above, path) in increasing order; `timings` (µs per candidate per bucket) for
-    the log."""
-
-    rows: tuple[tuple[int | None, Path], ...]
-    timings: tuple[tuple[int, tuple[tuple[str, float], ...]], ...] = ()
-
-    def path_for(self, m: int) -> Path:
-        for max_rows, path in self.rows:
-            if max_rows is None or m <= max_rows:
-                return path
-        raise AssertionError("a tuned table ends with an open bucket")
-
-    def describe(self) -> str:
-        lo, out = 1, []
-        for max_rows, path in self.rows:
-            span = f"{lo}-{max_rows}" if max_rows is not None and max_rows > lo else f"{lo}" if max_rows else f">={lo}"
-            out.append(f"{span}: {path.name}")
-            lo = (max_rows or 0) + 1
-        return ", ".join(out)
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What a tuned table depends on, besides the device and the candidates."""
-
-    layout: Int4Layout
-    dtype: torch.dtype
-    sym: bool
-    """Every group has the same zero point (the symmetric checkpoints): part of the key, as a backend may
-    specialize on it (torch's native ops do not need to; a tuned table stays per kind to be safe)."""
-
-    def key(self) -> str:
-        lay = self.layout
-        return (f"K{lay.in_features} N{lay.out_features} g{lay.group_size} zo{lay.zero_offset} "
-                f"{str(self.dtype).removeprefix('torch.')} {'sym' if self.sym else 'asym'}")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -204,7 +113,8 @@ def candidates(backends: Sequence[str], m: int, layout: Int4Layout, dtype: torch
     """The paths timed at m rows with activations of `dtype`. The memory-bound Triton kernels are not timed past
     256 rows (their cost grows with M; dequant + GEMM wins there), the one-row kernel (triton_gemv) only at one row,
     the CUDA one (cuda_mma: kernels.int4_cuda.tuner_variants) up to its 64 rows, dequant not below 8 rows (it writes
-    the whole dense weight)."""
+    the whole dense weight), and dequant in pieces (kernels.int4.dequant_chunks) from 128 rows, where the GEMM's own
+    time is no longer small beside the dense weight's round trip through device memory."""
     k, n, g = layout.in_features, layout.out_features, layout.group_size
     out: list[Path] = []
     for b in backends:
@@ -216,7 +126,11 @@ def candidates(backends: Sequence[str], m: int, layout: Int4Layout, dtype: torch
             out.extend(Path(b, c) for c in _gemv_variants(k, n, g))
         elif b == "cuda_mma" and m <= CUDA_MAX_ROWS:
             out.extend(Path(b, c) for c in cuda_variants(m, k, n))
-        elif (b == DEQUANT and m >= 8) or b not in ("triton_mma", "triton", "triton_gemv", "cuda_mma", DEQUANT):
+        elif b == DEQUANT and m >= 8:
+            out.append(Path(b))
+            if m >= 128:
+                out.extend(Path(b, DequantConfig(c)) for c in dequant_chunks(k, n))
+        elif b not in ("triton_mma", "triton", "triton_gemv", "cuda_mma", DEQUANT):
             out.append(Path(b))
     return out
 
@@ -238,8 +152,8 @@ def _random_checkpoint(layout: Int4Layout, sym: bool, device: torch.device,
 
 def _call(path: Path, x: torch.Tensor, w: PreparedInt4) -> Callable[[], object]:
     if path.backend == DEQUANT:
-        lay = w.layout
-        return lambda: x @ dequant_triton(w.weight, w.zeros, w.scales, lay.group_size, lay.zero_offset, x.dtype)  # type: ignore[arg-type]
+        lay, c = w.layout, path.config if isinstance(path.config, DequantConfig) else DequantConfig()
+        return lambda: dequant_mm(x, w.weight, w.zeros, w.scales, lay.group_size, lay.zero_offset, None, c)  # type: ignore[arg-type]
     wc = replace(w, config=path.config)
     return lambda: int4_mm(x, wc)
 
@@ -321,28 +235,11 @@ def cache_key(shape: Shape, backends: Sequence[str], device_name: str) -> str:
             f"{','.join(backends)}")
 
 
-def _table_from_json(rows: list, shape: Shape) -> TunedTable:
-    table = TunedTable(tuple((r[0], Path.parse(r[1])) for r in rows))
-    if not table.rows or table.rows[-1][0] is not None:
-        raise ValueError("a tuned table must end with an open bucket")
-    k, n, g = shape.layout.in_features, shape.layout.out_features, shape.layout.group_size
-    for bound, p in table.rows:
-        c = p.config
-        if isinstance(c, (MmaConfig, GemvConfig)) and not c.fits(1, k, n, g):
-            raise ValueError(f"{p.name} does not fit this shape")
-        # a launch shape of cuda_mma holds a fixed number of token tiles: its bucket's rows (<= 64) must fit it
-        if isinstance(c, CudaMmaConfig) and (bound is None or bound > CUDA_MAX_ROWS or not c.fits(bound, k, n)):
-            raise ValueError(f"{p.name} does not fit this shape and bucket")
-        if isinstance(c, TritonInt4Config) and (g % c.block_k or k % (c.block_k * c.split_k) or c.block_k % 8):
-            raise ValueError(f"{p.name} does not fit this shape")
-    return table
-
-
 def _from_cache(file: FsPath, key: str, shape: Shape, backends: Sequence[str]) -> TunedTable | None:
     if key not in (cached := read_json(file)):
         return None
     try:
-        table = _table_from_json(cached[key], shape)
+        table = table_from_json(cached[key], shape)
     except (ValueError, TypeError, IndexError) as e:
         log.warning("int4 dispatch cache %s: entry for %s unreadable (%s); timing again", file, shape.key(), e)
         return None

@@ -187,7 +187,7 @@ import kernels.kernel_cache as kc
 from engine.device import Device
 from engine.layers.linear import RowParallelLinear
 from engine.layers.quant import Int4LinearMethod
-from kernels.int4 import Int4Layout
+from kernels.int4 import DequantConfig, Int4Layout, PreparedInt4
 from kernels.reference import pack_int4_cols, pack_int4_rows
 dev = torch.device(sys.argv[1])
 dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16  # torch's CUDA int4 op takes bf16 only
@@ -199,7 +199,7 @@ for sym in (False, True):
     os.environ[kc.CACHE_ENV] = cache
     # A table as a tuner on some device might have written it: every kind of path, in several buckets.
     rows = [[1, native], [4, "triton_mma[16x16x32 s2 w4 st2]"], [16, "triton[16x32x32 s2 w4 st2]"],
-            [64, "dequant"], [256, "triton_mma"], [None, "dequant"]]
+            [64, "dequant"], [256, "triton_mma"], [300, "dequant[n24]"], [None, "dequant"]]
     shape = tu.Shape(Int4Layout(128, 1, 256, 64), dtype, sym=sym)
     key = tu.cache_key(shape, backends, Device(dev.type, dev.index or 0).product_name())
     with open(os.path.join(cache, tu.CACHE_FILE), "w") as f:
@@ -214,14 +214,15 @@ for sym in (False, True):
     layer.scales.data.copy_((torch.randn(2, 64, generator=g) * 0.05).half())
     layer.bias.data = torch.randn(64, generator=g).to(dtype).to(dev)
     layer.process_after_loading()
-    got = [(n, None if w is None else (w.backend, w.config)) for n, w in layer.int4_paths]
-    assert [(n, b and b[0]) for n, b in got] == [(1, native), (4, "triton_mma"), (16, "triton"), (64, None),
-                                               (256, "triton_mma"), (None, None)], got
+    got = [(n, ("dequant", w) if isinstance(w, DequantConfig) else (w.backend, w.config)) for n, w in layer.int4_paths]
+    assert [(n, b[0]) for n, b in got] == [(1, native), (4, "triton_mma"), (16, "triton"), (64, "dequant"),
+                                          (256, "triton_mma"), (300, "dequant"), (None, "dequant")], got
     assert got[1][1][1].split_k == 2 and got[4][1][1] is None  # the cached launch shape; the rule's
-    mma = [w for _, w in layer.int4_paths if w is not None and w.backend == "triton_mma"]
+    assert [got[i][1][1].chunk_n for i in (3, 5, 6)] == [0, 24, 0]  # 64 features in pieces of 24, 24 and 16
+    mma = [w for _, w in layer.int4_paths if isinstance(w, PreparedInt4) and w.backend == "triton_mma"]
     assert mma[0].weight is mma[1].weight  # one repacked copy for both launch shapes
     w = layer.dense_weight().float()
-    for m in (1, 3, 4, 5, 16, 17, 64, 65, 256, 257):
+    for m in (1, 3, 4, 5, 16, 17, 64, 65, 256, 257, 300, 301):
         x = torch.randn(m, 256, generator=g).to(dtype).to(dev)
         want = x.float() @ w.t() + layer.bias.float()
         torch.testing.assert_close(layer(x).float(), want, atol=tol * float(want.abs().max()), rtol=tol)
@@ -231,7 +232,8 @@ print("ok")
 
 def test_tuned_layer_runs_every_path_of_its_table_under_the_interpreter() -> None:
     """A tuned layer built from a cached table: each bucket's kernel (native op, triton_mma with a cached launch
-    shape and with its rule, the old Triton kernel, dequant + GEMM in two places) equals the dense formula."""
+    shape and with its rule, the old Triton kernel, dequant + GEMM whole in two places and in pieces) equals the
+    dense formula."""
     run_under_interpreter(TUNED.replace("sys.argv[1]", '"cpu"'))
 
 
@@ -352,12 +354,12 @@ def test_a_cached_table_must_fit_its_shape() -> None:
 
     shape = tu.Shape(Int4Layout(128, 1, 512, 64), torch.bfloat16, sym=True)
     rows = [[1, "triton_gemv[128x16 s2 w4 st1]"], [2, "triton_gemv[64x8 s4 w8 st1 noprefetch]"]]
-    table = tu._table_from_json([*rows, [None, "dequant"]], shape)
+    table = tu.table_from_json([*rows, [None, "dequant"]], shape)
     assert [(b, p.name) for b, p in table.rows[:2]] == [tuple(r) for r in rows]
     assert table.rows[1][1].config == GemvConfig(64, 8, 4, 8, 1, prefetch=False)
     rows = [[2, "triton_mma[64x16x128 s2 w4 st3 fold]"], [4, "triton_mma[64x16x128 s4 w4 st3]"],
             [64, "triton[16x64x64 s2 w4 st3]"], [None, "dequant"]]
-    table = tu._table_from_json(rows, shape)
+    table = tu.table_from_json(rows, shape)
     assert [(b, p.name) for b, p in table.rows] == [tuple(r) for r in rows]
     assert table.rows[0][1].config == MmaConfig(64, 16, 128, 2, 4, 3, fold=True)
     table = tu.TunedTable(table.rows[1:])  # the checks below read the rows from 4 on
@@ -368,10 +370,23 @@ def test_a_cached_table_must_fit_its_shape() -> None:
 
     rows = [[1, "cuda_mma[w4 u2 n1]"], [16, "cuda_mma[w4 u1 n2 k2]"], [32, "cuda_mma[w4 u1 n1 k2]"],
             [None, "dequant"]]
-    table = tu._table_from_json(rows, shape)
+    table = tu.table_from_json(rows, shape)
     assert [(b, p.name) for b, p in table.rows] == [tuple(r) for r in rows]
     assert [p.config for _, p in table.rows[:3]] == [CudaMmaConfig(4, 2, 1), CudaMmaConfig(4, 1, 2, 2),
                                                      CudaMmaConfig(4, 1, 1, 2)]
+    from kernels.int4 import DequantConfig
+
+    rows = [[256, "dequant"], [None, "dequant[n24]"]]
+    table = tu.table_from_json(rows, shape)
+    assert [(b, p.name) for b, p in table.rows] == [tuple(r) for r in rows]
+    assert [p.config for _, p in table.rows] == [None, DequantConfig(24)]
+    # the tuner times pieces from 128 rows, in widths narrower than the layer
+    lay = Int4Layout(128, 1, 4096, 24576)
+    assert [p.name for p in tu.candidates(["dequant"], 64, lay, torch.bfloat16)] == ["dequant"]
+    assert [p.name for p in tu.candidates(["dequant"], 128, lay, torch.bfloat16)] == [
+        "dequant", "dequant[n1024]", "dequant[n2048]", "dequant[n3072]"]
+    assert [p.name for p in tu.candidates(["dequant"], 1024, Int4Layout(128, 1, 512, 256), torch.bfloat16)] == [
+        "dequant"]
     for bad in ([[1, "cuda_mma[w4 u2 n1 k2]"], [None, "dequant"]],  # 8 chunks: 2 splits of 4 leave no 2-chunk round
                 [[32, "cuda_mma[w4 u1 n2 k3]"], [None, "dequant"]],  # 8 chunks do not split in 3
                 [[16, "cuda_mma[w4 u1 n1 s2]"], [None, "dequant"]],  # not a field of this kernel's paths
@@ -381,9 +396,11 @@ def test_a_cached_table_must_fit_its_shape() -> None:
                 [[4, "dequant"]],  # no open bucket
                 [[None, "triton_mma[64x16x128 s4 w4 st3 fast]"]],  # an unknown flag
                 [[1, "triton_gemv[128x32 s1 w4 st1]"], [None, "dequant"]],  # 32 rows of 8 k straddle two groups
-                [[1, "triton_gemv[128x16 s1 w4 st1 fold]"], [None, "dequant"]]):  # not a flag of this kernel
+                [[1, "triton_gemv[128x16 s1 w4 st1 fold]"], [None, "dequant"]],  # not a flag of this kernel
+                [[None, "dequant[n64]"]],  # pieces as wide as the layer: not a piece
+                [[None, "dequant[n12]"]]):  # a piece that splits a word of packed zero points
         with pytest.raises(ValueError):
-            tu._table_from_json(bad, shape)
+            tu.table_from_json(bad, shape)
 
 
 RACE = r"""
