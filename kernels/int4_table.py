@@ -126,8 +126,8 @@ def table_from_json(rows: list, shape: Shape) -> TunedTable:
         # a launch shape of cuda_mma holds a fixed number of token tiles: its bucket's rows (<= 64) must fit it
         if isinstance(c, CudaMmaConfig) and (bound is None or bound > CUDA_MAX_ROWS or not c.fits(bound, k, n)):
             raise ValueError(f"{p.name} does not fit this shape and bucket")
-        if isinstance(c, DequantConfig) and c.chunk_n >= n:
-            raise ValueError(f"{p.name} is not narrower than this shape")
+        if isinstance(c, DequantConfig) and not 0 < c.chunk_n < n:
+            raise ValueError(f"{p.name} is not a piece of this shape")
         if isinstance(c, TritonInt4Config) and (g % c.block_k or k % (c.block_k * c.split_k) or c.block_k % 8):
             raise ValueError(f"{p.name} does not fit this shape")
     return table

@@ -398,6 +398,7 @@ def test_a_cached_table_must_fit_its_shape() -> None:
                 [[1, "triton_gemv[128x32 s1 w4 st1]"], [None, "dequant"]],  # 32 rows of 8 k straddle two groups
                 [[1, "triton_gemv[128x16 s1 w4 st1 fold]"], [None, "dequant"]],  # not a flag of this kernel
                 [[None, "dequant[n64]"]],  # pieces as wide as the layer: not a piece
+                [[None, "dequant[n0]"]],  # the whole weight is spelled "dequant"
                 [[None, "dequant[n12]"]]):  # a piece that splits a word of packed zero points
         with pytest.raises(ValueError):
             tu.table_from_json(bad, shape)
