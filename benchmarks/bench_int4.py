@@ -17,7 +17,7 @@ scales and zeros, plus activations in and out, over the time), one JSON line eac
   cuda       the CUDA C tensor-core kernel on its repacked layout (kernels.int4_cuda, CUDA only, up to 64 rows):
              every compiled launch shape, each timed and checked; `cuda_us` the best, `cuda_sweep` all of them
   dequant    one fused Triton dequantization into a transient bf16 weight, then the bf16 GEMM
-  chunked    the same in pieces of output features (kernels.int4.dequant_chunks: each piece's GEMM right after it,
+  chunked    the same in pieces of output features (kernels.int4_tune's widths: each piece's GEMM right after it,
              from 128 rows): `chunked_us` the best width, `chunked_sweep` all of them
   best       the fastest int4 method at this M: what the tuned dispatch (kernels.int4_tune) serves
 Each call reads the next of several weight copies (256 MB or more in all), so weights come from HBM, not from
@@ -51,9 +51,7 @@ from kernels.int4 import (
     MmaConfig,
     PreparedInt4,
     TritonInt4Config,
-    dequant_chunks,
     dequant_mm,
-    dequant_triton,
     gemv_config,
     int4_mm,
     mma_config,
@@ -66,7 +64,7 @@ from kernels.int4_cuda import CUDA_MAX_ROWS, CudaMmaConfig
 from kernels.int4_cuda import cuda_config as cuda_rule
 from kernels.int4_cuda import variants as cuda_variants
 from kernels.int4_gemv import GEMV_MAX_ROWS
-from kernels.int4_tune import _gemv_variants
+from kernels.int4_tune import _dequant_variants, _gemv_variants
 from kernels.reference import dequant_int4, pack_int4_cols, pack_int4_rows
 
 SHAPES_8B = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)]
@@ -198,12 +196,12 @@ def run_shape(dev: torch.device, k: int, n: int, ms: list[int], methods: list[st
                 continue
             if meth in ("mma", "gemv", "cuda", "chunked"):
                 if ((meth == "gemv" and m > GEMV_MAX_ROWS) or (meth == "cuda" and m > CUDA_MAX_ROWS)
-                        or (meth == "chunked" and (m < 128 or not dequant_chunks(k, n)))):
+                        or (meth == "chunked" and (m < 128 or not _dequant_variants(k, n)))):
                     continue
                 sweep = {}
                 configs: list = (mma_sweep(m, k, n) if meth == "mma" else _gemv_variants(k, n, GROUP)
                                  if meth == "gemv" else cuda_variants(m, k, n) if meth == "cuda"
-                                 else [DequantConfig(c) for c in dequant_chunks(k, n)])
+                                 else _dequant_variants(k, n))
                 for c in configs:
                     fn = ((lambda w, c=c: dequant_mm(x, w.weight, w.zeros, w.scales, GROUP, 1, None, c))
                           if meth == "chunked" else (lambda w, c=c: int4_mm(x, replace(w, config=c))))
@@ -222,8 +220,7 @@ def run_shape(dev: torch.device, k: int, n: int, ms: list[int], methods: list[st
                     timed[meth] = best
                 continue
             if meth == "dequant":
-                fn: Callable[[object], object] = lambda w: x @ dequant_triton(
-                    w.weight, w.zeros, w.scales, GROUP, 1, x.dtype)
+                fn: Callable[[object], object] = lambda w: dequant_mm(x, w.weight, w.zeros, w.scales, GROUP, 1)
             elif meth == "triton":
                 rec["triton_rule"] = cfg_name(triton_config(m, k, n, GROUP))
                 fn = lambda w: triton_mm(x, w, None)

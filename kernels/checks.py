@@ -21,7 +21,7 @@ from kernels.gdn import (
     gdn_gating,
     uses_triton,
 )
-from kernels.int4 import Int4Layout, dequant_triton, int4_mm, native_supported, prepare_int4
+from kernels.int4 import Int4Layout, dequant_mm, int4_mm, native_supported, prepare_int4
 from kernels.int4_tune import DEQUANT
 from kernels.int4_tune import TOLERANCE as INT4_TOLERANCE
 from kernels.registry import REFERENCE, Choice, Result, choose
@@ -99,7 +99,7 @@ def check_int4(chosen: str, s: CheckShapes, dtype: torch.dtype, device: torch.de
 
     def mm(backend: str) -> torch.Tensor:
         if backend == DEQUANT:
-            return x @ dequant_triton(qw, qz, scales, s.int4_group, s.int4_zero_offset, dtype)
+            return dequant_mm(x, qw, qz, scales, s.int4_group, s.int4_zero_offset)
         w = prepare_int4(qw, qz, scales, layout, backend, dtype=dtype)  # type: ignore[arg-type]
         if backend == "triton_gemv":  # its own kernel takes one row (more go to the triton kernel): row by row
             return torch.cat([int4_mm(x[i:i + 1], w) for i in range(x.shape[0])])

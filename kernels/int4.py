@@ -36,7 +36,6 @@ from kernels.int4_mma import MmaConfig, mma_config, mma_meta, mma_mm, repack_mma
 from kernels.int4_triton import (
     DequantConfig,
     TritonInt4Config,
-    dequant_chunks,
     dequant_mm,
     dequant_triton,
     triton_config,
@@ -55,7 +54,6 @@ __all__ = [
     "MmaConfig",
     "PreparedInt4",
     "TritonInt4Config",
-    "dequant_chunks",
     "dequant_mm",
     "dequant_triton",
     "gemv_config",

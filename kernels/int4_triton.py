@@ -22,8 +22,7 @@ from kernels.triton_env import FLOATS, interpreting, tl, triton
 if TYPE_CHECKING:
     from kernels.int4 import PreparedInt4
 
-__all__ = ["DequantConfig", "TritonInt4Config", "dequant_chunks", "dequant_mm", "dequant_triton", "triton_config",
-           "triton_mm"]
+__all__ = ["DequantConfig", "TritonInt4Config", "dequant_mm", "dequant_triton", "triton_config", "triton_mm"]
 
 _MAX_TILES = 1 << 16
 """Split-K tile counters per device (each launch leaves its counters at zero). Every launch numbers its tiles
@@ -244,13 +243,6 @@ class DequantConfig:
     def __post_init__(self) -> None:
         if self.chunk_n < 0 or self.chunk_n % 8:
             raise ValueError(f"DequantConfig: chunk_n must be 0 or a positive multiple of 8, got {self.chunk_n}")
-
-
-def dequant_chunks(k: int, n: int) -> list[int]:
-    """The chunk widths the tuner times for a K x N layer: pieces of about 8, 16 and 24 MB in bf16 (multiples of 256
-    features), those narrower than N."""
-    out = {max(256, (mb * 2**20 // (2 * k)) // 256 * 256) for mb in (8, 16, 24)}
-    return sorted(c for c in out if c < n)
 
 
 def dequant_mm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,

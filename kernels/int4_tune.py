@@ -35,7 +35,6 @@ from kernels.int4 import (
     Int4Layout,
     MmaConfig,
     PreparedInt4,
-    dequant_chunks,
     dequant_mm,
     gemv_config,
     int4_mm,
@@ -109,11 +108,18 @@ def _gemv_variants(k: int, n: int, g: int) -> list[GemvConfig]:
     return list(dict.fromkeys(c for c in out if c.fits(1, k, n, g)))
 
 
+def _dequant_variants(k: int, n: int) -> list[DequantConfig]:
+    """Piece widths for dequant in pieces: about 8, 16 and 24 MB of a 16-bit dense weight (multiples of 256 features),
+    those narrower than the layer."""
+    widths = {max(256, (mb * 2**20 // (2 * k)) // 256 * 256) for mb in (8, 16, 24)}
+    return [DequantConfig(c) for c in sorted(widths) if c < n]
+
+
 def candidates(backends: Sequence[str], m: int, layout: Int4Layout, dtype: torch.dtype) -> list[Path]:
     """The paths timed at m rows with activations of `dtype`. The memory-bound Triton kernels are not timed past
     256 rows (their cost grows with M; dequant + GEMM wins there), the one-row kernel (triton_gemv) only at one row,
     the CUDA one (cuda_mma: kernels.int4_cuda.tuner_variants) up to its 64 rows, dequant not below 8 rows (it writes
-    the whole dense weight), and dequant in pieces (kernels.int4.dequant_chunks) from 128 rows, where the GEMM's own
+    the whole dense weight), and dequant in pieces (_dequant_variants) from 128 rows, where the GEMM's own
     time is no longer small beside the dense weight's round trip through device memory."""
     k, n, g = layout.in_features, layout.out_features, layout.group_size
     out: list[Path] = []
@@ -129,7 +135,7 @@ def candidates(backends: Sequence[str], m: int, layout: Int4Layout, dtype: torch
         elif b == DEQUANT and m >= 8:
             out.append(Path(b))
             if m >= 128:
-                out.extend(Path(b, DequantConfig(c)) for c in dequant_chunks(k, n))
+                out.extend(Path(b, c) for c in _dequant_variants(k, n))
         elif b not in ("triton_mma", "triton", "triton_gemv", "cuda_mma", DEQUANT):
             out.append(Path(b))
     return out
