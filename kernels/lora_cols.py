@@ -1,7 +1,7 @@
 """The column expand of batched multi-LoRA for small steps (decode): a program per column block of one slice holds all
 the step's tokens and streams the B rows of the used slots, GROUP slots per dot, into one accumulator. It reads the
 split shrink's partials. kernels.lora_triton takes it where it applies (kernels.lora_config.use_cols: <= 32 tokens by
-default, ranks <= 64, no fp8); the shared conventions (TokenGroups meta, pointer tables, rank masks) are
+default, ranks <= 64); the shared conventions (TokenGroups meta, pointer tables, rank masks) are
 kernels.lora_kernels'. (A column shrink of the same form was measured slower than the split shrink on an H200 and
 removed: docs/PERFORMANCE.md, twenty-fifth session.)
 
@@ -62,10 +62,11 @@ if triton is not None:
         stride_ym, stride_yn, stride_bk, stride_bs, stride_bm, stride_bn, stride_rs, stride_rt,
         NUM_SLICES: tl.constexpr, SPLIT_K: tl.constexpr, ADD_INPUTS: tl.constexpr, BLOCK_T: tl.constexpr,
         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, GROUP: tl.constexpr, S_PAD: tl.constexpr,
-        B_RANK_MAJOR: tl.constexpr, ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr,
+        B_RANK_MAJOR: tl.constexpr, ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr,
     ):  # fmt: skip
-        """y[t, off_s + n] (+)= sum_{r < rank[s, slot[t]]} sum_ks buf[ks, s, t, r] * B_s[slot[t], n, r] for slot[t]
-        >= 0, rank <= BLOCK_R, B in a 16- or 32-bit float dtype. Program = one column block of one slice, all
+        """y[t, off_s + n] (+)= sum_{r < rank[s, slot[t]]} sum_ks buf[ks, s, t, r] * B_s[slot[t], n, r]
+        * (fp8: scale_s[slot[t], n]) for slot[t] >= 0, rank <= BLOCK_R, B in a 16- or 32-bit float dtype or fp8
+        e4m3 bytes. Program = one column block of one slice, all
         T <= BLOCK_T tokens; it goes over the slots GROUP per dot, reading only the B rows of slots that some token
         uses, below their rank; each token's shrink result takes part in its own slot's K rows only."""
         pid_n = tl.program_id(0)
@@ -92,13 +93,20 @@ if triton is not None:
         # The loop visits only the busy slot groups (the i-th chosen in registers): an idle group costs nothing
         groups, live, place, n_busy = _busy_groups(meta_ptr, len_off, ranks_ptr, s, num_slots, stride_rs, stride_rt,
                                                    R_MAX, GROUP, S_PAD)
+        if FP8:  # per output row of B, each token its own slot's: a token's sum holds its slot's rows only, so the
+            # scale applies once, after the loop; 256 undoes _e4m3_as_f16's 2^-8. Loaded ahead: it needs no weight
+            sc_ptr = tl.load(tab + 6).to(tl.pointer_type(tl.float32))
+            sc = tl.load(sc_ptr + tl.maximum(tok_slot, 0)[:, None].to(tl.int64) * tl.load(tab + 7) + offs_n[None, :],
+                         mask=(tok_slot >= 0)[:, None] & mask_n[None, :], other=0.0) * 256.0
         acc = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         for i in range(0, n_busy):
             s0, rank = _group_at(groups, live, place, i, GROUP, BLOCK_R)
             wt = tl.load(b_rows + s0 * stride_b0, mask=(kr < rank)[:, None] & mask_n[None, :], other=0)
             mine = tok_slot[:, None, None] == (s0 + tl.arange(0, GROUP))[None, :, None]  # [BT, GROUP, 1]
             p = tl.reshape(tl.where(mine, bt[:, None, :], 0.0), (BLOCK_T, GROUP * BLOCK_R))
-            acc += _expand_dot(p, wt, y_ptr.dtype.element_ty, FP32_DOT, False, False)
+            acc += _expand_dot(p, wt, y_ptr.dtype.element_ty, FP32_DOT, FP8, False)
+        if FP8:
+            acc = acc * sc
         out = acc.to(y_ptr.dtype.element_ty)
         if ADD_INPUTS:  # like torch's y += out.to(y.dtype): add in fp32, round once; a rank-0 add adds nothing
             out = (y_in.to(tl.float32) + out.to(tl.float32)).to(out.dtype)

@@ -80,15 +80,15 @@ def fused_config(k: int, n_max: int) -> dict[str, int]:
                 num_warps=CONFIG_OVERRIDES.get("fused_warps", 4), num_stages=CONFIG_OVERRIDES.get("fused_stages", 3))
 
 
-def use_cols(num_tokens: int, r_max: int, fp8: bool) -> bool:
+def use_cols(num_tokens: int, r_max: int) -> bool:
     """The expand as kernels.lora_cols' column kernel (every program holds all the step's tokens and streams the
     used slots' B rows) for steps of up to CONFIG_OVERRIDES["cols"] tokens (at most 64; 0: never), ranks <= 64,
-    weights not fp8. The default, 32, beat the split expand at 32 tokens for 1-32 adapters on an H100 and an H200
-    and tied at 64 (docs/PERFORMANCE.md, twenty-fourth and twenty-fifth sessions)."""
+    fp8 weights included. The default, 32, beat the split expand at 32 tokens for 1-32 adapters on an H100 and an
+    H200 and tied at 64 (docs/PERFORMANCE.md, twenty-fourth and twenty-fifth sessions)."""
     limit = CONFIG_OVERRIDES.get("cols", 32)
     if not 0 <= limit <= 64:
         raise ValueError(f"XPULORA_LORA_CONFIG: cols is the most tokens of a column expand, 0..64; got {limit}")
-    return 0 < num_tokens <= limit and r_max <= 64 and not fp8
+    return 0 < num_tokens <= limit and r_max <= 64
 
 
 def cols_expand_config(num_tokens: int, num_slots: int, n_total: int, r_max: int) -> dict[str, int]:

@@ -170,8 +170,8 @@ def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Te
     """buf [split_k, n_slices, T, r_max] float32, summed over split_k in order inside the kernel."""
     fp8 = lora_b[0].dtype == torch.float8_e4m3fn
     b0 = _raw(lora_b[0])
-    if use_cols(y.size(0), b0.size(-1), fp8):
-        return _launch_cols(y, buf, lora_b, info, offsets, r, add_inputs)
+    if use_cols(y.size(0), b0.size(-1)):
+        return _launch_cols(y, buf, lora_b, info, offsets, r, add_inputs, b_scales)
     cfg = expand_config(max(b.size(1) for b in lora_b), y.size(0))
     block_n, n_iters = cfg["block_n"], cfg["n_iters"]
     table, groups, aligned, rank_major = _b_table(lora_b, offsets, b_scales, block_n * n_iters, y.device)
@@ -189,17 +189,20 @@ def _launch_expand(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Te
 
 
 def _launch_cols(y: torch.Tensor, buf: torch.Tensor, lora_b: Sequence[torch.Tensor], info: TokenGroups,
-                 offsets: Sequence[int], r: torch.Tensor, add_inputs: bool) -> None:
-    """_launch_expand as kernels.lora_cols (use_cols: B not fp8): program = one column block of one slice."""
-    b0, t, s = lora_b[0], info.num_tokens, info.num_slots
+                 offsets: Sequence[int], r: torch.Tensor, add_inputs: bool,
+                 b_scales: Sequence[torch.Tensor] | None) -> None:
+    """_launch_expand as kernels.lora_cols (use_cols): program = one column block of one slice."""
+    fp8 = lora_b[0].dtype == torch.float8_e4m3fn
+    b0, t, s = _raw(lora_b[0]), info.num_tokens, info.num_slots
     cfg = cols_expand_config(t, s, sum(b.size(1) for b in lora_b), b0.size(-1))
-    table, groups, aligned, rank_major = _b_table(lora_b, offsets, None, cfg["block_n"], y.device)
+    table, groups, aligned, rank_major = _b_table(lora_b, offsets, b_scales, cfg["block_n"], y.device)
     _lora_expand_cols_kernel[(groups,)](
         y, buf, table, b0, r, info.meta, t, 2 * t + s, b0.size(-1), s,
         y.stride(0), y.stride(1), buf.stride(0), buf.stride(1), buf.stride(2), b0.stride(1), r.stride(0), r.stride(1),
         NUM_SLICES=len(lora_b), SPLIT_K=buf.size(0), ADD_INPUTS=bool(add_inputs), BLOCK_T=cfg["block_t"],
         BLOCK_N=cfg["block_n"], BLOCK_R=cfg["block_r"], GROUP=cfg["group"], S_PAD=cfg["s_pad"],
-        B_RANK_MAJOR=rank_major, ALIGNED=aligned, FP32_DOT=interpreting() or b0.dtype == torch.float32,
+        B_RANK_MAJOR=rank_major, ALIGNED=aligned,
+        FP32_DOT=interpreting() or b0.dtype == torch.float32 or (fp8 and y.dtype == torch.float32), FP8=fp8,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
 

@@ -226,17 +226,18 @@ def test_no_lora_step_launches_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @needs_kernels
-@pytest.mark.parametrize(("num_tokens", "r_max", "num_slots", "used"),
-                         [(36, 64, 5, None), (36, 16, 5, None), (36, 16, 2, None), (36, 16, 40, [3, 17, 21, 38, 39]),
-                          (65, 64, 5, None)],
+@pytest.mark.parametrize(("num_tokens", "r_max", "num_slots", "used", "fp8"),
+                         [(36, 64, 5, None, False), (36, 16, 5, None, False), (36, 16, 2, None, False),
+                          (36, 16, 40, [3, 17, 21, 38, 39], False), (36, 16, 5, None, True), (65, 64, 5, None, False)],
                          ids=["cols", "cols-4-slots-per-dot", "cols-fewer-slots-than-a-dot", "cols-sparse-slots",
-                              "too-many-tokens-for-cols"])
+                              "cols-fp8", "too-many-tokens-for-cols"])
 def test_column_expand_takes_small_steps_only(monkeypatch: pytest.MonkeyPatch, num_tokens: int, r_max: int,
-                                              num_slots: int, used: list[int] | None) -> None:
+                                              num_slots: int, used: list[int] | None, fp8: bool) -> None:
     """With cols=64 a step of <= 64 tokens expands through the column kernel alone (the split kernel would raise),
     bit for bit as the split expand; a larger step keeps the split kernel (the column kernel would raise). Rank 16
     puts 4 used slots in each dot: of 5 the last dot holds one, of 2 the only dot holds both; 5 used slots spread
-    over 40 (some of rank 0 in a slice) share dots across the idle ones between them."""
+    over 40 (some of rank 0 in a slice) share dots across the idle ones between them. fp8 B: each token's sum is
+    scaled by its own slot's row scales after the loop over the slot groups, as the split kernel scales per slot."""
     from kernels import lora_triton
 
     assert DEV is not None
@@ -244,15 +245,19 @@ def test_column_expand_takes_small_steps_only(monkeypatch: pytest.MonkeyPatch, n
     p["ranks"] = [[min(r, r_max) for r in row] for row in p["ranks"]]
     if used is not None:  # the tokens' slots drawn from `used` and -1 only
         p["slots"] = torch.tensor([[-1, *used][i % (len(used) + 1)] for i in range(num_tokens)])
+    if fp8:
+        p = _fp8(p)
     d, info, rt = _to(p, DEV), group_tokens(p["slots"].tolist(), p["num_slots"], device=DEV), _ranks(p["ranks"], DEV)
+    scales = ([t.to(DEV) for t in p["sa"]], [t.to(DEV) for t in p["sb"]]) if fp8 else (None, None)
     monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "cols", 0)
     monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "cols_block_n", 32)  # a GPU's width (the interpreter's: 256)
-    split = lora_triton.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt)
+    split = lora_triton.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt, True, *scales)
     monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "cols", 64)
     wrong = "_lora_expand_kernel" if num_tokens <= 64 else "_lora_expand_cols_kernel"
     monkeypatch.setattr(lora_triton, wrong, _Boom("the wrong expand kernel ran"))
-    out = lora_triton.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt)
-    _assert_close(out, _reference(p, True), torch.bfloat16, f"{num_tokens} tokens")
+    out = lora_triton.add_lora(d["y"].clone(), d["x"], d["a"], d["b"], info, d["offsets"], rt, True, *scales)
+    _assert_close(out, _reference_scaled(p, True) if fp8 else _reference(p, True), torch.bfloat16,
+                  f"{num_tokens} tokens")
     assert torch.equal(out, split), "each token takes its own slot's rows only: the same value as the split expand"
 
 
