@@ -17,7 +17,7 @@ lora dtype, variant), times in microseconds per call of one wrapped layer (all i
   reference_us engine.lora.punica.ReferenceLoRABatch (per slot, fp32 matmuls), and loop_us / loop_graph_us a
                per-adapter, per-slice loop of torch matmuls in the layer dtype (a naive engine), bf16 only
 Variants: split (a K-split shrink launch + an expand launch), cols (the same with the column expand, kernels.
-lora_cols, for steps of <= 64 tokens and B not fp8: others run split) and fused (one launch). After the cases, one
+lora_cols, for steps of <= 64 tokens, fp8 B included: others run split) and fused (one launch). After the cases, one
 "step" line per (tokens, adapters, lora dtype, variant): the four wrapped layers of a Qwen3 decoder layer
 (qkv, o, gate_up, down) x --layers, graph time against byte time.
 --sweep: each launch parameter of kernels.lora_triton.CONFIG_KEYS varied alone around the defaults, on the

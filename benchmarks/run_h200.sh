@@ -500,5 +500,15 @@ case "${1:-}" in
         | sed "s/^/$side /" | tee -a "$OUT/dq_burst.txt" | cut -c1-600
     done
     ;;
-  *) echo "usage: run_h200.sh tests|check|pytest|ab|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|burst18|prefill18|graphs4096|split18|lora-ab|cols23|gdn30|gdn30-e2e|gdn31|e2e27b|dq33"; exit 2 ;;
+  fp8cols34)  # issue 18: fp8 B in the column expand (thirty-fourth session): its CUDA tests, then the per-layer LoRA
+              # step lines at 32 tokens over 32 adapters, split vs cols, bf16 vs fp8 storage
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_lora_triton.py \
+      -k "column_expand or fp8 or one_token" > "$OUT/fp8cols_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/fp8cols_tests.txt"; tail -4 "$OUT/fp8cols_tests.txt"
+    timeout "${FP8_BENCH_S:-150}" python3 benchmarks/bench_lora.py --tokens 32 --adapters 1 32 --variants split cols \
+      --lora-dtypes model fp8 --no-peers 2>&1 | grep --line-buffered -E '"step"|Error' | tee "$OUT/fp8cols_steps.txt" \
+      | cut -c1-400
+    ;;
+  *) echo "usage: run_h200.sh tests|check|pytest|ab|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|burst18|prefill18|graphs4096|split18|lora-ab|cols23|gdn30|gdn30-e2e|gdn31|e2e27b|dq33|fp8cols34"; exit 2 ;;
 esac
