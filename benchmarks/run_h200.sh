@@ -500,11 +500,13 @@ case "${1:-}" in
         | sed "s/^/$side /" | tee -a "$OUT/dq_burst.txt" | cut -c1-600
     done
     ;;
-  fp8cols34)  # issue 18: fp8 B in the column expand (thirty-fourth session): its CUDA tests, then the per-layer LoRA
-              # step lines at 32 tokens over 32 adapters, split vs cols, bf16 vs fp8 storage
+  fp8cols34)  # issue 18: fp8 adapters on the decode kernels (thirty-fourth session: the column expand and the shrink
+              # joined to the norm / silu-and-mul take fp8): their CUDA tests, then the per-layer LoRA step lines at
+              # 32 tokens over 1 and 32 adapters, split vs cols, bf16 vs fp8 storage
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_lora_triton.py \
-      -k "column_expand or fp8 or one_token" > "$OUT/fp8cols_tests.txt" 2>&1
+      tests/kernels/test_lora_prologue.py -k "column_expand or fp8 or one_token or start_up" \
+      > "$OUT/fp8cols_tests.txt" 2>&1
     echo "pytest rc=$?" >> "$OUT/fp8cols_tests.txt"; tail -4 "$OUT/fp8cols_tests.txt"
     timeout "${FP8_BENCH_S:-150}" python3 benchmarks/bench_lora.py --tokens 32 --adapters 1 32 --variants split cols \
       --lora-dtypes model fp8 --no-peers 2>&1 | grep --line-buffered -E '"step"|Error' | tee "$OUT/fp8cols_steps.txt" \

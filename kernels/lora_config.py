@@ -112,13 +112,13 @@ def expand_config(n_max: int, num_tokens: int) -> dict[str, int]:
                 num_warps=CONFIG_OVERRIDES.get("expand_warps", 4), num_stages=CONFIG_OVERRIDES.get("expand_stages", 2))
 
 
-def use_prologue(num_tokens: int, r_max: int, fp8: bool) -> bool:
+def use_prologue(num_tokens: int, r_max: int) -> bool:
     """The shrink joined to the RMSNorm / silu-and-mul launch before a wrapped layer (kernels.lora_prologue) for
-    steps of up to CONFIG_OVERRIDES["prologue"] tokens (each token reads its A rows itself), ranks <= 64, weights
-    not fp8 (0: never). The default, 32, saved 2.2-3.3 % of a 32-adapter decode step in each of four H100
+    steps of up to CONFIG_OVERRIDES["prologue"] tokens (each token reads its A rows itself; 0: never), ranks <= 64,
+    fp8 weights included. The default, 32, saved 2.2-3.3 % of a 32-adapter decode step in each of four H100
     comparisons and tied with one adapter (docs/PERFORMANCE.md, twenty-seventh and twenty-ninth sessions)."""
     limit = CONFIG_OVERRIDES.get("prologue", 32)
-    return 0 < num_tokens <= limit and r_max <= 64 and not fp8
+    return 0 < num_tokens <= limit and r_max <= 64
 
 
 def prologue_config(k: int, r_max: int) -> dict[str, int]:

@@ -27,7 +27,7 @@ def _after_ops(batch: LoRABatch, x: torch.Tensor, y: torch.Tensor, a: list[torch
         normed = reference.rms_norm(x, w, 1e-6)[0]
         after_norm = batch.add_lora(y.clone(), normed, a, b, ranks, offsets, scales=scales)
     else:
-        normed, after_norm = joined[0], batch.finish_prologue(y.clone(), joined[2], b, ranks, offsets)
+        normed, after_norm = joined[0], batch.finish_prologue(y.clone(), joined[2], b, ranks, offsets, scales)
     gu, r0, s0 = torch.cat([x, x.flip(1)], dim=1), ranks.slice(0), None
     if scales is not None:
         s0 = Scales(scales.a[:1], scales.b[:1])
@@ -37,7 +37,7 @@ def _after_ops(batch: LoRABatch, x: torch.Tensor, y: torch.Tensor, a: list[torch
         act = reference.silu_and_mul(gu)
         after_act = batch.add_lora(y0, act, a[:1], b[:1], r0, [0], scales=s0)
     else:
-        act, after_act = acted[0], batch.finish_prologue(y0, acted[1], b[:1], r0, [0])
+        act, after_act = acted[0], batch.finish_prologue(y0, acted[1], b[:1], r0, [0], s0)
     return {"norm": normed, "after a norm": after_norm, "silu-and-mul": act, "after silu-and-mul": after_act}
 
 
@@ -57,18 +57,17 @@ def choose_impl(candidates: Sequence[str], in_features: int, out_sizes: list[int
     n = len(out_sizes)
     a_all = torch.randn(num_slots, r_max, n * in_features, generator=g) / in_features ** 0.5
     b_all = [torch.randn(num_slots, m, r_max, generator=g) for m in out_sizes]
-    if wd == torch.float8_e4m3fn:
-        qa = [reference.fp8_rows(a_all[:, :, i * in_features:(i + 1) * in_features].reshape(-1, in_features))
-              for i in range(n)]
+    if wd == torch.float8_e4m3fn:  # A's scales as the wrappers hold them: [S, r_max, n], slice i's in column i
+        qa, sa = reference.fp8_rows(a_all.reshape(-1, in_features))
+        store, a_sc = qa.view(a_all.shape).to(device), sa.view(num_slots, r_max, n).to(device)
         qb = [reference.fp8_rows(t.reshape(-1, r_max)) for t in b_all]
-        a = [q.view(num_slots, r_max, in_features).to(device) for q, _ in qa]
         b = [q.view(t.shape).to(device) for (q, _), t in zip(qb, b_all)]
-        scales: Scales | None = Scales([sc.view(num_slots, r_max).to(device) for _, sc in qa],
+        scales: Scales | None = Scales([a_sc[:, :, i] for i in range(n)],
                                        [sc.view(t.shape[:2]).to(device) for (_, sc), t in zip(qb, b_all)])
     else:
         store = a_all.to(wd).to(device)
-        a = [store[:, :, i * in_features:(i + 1) * in_features] for i in range(n)]
         b, scales = [t.to(wd).to(device) for t in b_all], None
+    a = [store[:, :, i * in_features:(i + 1) * in_features] for i in range(n)]
     b = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in b]  # rank-major storage
     host = [[max(1, r_max // (1 + j + i)) for j in range(num_slots)] for i in range(n)]
     ranks = SlotRanks(host, torch.tensor(host, dtype=torch.int32, device=device))

@@ -292,7 +292,8 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
                                          self.scales)
             if joined is not None:  # the shrink ran in the norm's launch
                 x, residual, partials = joined
-                return mapping.finish_prologue(self.base(x), partials, self.lora_b, ranks, self.offsets), residual
+                return (mapping.finish_prologue(self.base(x), partials, self.lora_b, ranks, self.offsets, self.scales),
+                        residual)
         x, residual = norm.pair(h, residual)
         return self(x), residual
 
@@ -346,7 +347,7 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
             if joined is not None:  # the shrink ran in the activation's launch
                 y, partials = joined
                 return self.base.reduce(mapping.finish_prologue(self.base.partial(y), partials, self.lora_b, ranks,
-                                                                [0]))
+                                                                [0], self.scales))
         return self(act(x))
 
 

@@ -111,8 +111,9 @@ class LoRABatch(ABC):
         return None
 
     def finish_prologue(self, y: torch.Tensor, partials: torch.Tensor, lora_b: list[torch.Tensor], ranks: SlotRanks,
-                        offsets: list[int]) -> torch.Tensor:
-        """add_lora's expand of a joined shrink's partials into the base output y. Returns y."""
+                        offsets: list[int], scales: Scales | None) -> torch.Tensor:
+        """add_lora's expand of a joined shrink's partials into the base output y (scales: fp8's, B's used).
+        Returns y."""
         raise NotImplementedError(f"{type(self).__name__} joins no shrink to the op before a layer")
 
     def shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks,
@@ -308,27 +309,31 @@ class TritonLoRABatch(LoRABatch):
                              scales.a if scales is not None else None, scales.b if scales is not None else None)
 
     def _joins(self, x: torch.Tensor, lora_a: list[torch.Tensor], scales: Scales | None) -> bool:
-        """Whether this step's shrink joins the op before the layer (decode-sized steps, not with fp8 storage)."""
-        return (use_prologue(self.num_tokens, lora_a[0].size(1), scales is not None)  # first: cheap
+        """Whether this step's shrink joins the op before the layer (decode-sized steps; fp8 with its scales)."""
+        return (use_prologue(self.num_tokens, lora_a[0].size(1))  # first: cheap
                 and not lora_triton.nothing_to_do(self.groups)
-                and lora_a[0].dtype in (x.dtype, torch.float32) and one_store(lora_a) is not None)
+                and (lora_a[0].dtype in (x.dtype, torch.float32) or scales is not None)
+                and one_store(lora_a) is not None)
 
     def norm_shrink(self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                     zero_centered: bool, lora_a: list[torch.Tensor], ranks: SlotRanks, scales: Scales | None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         if not self._joins(x, lora_a, scales):
             return None
-        return lora_prologue.norm_shrink(x, weight, eps, zero_centered, residual, lora_a, self.groups, ranks.device)
+        return lora_prologue.norm_shrink(x, weight, eps, zero_centered, residual, lora_a, self.groups, ranks.device,
+                                         scales.a if scales is not None else None)
 
     def act_shrink(self, x: torch.Tensor, lora_a: list[torch.Tensor], ranks: SlotRanks, scales: Scales | None
                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         if len(lora_a) != 1 or not self._joins(x, lora_a, scales):
             return None
-        return lora_prologue.act_shrink(x, lora_a[0], self.groups, ranks.device)
+        return lora_prologue.act_shrink(x, lora_a[0], self.groups, ranks.device,
+                                        scales.a[0] if scales is not None else None)
 
     def finish_prologue(self, y: torch.Tensor, partials: torch.Tensor, lora_b: list[torch.Tensor], ranks: SlotRanks,
-                        offsets: list[int]) -> torch.Tensor:
-        return lora_triton.expand_partials(y, partials, lora_b, self.groups, offsets, ranks.device)
+                        offsets: list[int], scales: Scales | None) -> torch.Tensor:
+        return lora_triton.expand_partials(y, partials, lora_b, self.groups, offsets, ranks.device,
+                                           b_scales=scales.b if scales is not None else None)
 
     def _shrink(self, x: torch.Tensor, a: torch.Tensor, ranks: SlotRanks, a_scale: torch.Tensor | None
                 ) -> torch.Tensor:

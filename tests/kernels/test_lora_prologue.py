@@ -141,6 +141,60 @@ def test_act_shrink_matches_separate_ops(monkeypatch: pytest.MonkeyPatch, dtype:
     assert_close_rel(out, _reference_layer(base, y_ref, p), TOLERANCES[dtype], "expanded")
 
 
+def _fp8_store(p: dict, n_slices: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """p's A store as fp8 e4m3 + its scales as the wrappers hold them ([S, r_max, n], slice i's in column i)."""
+    q, sc = reference.fp8_rows(p["store"].float().reshape(-1, p["k"]))
+    return q.view(p["store"].shape), sc.view(p["num_slots"], p["store"].size(1), n_slices)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("n_slices", [1, 3])
+def test_fp8_a_matches_the_dequantizing_reference(dtype: torch.dtype, n_slices: int) -> None:
+    """fp8 A (e4m3 bytes decoded in the kernel, each rank row's partial times its scale): the partials of the norm
+    and of silu-and-mul = the reference's shrink with the same fp8 A and scales of the kernels' own y; a missing
+    scale, or scales that are not a fixed distance apart, are refused."""
+    from kernels.lora_prologue import act_shrink, norm_shrink
+
+    assert DEV is not None
+    k = 96
+    p = _layer(21 + n_slices, n_slices, k, dtype)
+    q, sc = _fp8_store(p, n_slices)
+    g = torch.Generator().manual_seed(4)
+    t = len(p["slots"])
+    x = torch.randn(t, k, generator=g).to(dtype)
+    w = (torch.rand(k, generator=g) + 0.5).to(dtype)
+    info = group_tokens(p["slots"], p["num_slots"], device=DEV)
+    ranks = torch.tensor(p["ranks"], dtype=torch.int32, device=DEV)
+    qd, scd = q.to(DEV), sc.to(DEV)
+    a, a_scales = _slices(qd, n_slices, k), [scd[:, :, i] for i in range(n_slices)]
+    slots = torch.tensor(p["slots"])
+
+    def check(buf: torch.Tensor, y: torch.Tensor, n: int, what: str) -> None:
+        summed = buf.sum(0).cpu()
+        for s in range(n):
+            ref = reference.lora_shrink(y.cpu(), q[:, :, s * k:(s + 1) * k], slots, p["ranks"][s], a_scale=sc[:, :, s])
+            live = torch.zeros_like(ref, dtype=torch.bool)
+            for i, slot in enumerate(p["slots"]):
+                if slot >= 0:
+                    live[i, :p["ranks"][s][slot]] = True
+            assert live.any()
+            got = torch.where(live, summed[s], 0.0)
+            assert_close_rel(got, ref, (1e-5, 1e-5) if dtype == torch.float32 else (1e-3, 1e-4), f"{what} {s}")
+
+    y, _, buf = norm_shrink(x.to(DEV), w.to(DEV), 1e-6, False, None, a, info, ranks, a_scales)
+    check(buf, y, n_slices, "norm_shrink slice")
+    gu = torch.randn(t, 2 * k, generator=g).to(dtype)
+    y1, buf1 = act_shrink(gu.to(DEV), a[0], info, ranks[:1], a_scales[0])
+    check(buf1, y1, 1, "act_shrink")
+    with pytest.raises(ValueError, match="need their scales"):
+        norm_shrink(x.to(DEV), w.to(DEV), 1e-6, False, None, a, info, ranks)
+    if n_slices > 1:
+        scattered = [scd[:, :, 0], scd[:, :, 2], scd[:, :, 1]]
+        with pytest.raises(ValueError, match="fixed distance apart"):
+            norm_shrink(x.to(DEV), w.to(DEV), 1e-6, False, None, a, info, ranks, scattered)
+
+
 @needs_kernels
 def test_prologue_rejects_what_it_cannot_read() -> None:
     from kernels.lora_prologue import act_shrink, norm_shrink
@@ -167,24 +221,33 @@ def test_prologue_rejects_what_it_cannot_read() -> None:
 
 @needs_kernels
 @pytest.mark.parametrize(("broken", "part"), [("norm_shrink", "norm"), ("act_shrink", "silu-and-mul")])
-def test_start_up_check_sees_a_wrong_joined_output(monkeypatch: pytest.MonkeyPatch, broken: str, part: str) -> None:
+@pytest.mark.parametrize("weight_dtype", [None, torch.float8_e4m3fn], ids=["fp32", "fp8"])
+def test_start_up_check_sees_a_wrong_joined_output(monkeypatch: pytest.MonkeyPatch, broken: str, part: str,
+                                                   weight_dtype: torch.dtype | None) -> None:
     """With the joined form on, the engine's LoRA check (engine.lora.impl_check) compares the op's own output too:
     a joined kernel whose partials are right but whose y (what the base GEMM reads) is off sends LoRA to the
-    reference."""
+    reference. fp8 storage runs the joined form too (counted, so that it cannot pass by not joining)."""
     from engine.lora.impl_check import choose_impl
     from kernels import lora_config, lora_prologue
 
     assert DEV is not None
     monkeypatch.setitem(lora_config.CONFIG_OVERRIDES, "prologue", 32)
-    assert choose_impl(["triton", "reference"], 64, [32, 16], 16, 4, torch.float32, DEV)[1].chosen == "triton"
-    real = getattr(lora_prologue, broken)
+    real, calls = getattr(lora_prologue, broken), []
+
+    def counted(*args: object) -> tuple[torch.Tensor, ...]:
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(lora_prologue, broken, counted)
+    choice = choose_impl(["triton", "reference"], 64, [32, 16], 16, 4, torch.float32, DEV, weight_dtype)[1]
+    assert choice.chosen == "triton" and len(calls) == 1, (choice, calls)
 
     def wrong_y(*args: object) -> tuple[torch.Tensor, ...]:
         out = real(*args)
         return (out[0] * 1.5, *out[1:])
 
     monkeypatch.setattr(lora_prologue, broken, wrong_y)
-    choice = choose_impl(["triton", "reference"], 64, [32, 16], 16, 4, torch.float32, DEV)[1]
+    choice = choose_impl(["triton", "reference"], 64, [32, 16], 16, 4, torch.float32, DEV, weight_dtype)[1]
     assert choice.chosen == "reference" and choice.rejected[0][0] == "triton", choice
     assert choice.rejected[0][1].startswith(f"{part}:"), choice.rejected
 
@@ -195,13 +258,13 @@ def test_prologue_takes_small_steps_only_by_default(monkeypatch: pytest.MonkeyPa
     from kernels.lora_config import use_prologue
 
     monkeypatch.delitem(lora_config.CONFIG_OVERRIDES, "prologue", raising=False)  # the default: up to 32 tokens
-    assert use_prologue(1, 16, False) and use_prologue(32, 64, False)
-    assert not use_prologue(33, 16, False) and not use_prologue(8, 128, False) and not use_prologue(8, 16, True)
-    assert not use_prologue(0, 16, False)
+    assert use_prologue(1, 16) and use_prologue(32, 64)
+    assert not use_prologue(33, 16) and not use_prologue(8, 128)
+    assert not use_prologue(0, 16)
     monkeypatch.setitem(lora_config.CONFIG_OVERRIDES, "prologue", 0)  # off
-    assert not use_prologue(8, 16, False)
+    assert not use_prologue(8, 16)
     monkeypatch.setitem(lora_config.CONFIG_OVERRIDES, "prologue", 8)
-    assert use_prologue(8, 16, False) and not use_prologue(9, 16, False)
+    assert use_prologue(8, 16) and not use_prologue(9, 16)
 
 
 def test_kernels_under_interpreter() -> None:
