@@ -18,7 +18,8 @@ scales and zeros, plus activations in and out, over the time), one JSON line eac
              every compiled launch shape, each timed and checked; `cuda_us` the best, `cuda_sweep` all of them
   dequant    one fused Triton dequantization into a transient bf16 weight, then the bf16 GEMM
   chunked    the same in pieces of output features (kernels.int4_tune's widths: each piece's GEMM right after it,
-             from 128 rows): `chunked_us` the best width, `chunked_sweep` all of them
+             or overlapped with the next piece's dequantization on a second stream; from 128 rows): `chunked_us` the
+             best width, `chunked_sweep` all of them
   best       the fastest int4 method at this M: what the tuned dispatch (kernels.int4_tune) serves
 Each call reads the next of several weight copies (256 MB or more in all), so weights come from HBM, not from
 the 50 MB L2. Weights are random int4 in the AutoRound/GPTQ-v1 layout, group 128, symmetric zero points (the
@@ -123,7 +124,7 @@ def mma_sweep(m: int, k: int, n: int) -> list[MmaConfig]:
 
 def cfg_name(c: MmaConfig | TritonInt4Config | GemvConfig | CudaMmaConfig | DequantConfig) -> str:
     if isinstance(c, DequantConfig):
-        return f"n{c.chunk_n}"
+        return f"n{c.chunk_n}" + (" overlap" if c.overlap else "")
     if isinstance(c, CudaMmaConfig):
         return f"w{c.warps} u{c.unroll} n{c.tiles}" + (f" k{c.splits}" if c.splits > 1 else "")
     if isinstance(c, GemvConfig):

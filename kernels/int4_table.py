@@ -27,7 +27,7 @@ class Path:
     @property
     def name(self) -> str:
         if isinstance(self.config, DequantConfig):
-            return f"{self.backend}[n{self.config.chunk_n}]"
+            return f"{self.backend}[n{self.config.chunk_n}{' overlap' if self.config.overlap else ''}]"
         if isinstance(self.config, CudaMmaConfig):
             c = self.config
             split = f" k{c.splits}" if c.splits > 1 else ""
@@ -52,7 +52,10 @@ class Path:
         if not rest:
             return Path(backend)
         if backend == DEQUANT and rest[0] == "n" and rest.endswith("]"):
-            return Path(backend, DequantConfig(int(rest[1:-1])))
+            width, *flags = rest[1:-1].split(" ")
+            if flags not in ([], ["overlap"]):
+                raise ValueError(f"int4 dispatch: unknown path {name!r}")
+            return Path(backend, DequantConfig(int(width), overlap=bool(flags)))
         if backend == "cuda_mma":
             warps, unroll, tiles, *split = rest.rstrip("]").split(" ")
             if len(split) > 1 or (split and split[0][0] != "k"):

@@ -239,10 +239,41 @@ class DequantConfig:
     and read back there, not in device memory: a large-M GEMM then costs about its own time plus the int4 read."""
 
     chunk_n: int = 0
+    overlap: bool = False
+    """Pieces only: piece i + 1 is dequantized on a second stream while piece i's GEMM runs (two buffers), so the
+    dequantization takes the processors a narrow GEMM leaves idle. Needs an accelerator's streams (elsewhere the
+    pieces run one after another); graph capture records the two streams' order."""
 
     def __post_init__(self) -> None:
         if self.chunk_n < 0 or self.chunk_n % 8:
             raise ValueError(f"DequantConfig: chunk_n must be 0 or a positive multiple of 8, got {self.chunk_n}")
+        if self.overlap and not self.chunk_n:
+            raise ValueError("DequantConfig: overlap is for pieces (chunk_n > 0)")
+
+
+class _Streams:
+    """dequant_mm's second stream on one device and its events, made once per device and reused by every call: no
+    stream or event is created or freed per call, nor while a graph is captured."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.side = torch.Stream(device)
+        self.ready = torch.Event(device)  # a piece is dequantized (recorded on side, waited on by the current stream)
+        self.freed = [torch.Event(device), torch.Event(device)]  # a buffer's GEMM is done (the other way round)
+
+
+_streams_of: dict[torch.device, _Streams] = {}
+
+
+def _streams(device: torch.device) -> _Streams | None:
+    """The accelerator device's _Streams, None where there are none (the CPU)."""
+    acc = torch.accelerator.current_accelerator()
+    if acc is None or device.type != acc.type:
+        return None
+    index = device.index if device.index is not None else torch.accelerator.current_device_index()
+    dev = torch.device(device.type, index)
+    if dev not in _streams_of:
+        _streams_of[dev] = _Streams(dev)
+    return _streams_of[dev]
 
 
 def dequant_mm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
@@ -257,14 +288,29 @@ def dequant_mm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     if c == 0 or c >= n:
         w = dequant_triton(qweight, qzeros, scales, group_size, zero_offset, x.dtype)
         return torch.addmm(bias, x, w) if bias is not None else x @ w
-    buf = torch.empty(k, c, dtype=x.dtype, device=x.device)
+    st = _streams(x.device) if config.overlap else None
+    bufs = [torch.empty(k, c, dtype=x.dtype, device=x.device) for _ in range(2 if st else 1)]
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    for n0 in range(0, n, c):
+    main = torch.accelerator.current_stream(x.device) if st else None
+    if st:  # the second stream starts after what the current one queued (x, and earlier users of the buffers' memory)
+        st.side.wait_stream(main)
+    for i, n0 in enumerate(range(0, n, c)):
         n1 = min(n, n0 + c)
-        w = buf[:, :n1 - n0]
-        _dequant_into(w, qweight[:, n0:n1], qzeros[:, n0 // 8:n1 // 8], scales[:, n0:n1], group_size, zero_offset)
+        w = bufs[i % len(bufs)][:, :n1 - n0]
+        piece = (qweight[:, n0:n1], qzeros[:, n0 // 8:n1 // 8], scales[:, n0:n1], group_size, zero_offset)
+        if st:
+            with st.side:
+                if i >= 2:  # the GEMM that read this buffer two pieces ago
+                    st.side.wait_event(st.freed[i % 2])
+                _dequant_into(w, *piece)
+                st.ready.record(st.side)
+            main.wait_event(st.ready)  # the last piece's wait joins the second stream back into the current one
+        else:
+            _dequant_into(w, *piece)
         if bias is not None:
             torch.addmm(bias[n0:n1], x, w, out=y[:, n0:n1])
         else:
             torch.mm(x, w, out=y[:, n0:n1])
+        if st:
+            st.freed[i % 2].record(main)
     return y

@@ -5,7 +5,8 @@
 
 A path is a backend of kernels.int4 with a launch shape (`triton_mma[64x16x128 s4 w4 st3]`), or `dequant` (one
 fused dequantization into a transient dense weight, then the dense GEMM; `dequant[n2048]`: in pieces of 2048 output
-features that stay in the last-level cache). Each bucket of rows (1, 2, 3-4, ...,
+features that stay in the last-level cache; `dequant[n2048 overlap]`: the next piece dequantized on a second stream
+while this one's GEMM runs). Each bucket of rows (1, 2, 3-4, ...,
 257-512, above) is timed at its largest row count on random weights of the layer's shape, several copies in
 turn so that they come from device memory rather than the last call's cache, with the caller's timer (the
 engine's times graph replays where the device has graphs: what decode steps run). The table is logged and kept
@@ -58,7 +59,7 @@ BUCKETS: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 192, 256, 512)
 mixed-step graphs of 160 and 192 tokens (64 decodes and a prompt or two) are 3 token tiles of 64 but 4 at 256."""
 LARGE_M = 1024
 CACHE_FILE = "int4_dispatch.json"
-TABLE_VERSION = 9
+TABLE_VERSION = 10
 """Part of the cache key: bump it when the kernels or their candidates change, so that old tables are timed again."""
 TIMED_BYTES = 256 * 2**20
 """Weight copies timed in turn add up to at least this (several times a large GPU's last-level cache)."""
@@ -110,9 +111,10 @@ def _gemv_variants(k: int, n: int, g: int) -> list[GemvConfig]:
 
 def _dequant_variants(k: int, n: int) -> list[DequantConfig]:
     """Piece widths for dequant in pieces: about 8, 16 and 24 MB of a 16-bit dense weight (multiples of 256 features),
-    those narrower than the layer."""
+    those narrower than the layer; each one after the other, and overlapped (the next piece dequantized on a second
+    stream while this one's GEMM runs)."""
     widths = {max(256, (mb * 2**20 // (2 * k)) // 256 * 256) for mb in (8, 16, 24)}
-    return [DequantConfig(c) for c in sorted(widths) if c < n]
+    return [DequantConfig(c, overlap=o) for c in sorted(widths) if c < n for o in (False, True)]
 
 
 def candidates(backends: Sequence[str], m: int, layout: Int4Layout, dtype: torch.dtype) -> list[Path]:
