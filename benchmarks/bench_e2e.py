@@ -37,7 +37,6 @@ from engine import (
 from engine.device import Device
 from engine.layers.linear import LinearBase
 from engine.layers.quant import Int4LinearMethod
-from kernels.int4 import DequantConfig
 from tools.random_int4 import QWEN3_8B, QWEN36_27B, Shape, write_random_int4
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -55,8 +54,8 @@ def int4_dispatch(model: torch.nn.Module) -> dict[str, str]:
         if isinstance(mod, LinearBase) and isinstance(mod.method, Int4LinearMethod):
             lay = mod.int4_layout
             out.setdefault(f"K{lay.in_features} N{lay.out_features}", ", ".join(
-                f"{'any' if rows is None else rows}: {'dequant' if isinstance(w, DequantConfig) else w.backend}"
-                f"{astuple(w) if isinstance(w, DequantConfig) else '' if w.config is None else astuple(w.config)}"
+                f"{'any' if rows is None else rows}: {'dequant' if w is None else w.backend}"
+                f"{'' if w is None or w.config is None else astuple(w.config)}"
                 for rows, w in mod.int4_paths))
     return out
 

@@ -17,9 +17,6 @@ scales and zeros, plus activations in and out, over the time), one JSON line eac
   cuda       the CUDA C tensor-core kernel on its repacked layout (kernels.int4_cuda, CUDA only, up to 64 rows):
              every compiled launch shape, each timed and checked; `cuda_us` the best, `cuda_sweep` all of them
   dequant    one fused Triton dequantization into a transient bf16 weight, then the bf16 GEMM
-  chunked    the same in pieces of output features (kernels.int4_tune's widths: each piece's GEMM right after it,
-             or overlapped with the next piece's dequantization on a second stream; from 128 rows): `chunked_us` the
-             best width, `chunked_sweep` all of them
   best       the fastest int4 method at this M: what the tuned dispatch (kernels.int4_tune) serves
 Each call reads the next of several weight copies (256 MB or more in all), so weights come from HBM, not from
 the 50 MB L2. Weights are random int4 in the AutoRound/GPTQ-v1 layout, group 128, symmetric zero points (the
@@ -46,7 +43,6 @@ from benchmarks.timing import default_device, device_sync, graph_time_us, time_u
 from kernels import triton_env
 from kernels.int4 import (
     INT4_BACKENDS,
-    DequantConfig,
     GemvConfig,
     Int4Layout,
     MmaConfig,
@@ -65,7 +61,7 @@ from kernels.int4_cuda import CUDA_MAX_ROWS, CudaMmaConfig
 from kernels.int4_cuda import cuda_config as cuda_rule
 from kernels.int4_cuda import variants as cuda_variants
 from kernels.int4_gemv import GEMV_MAX_ROWS
-from kernels.int4_tune import _dequant_variants, _gemv_variants
+from kernels.int4_tune import _gemv_variants
 from kernels.reference import dequant_int4, pack_int4_cols, pack_int4_rows
 
 SHAPES_8B = [(4096, 6144), (4096, 4096), (4096, 24576), (12288, 4096)]
@@ -122,9 +118,7 @@ def mma_sweep(m: int, k: int, n: int) -> list[MmaConfig]:
                               if c.fits(m, k, n, GROUP)))
 
 
-def cfg_name(c: MmaConfig | TritonInt4Config | GemvConfig | CudaMmaConfig | DequantConfig) -> str:
-    if isinstance(c, DequantConfig):
-        return f"n{c.chunk_n}" + (" overlap" if c.overlap else "")
+def cfg_name(c: MmaConfig | TritonInt4Config | GemvConfig | CudaMmaConfig) -> str:
     if isinstance(c, CudaMmaConfig):
         return f"w{c.warps} u{c.unroll} n{c.tiles}" + (f" k{c.splits}" if c.splits > 1 else "")
     if isinstance(c, GemvConfig):
@@ -165,7 +159,7 @@ def run_shape(dev: torch.device, k: int, n: int, ms: list[int], methods: list[st
     ref_w = dequant_int4(*ckpts[0], GROUP, 1, dtype=torch.float32)  # [K, N]
     prepared: dict[str, list[PreparedInt4]] = {}
     for meth in methods:
-        backend = {"native": f"native_{dev.type}", "dequant": "triton", "chunked": "triton", "mma": "triton_mma",
+        backend = {"native": f"native_{dev.type}", "dequant": "triton", "mma": "triton_mma",
                    "gemv": "triton_gemv", "cuda": "cuda_mma"}.get(meth, meth)
         if native_supported(backend, layout, dtype):  # type: ignore[arg-type]
             prepared[meth] = [prepare_int4(*c, layout, backend, dtype=dtype) for c in ckpts]  # type: ignore[arg-type]
@@ -195,23 +189,19 @@ def run_shape(dev: torch.device, k: int, n: int, ms: list[int], methods: list[st
                 continue
             if meth in ("mma", "triton") and m > KERNEL_MAX_M:
                 continue
-            if meth in ("mma", "gemv", "cuda", "chunked"):
-                if ((meth == "gemv" and m > GEMV_MAX_ROWS) or (meth == "cuda" and m > CUDA_MAX_ROWS)
-                        or (meth == "chunked" and (m < 128 or not _dequant_variants(k, n)))):
+            if meth in ("mma", "gemv", "cuda"):
+                if (meth == "gemv" and m > GEMV_MAX_ROWS) or (meth == "cuda" and m > CUDA_MAX_ROWS):
                     continue
                 sweep = {}
                 configs: list = (mma_sweep(m, k, n) if meth == "mma" else _gemv_variants(k, n, GROUP)
-                                 if meth == "gemv" else cuda_variants(m, k, n) if meth == "cuda"
-                                 else _dequant_variants(k, n))
+                                 if meth == "gemv" else cuda_variants(m, k, n))
                 for c in configs:
-                    fn = ((lambda w, c=c: dequant_mm(x, w.weight, w.zeros, w.scales, GROUP, 1, None, c))
-                          if meth == "chunked" else (lambda w, c=c: int4_mm(x, replace(w, config=c))))
-                    us = time_it(f"{meth}[{cfg_name(c)}]", fn, ws)
+                    us = time_it(f"{meth}[{cfg_name(c)}]", lambda w, c=c: int4_mm(x, replace(w, config=c)), ws)
                     if us is not None:
                         sweep[cfg_name(c)] = round(us, 2)
                 rec[f"{meth}_sweep"] = dict(sorted(sweep.items(), key=lambda t: t[1]))
                 rule_cfg = (mma_config(m, k, n, GROUP) if meth == "mma" else gemv_config(m, k, n, GROUP)
-                            if meth == "gemv" else cuda_rule(m, k, n) if meth == "cuda" else None)
+                            if meth == "gemv" else cuda_rule(m, k, n))
                 rule = cfg_name(rule_cfg) if rule_cfg is not None else "-"
                 rec[f"{meth}_rule"], rec[f"{meth}_rule_us"] = rule, sweep.get(rule)
                 if sweep:
@@ -256,7 +246,7 @@ def target(m: int) -> tuple[str, Callable[[float], bool]] | None:
 
 
 def print_table(recs: list[dict]) -> tuple[int, int]:
-    cols = ["native", "triton", "mma", "gemv", "cuda", "dequant", "chunked"]
+    cols = ["native", "triton", "mma", "gemv", "cuda", "dequant"]
     print(f"\n{'K x N':>13} {'M':>5} {'bf16':>8} " + " ".join(f"{c:>8}" for c in cols)
           + f" {'best':>8} {'best/bf16':>10}  target")
     passed = total = 0
@@ -346,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     if f"native_{dev.type}" in INT4_BACKENDS:
         methods.append("native")
     if triton_env.usable_on(dev.type):
-        methods += ["triton", "mma", "gemv", "dequant", "chunked"]
+        methods += ["triton", "mma", "gemv", "dequant"]
     if dev.type == "cuda":
         methods.append("cuda")
     else:

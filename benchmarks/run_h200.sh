@@ -482,24 +482,6 @@ case "${1:-}" in
       --layers 16 --batches 1 32 --int4-kernel tuned --top 24 2>&1 | grep --line-buffered -E '"part"|Error' \
       | tee "$OUT/profile27b.txt" | cut -c1-3000
     ;;
-  dq33)  # issue 18: int4 at large M with W dequantized in pieces that stay in L2 (kernels.int4.dequant_mm): its CUDA
-         # tests, the int4 table at M = 128-1024 on both models' shapes (bf16, whole dequant, pieces, mma), then the
-         # opening burst (64 prompts, 36 layers, 32 adapters; prefill steps of up to 2048 tokens) from .old and this tree
-    export PYTHONPATH=$PWD:${PYTHONPATH:-}
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_int4.py tests/layers/test_int4_auto.py \
-      -k "dequant_mm or tuned_layer or tuner_measures or cached_table" > "$OUT/dq_tests.txt" 2>&1
-    echo "pytest rc=$?" >> "$OUT/dq_tests.txt"; tail -4 "$OUT/dq_tests.txt"
-    timeout "${DQ_BENCH_S:-240}" python3 benchmarks/bench_int4.py --shapes "${DQ_SHAPES:-all}" --ms ${DQ_MS:-256 1024} \
-      --no-tuner > "$OUT/dq_int4.txt" 2>&1; echo "bench_int4 rc=$?" >> "$OUT/dq_int4.txt"
-    grep -vE '^\{' "$OUT/dq_int4.txt" | tail -24
-    grep -E '^\{' "$OUT/dq_int4.txt" | python3 -c "import sys,json; [print(r['K'], r['N'], r['M'], r.get('dequant_us'), r.get('chunked_sweep')) for r in map(json.loads, sys.stdin)]"
-    for side in ${DQ_SIDES:-}; do
-      dir=$PWD; [ "$side" != new ] && dir=$PWD/.$side
-      (cd "$dir" && PYTHONPATH=$dir:/tmp/site timeout "${DQ_BURST_S:-150}" python3 benchmarks/bench_burst.py --layers 36 \
-        --adapters 32 --batches 64 --repeats 2 --root /tmp/burst36 2>&1) | grep --line-buffered -E '^\{|Error' \
-        | sed "s/^/$side /" | tee -a "$OUT/dq_burst.txt" | cut -c1-600
-    done
-    ;;
   fp8cols34)  # issue 18: fp8 adapters on the decode kernels (thirty-fourth session: the column expand and the shrink
               # joined to the norm / silu-and-mul take fp8): their CUDA tests, then the per-layer LoRA step lines at
               # 32 tokens over 1 and 32 adapters, split vs cols, bf16 vs fp8 storage
@@ -512,5 +494,5 @@ case "${1:-}" in
       --lora-dtypes model fp8 --no-peers 2>&1 | grep --line-buffered -E '"step"|Error' | tee "$OUT/fp8cols_steps.txt" \
       | cut -c1-400
     ;;
-  *) echo "usage: run_h200.sh tests|check|pytest|ab|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|burst18|prefill18|graphs4096|split18|lora-ab|cols23|gdn30|gdn30-e2e|gdn31|e2e27b|dq33|fp8cols34"; exit 2 ;;
+  *) echo "usage: run_h200.sh tests|check|pytest|ab|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|burst18|prefill18|graphs4096|split18|lora-ab|cols23|gdn30|gdn30-e2e|gdn31|e2e27b|fp8cols34"; exit 2 ;;
 esac

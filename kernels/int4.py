@@ -33,21 +33,13 @@ from kernels.int4_cuda import compile_for as cuda_mma_compile
 from kernels.int4_cuda import supports_group as cuda_mma_group
 from kernels.int4_gemv import GEMV_MAX_ROWS, GemvConfig, gemv_config, gemv_mm
 from kernels.int4_mma import MmaConfig, mma_config, mma_meta, mma_mm, repack_mma
-from kernels.int4_triton import (
-    DequantConfig,
-    TritonInt4Config,
-    dequant_mm,
-    dequant_triton,
-    triton_config,
-    triton_mm,
-)
+from kernels.int4_triton import TritonInt4Config, dequant_mm, dequant_triton, triton_config, triton_mm
 from kernels.reference import dequant_int4, unpack_int4_cols, unpack_int4_rows
 from kernels.triton_env import FLOATS, usable
 
 __all__ = [
     "INT4_BACKENDS",
     "CudaMmaConfig",
-    "DequantConfig",
     "GemvConfig",
     "Int4Backend",
     "Int4Layout",

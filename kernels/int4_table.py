@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.int4 import CudaMmaConfig, DequantConfig, GemvConfig, Int4Layout, MmaConfig, TritonInt4Config
+from kernels.int4 import CudaMmaConfig, GemvConfig, Int4Layout, MmaConfig, TritonInt4Config
 from kernels.int4_cuda import CUDA_MAX_ROWS
 
 DEQUANT = "dequant"
@@ -22,12 +22,10 @@ class Path:
     """One way to compute y = x @ W: a kernels.int4 backend (with a launch shape for the Triton ones), or dequant."""
 
     backend: str
-    config: MmaConfig | TritonInt4Config | GemvConfig | CudaMmaConfig | DequantConfig | None = None
+    config: MmaConfig | TritonInt4Config | GemvConfig | CudaMmaConfig | None = None
 
     @property
     def name(self) -> str:
-        if isinstance(self.config, DequantConfig):
-            return f"{self.backend}[n{self.config.chunk_n}{' overlap' if self.config.overlap else ''}]"
         if isinstance(self.config, CudaMmaConfig):
             c = self.config
             split = f" k{c.splits}" if c.splits > 1 else ""
@@ -51,11 +49,6 @@ class Path:
         backend, _, rest = name.partition("[")
         if not rest:
             return Path(backend)
-        if backend == DEQUANT and rest[0] == "n" and rest.endswith("]"):
-            width, *flags = rest[1:-1].split(" ")
-            if flags not in ([], ["overlap"]):
-                raise ValueError(f"int4 dispatch: unknown path {name!r}")
-            return Path(backend, DequantConfig(int(width), overlap=bool(flags)))
         if backend == "cuda_mma":
             warps, unroll, tiles, *split = rest.rstrip("]").split(" ")
             if len(split) > 1 or (split and split[0][0] != "k"):
@@ -129,8 +122,6 @@ def table_from_json(rows: list, shape: Shape) -> TunedTable:
         # a launch shape of cuda_mma holds a fixed number of token tiles: its bucket's rows (<= 64) must fit it
         if isinstance(c, CudaMmaConfig) and (bound is None or bound > CUDA_MAX_ROWS or not c.fits(bound, k, n)):
             raise ValueError(f"{p.name} does not fit this shape and bucket")
-        if isinstance(c, DequantConfig) and not 0 < c.chunk_n < n:
-            raise ValueError(f"{p.name} is not a piece of this shape")
         if isinstance(c, TritonInt4Config) and (g % c.block_k or k % (c.block_k * c.split_k) or c.block_k % 8):
             raise ValueError(f"{p.name} does not fit this shape")
     return table

@@ -22,7 +22,7 @@ from kernels.triton_env import FLOATS, interpreting, tl, triton
 if TYPE_CHECKING:
     from kernels.int4 import PreparedInt4
 
-__all__ = ["DequantConfig", "TritonInt4Config", "dequant_mm", "dequant_triton", "triton_config", "triton_mm"]
+__all__ = ["TritonInt4Config", "dequant_mm", "dequant_triton", "triton_config", "triton_mm"]
 
 _MAX_TILES = 1 << 16
 """Split-K tile counters per device (each launch leaves its counters at zero). Every launch numbers its tiles
@@ -177,7 +177,7 @@ def triton_mm(x2: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None,
 
 
 # ----------------------------------------------------------------------------------------------------
-# Fused dequantization (for large M: dequantize into a transient dense weight, then a dense GEMM)
+# Fused dequantization (for large M: dequantize once into a transient dense weight, then a dense GEMM)
 
 if triton is not None:
 
@@ -205,8 +205,6 @@ def _dequant_into(out: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor
                   group_size: int, zero_offset: int) -> None:
     kw, n = qweight.shape
     block_r, block_n = 16, 128
-    if triton.cdiv(kw, block_r) * triton.cdiv(n, block_n) < 1024:  # a piece: enough programs to fill a large GPU
-        block_r, block_n = 8, 64
     _dequant_gptq_kernel[(triton.cdiv(kw, block_r), triton.cdiv(n, block_n))](
         qweight, qzeros, scales, out, kw, n, qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0),
         GROUP_SIZE=group_size, ZERO_OFFSET=zero_offset, BLOCK_R=block_r, BLOCK_N=block_n)
@@ -232,85 +230,14 @@ def dequant_triton(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Te
     return out
 
 
-@dataclass(frozen=True)
-class DequantConfig:
-    """How `dequant_mm` runs: W dequantized `chunk_n` output features at a time into one reused buffer, each piece's
-    GEMM right after it (0: the whole W at once). A piece small enough to stay in the last-level cache is written
-    and read back there, not in device memory: a large-M GEMM then costs about its own time plus the int4 read."""
-
-    chunk_n: int = 0
-    overlap: bool = False
-    """Pieces only: piece i + 1 is dequantized on a second stream while piece i's GEMM runs (two buffers), so the
-    dequantization takes the processors a narrow GEMM leaves idle. Needs an accelerator's streams (elsewhere the
-    pieces run one after another); graph capture records the two streams' order."""
-
-    def __post_init__(self) -> None:
-        if self.chunk_n < 0 or self.chunk_n % 8:
-            raise ValueError(f"DequantConfig: chunk_n must be 0 or a positive multiple of 8, got {self.chunk_n}")
-        if self.overlap and not self.chunk_n:
-            raise ValueError("DequantConfig: overlap is for pieces (chunk_n > 0)")
-
-
-class _Streams:
-    """dequant_mm's second stream on one device and its events, made once per device and reused by every call: no
-    stream or event is created or freed per call, nor while a graph is captured."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.side = torch.Stream(device)
-        self.ready = torch.Event(device)  # a piece is dequantized (recorded on side, waited on by the current stream)
-        self.freed = [torch.Event(device), torch.Event(device)]  # a buffer's GEMM is done (the other way round)
-
-
-_streams_of: dict[torch.device, _Streams] = {}
-
-
-def _streams(device: torch.device) -> _Streams | None:
-    """The accelerator device's _Streams, None where there are none (the CPU)."""
-    acc = torch.accelerator.current_accelerator()
-    if acc is None or device.type != acc.type:
-        return None
-    index = device.index if device.index is not None else torch.accelerator.current_device_index()
-    dev = torch.device(device.type, index)
-    if dev not in _streams_of:
-        _streams_of[dev] = _Streams(dev)
-    return _streams_of[dev]
-
-
 def dequant_mm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
-               zero_offset: int, bias: torch.Tensor | None = None, config: DequantConfig = DequantConfig()
-               ) -> torch.Tensor:
-    """y = x @ dequant(W) (+ bias) for a 2-D x, W dequantized in pieces of config.chunk_n output features."""
+               zero_offset: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x @ dequant(W) (+ bias) for a 2-D x: W dequantized into a transient dense copy in x's dtype, then the dense
+    GEMM. (W in pieces that stay in L2, each piece's GEMM after it, one after the other or overlapped on two streams,
+    lost to this on every Qwen3-8B and 27B shape at 256 and 1024 rows on an H100: docs/PERFORMANCE.md, thirty-fourth
+    session.)"""
     _check_ckpt(qweight, qzeros, scales, group_size)
-    k, n = qweight.shape[0] * 8, qweight.shape[1]
-    if x.dim() != 2 or x.shape[1] != k:
-        raise ValueError(f"dequant_mm: x {tuple(x.shape)} does not fit K = {k}")
-    c = config.chunk_n
-    if c == 0 or c >= n:
-        w = dequant_triton(qweight, qzeros, scales, group_size, zero_offset, x.dtype)
-        return torch.addmm(bias, x, w) if bias is not None else x @ w
-    st = _streams(x.device) if config.overlap else None
-    bufs = [torch.empty(k, c, dtype=x.dtype, device=x.device) for _ in range(2 if st else 1)]
-    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    main = torch.accelerator.current_stream(x.device) if st else None
-    if st:  # the second stream starts after what the current one queued (x, and earlier users of the buffers' memory)
-        st.side.wait_stream(main)
-    for i, n0 in enumerate(range(0, n, c)):
-        n1 = min(n, n0 + c)
-        w = bufs[i % len(bufs)][:, :n1 - n0]
-        piece = (qweight[:, n0:n1], qzeros[:, n0 // 8:n1 // 8], scales[:, n0:n1], group_size, zero_offset)
-        if st:
-            with st.side:
-                if i >= 2:  # the GEMM that read this buffer two pieces ago
-                    st.side.wait_event(st.freed[i % 2])
-                _dequant_into(w, *piece)
-                st.ready.record(st.side)
-            main.wait_event(st.ready)  # the last piece's wait joins the second stream back into the current one
-        else:
-            _dequant_into(w, *piece)
-        if bias is not None:
-            torch.addmm(bias[n0:n1], x, w, out=y[:, n0:n1])
-        else:
-            torch.mm(x, w, out=y[:, n0:n1])
-        if st:
-            st.freed[i % 2].record(main)
-    return y
+    if x.dim() != 2 or x.shape[1] != qweight.shape[0] * 8:
+        raise ValueError(f"dequant_mm: x {tuple(x.shape)} does not fit K = {qweight.shape[0] * 8}")
+    w = dequant_triton(qweight, qzeros, scales, group_size, zero_offset, x.dtype)
+    return torch.addmm(bias, x, w) if bias is not None else x @ w

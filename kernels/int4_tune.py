@@ -4,9 +4,7 @@
     path = table.path_for(rows)                          # a pure function of the row count (graph-safe)
 
 A path is a backend of kernels.int4 with a launch shape (`triton_mma[64x16x128 s4 w4 st3]`), or `dequant` (one
-fused dequantization into a transient dense weight, then the dense GEMM; `dequant[n2048]`: in pieces of 2048 output
-features that stay in the last-level cache; `dequant[n2048 overlap]`: the next piece dequantized on a second stream
-while this one's GEMM runs). Each bucket of rows (1, 2, 3-4, ...,
+fused dequantization into a transient dense weight, then the dense GEMM). Each bucket of rows (1, 2, 3-4, ...,
 257-512, above) is timed at its largest row count on random weights of the layer's shape, several copies in
 turn so that they come from device memory rather than the last call's cache, with the caller's timer (the
 engine's times graph replays where the device has graphs: what decode steps run). The table is logged and kept
@@ -31,7 +29,6 @@ from pathlib import Path as FsPath
 import torch
 
 from kernels.int4 import (
-    DequantConfig,
     GemvConfig,
     Int4Layout,
     MmaConfig,
@@ -109,20 +106,11 @@ def _gemv_variants(k: int, n: int, g: int) -> list[GemvConfig]:
     return list(dict.fromkeys(c for c in out if c.fits(1, k, n, g)))
 
 
-def _dequant_variants(k: int, n: int) -> list[DequantConfig]:
-    """Piece widths for dequant in pieces: about 8, 16 and 24 MB of a 16-bit dense weight (multiples of 256 features),
-    those narrower than the layer; each one after the other, and overlapped (the next piece dequantized on a second
-    stream while this one's GEMM runs)."""
-    widths = {max(256, (mb * 2**20 // (2 * k)) // 256 * 256) for mb in (8, 16, 24)}
-    return [DequantConfig(c, overlap=o) for c in sorted(widths) if c < n for o in (False, True)]
-
-
 def candidates(backends: Sequence[str], m: int, layout: Int4Layout, dtype: torch.dtype) -> list[Path]:
     """The paths timed at m rows with activations of `dtype`. The memory-bound Triton kernels are not timed past
     256 rows (their cost grows with M; dequant + GEMM wins there), the one-row kernel (triton_gemv) only at one row,
     the CUDA one (cuda_mma: kernels.int4_cuda.tuner_variants) up to its 64 rows, dequant not below 8 rows (it writes
-    the whole dense weight), and dequant in pieces (_dequant_variants) from 128 rows, where the GEMM's own
-    time is no longer small beside the dense weight's round trip through device memory."""
+    the whole dense weight)."""
     k, n, g = layout.in_features, layout.out_features, layout.group_size
     out: list[Path] = []
     for b in backends:
@@ -134,11 +122,7 @@ def candidates(backends: Sequence[str], m: int, layout: Int4Layout, dtype: torch
             out.extend(Path(b, c) for c in _gemv_variants(k, n, g))
         elif b == "cuda_mma" and m <= CUDA_MAX_ROWS:
             out.extend(Path(b, c) for c in cuda_variants(m, k, n))
-        elif b == DEQUANT and m >= 8:
-            out.append(Path(b))
-            if m >= 128:
-                out.extend(Path(b, c) for c in _dequant_variants(k, n))
-        elif b not in ("triton_mma", "triton", "triton_gemv", "cuda_mma", DEQUANT):
+        elif (b == DEQUANT and m >= 8) or b not in ("triton_mma", "triton", "triton_gemv", "cuda_mma", DEQUANT):
             out.append(Path(b))
     return out
 
@@ -160,8 +144,8 @@ def _random_checkpoint(layout: Int4Layout, sym: bool, device: torch.device,
 
 def _call(path: Path, x: torch.Tensor, w: PreparedInt4) -> Callable[[], object]:
     if path.backend == DEQUANT:
-        lay, c = w.layout, path.config if isinstance(path.config, DequantConfig) else DequantConfig()
-        return lambda: dequant_mm(x, w.weight, w.zeros, w.scales, lay.group_size, lay.zero_offset, None, c)  # type: ignore[arg-type]
+        lay = w.layout
+        return lambda: dequant_mm(x, w.weight, w.zeros, w.scales, lay.group_size, lay.zero_offset)  # type: ignore[arg-type]
     wc = replace(w, config=path.config)
     return lambda: int4_mm(x, wc)
 

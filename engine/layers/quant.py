@@ -16,7 +16,7 @@ from torch import nn
 
 from engine.device import Device
 from engine.errors import QuantConfigError
-from kernels.int4 import DequantConfig, Int4Layout, PreparedInt4, dequant_mm, int4_mm, native_supported, prepare_int4
+from kernels.int4 import Int4Layout, PreparedInt4, dequant_mm, int4_mm, native_supported, prepare_int4
 from kernels.int4_tune import DEQUANT, Shape, tune
 from kernels.reference import unpack_int4_cols
 from kernels.skinny_triton import skinny_linear
@@ -140,9 +140,9 @@ class Int4LinearMethod:
 
     def process_after_loading(self, layer: nn.Module) -> None:
         args = (layer.qweight.data, layer.qzeros.data, layer.scales.data, layer.int4_layout)
-        layer.int4_paths: list[tuple[int | None, PreparedInt4 | DequantConfig]] = []
-        """(max rows or None for any, kernel or how to dequantize for a dense GEMM) tried in order; rows above
-        the last bound dequantize the whole weight and run a dense GEMM (GPUs: one fused Triton pass)."""
+        layer.int4_paths: list[tuple[int | None, PreparedInt4 | None]] = []
+        """(max rows or None for any, kernel or None for dequantize + dense GEMM) tried in order; rows above
+        the last bound dequantize and run a dense GEMM (GPUs: one fused Triton pass)."""
         if self.backend.startswith("tuned:"):
             self._tuned_paths(layer)
             return
@@ -179,8 +179,7 @@ class Int4LinearMethod:
         prepared: dict[str, PreparedInt4] = {}
         for max_rows, path in table.rows:
             if path.backend == DEQUANT:
-                layer.int4_paths.append((max_rows, path.config if isinstance(path.config, DequantConfig) else
-                                         DequantConfig()))
+                layer.int4_paths.append((max_rows, None))
                 continue
             if path.backend not in prepared:
                 prepared[path.backend] = prepare_int4(layer.qweight.data, layer.qzeros.data, layer.scales.data, lay,
@@ -188,19 +187,19 @@ class Int4LinearMethod:
             layer.int4_paths.append((max_rows, replace(prepared[path.backend], config=path.config)))
 
     @staticmethod
-    def _path(layer: nn.Module, rows: int) -> PreparedInt4 | DequantConfig:
-        """The kernel for this many rows, or how to dequantize for a dense GEMM."""
+    def _path(layer: nn.Module, rows: int) -> PreparedInt4 | None:
+        """The kernel for this many rows, or None: dequantize + dense GEMM."""
         for max_rows, w in layer.int4_paths:
             if max_rows is None or rows <= max_rows:
                 return w
-        return DequantConfig()
+        return None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w = self._path(layer, x.numel() // x.size(-1))
-        if isinstance(w, PreparedInt4):
+        if w is not None:
             return int4_mm(x, w, bias)
         y = dequant_mm(x.reshape(-1, x.size(-1)), layer.qweight, layer.qzeros, layer.scales, self.group_size,
-                       self.zero_offset, bias, w)
+                       self.zero_offset, bias)
         return y.reshape(*x.shape[:-1], y.size(-1))
 
     def device(self, layer: nn.Module) -> torch.device:

@@ -187,7 +187,7 @@ import kernels.kernel_cache as kc
 from engine.device import Device
 from engine.layers.linear import RowParallelLinear
 from engine.layers.quant import Int4LinearMethod
-from kernels.int4 import DequantConfig, Int4Layout, PreparedInt4
+from kernels.int4 import Int4Layout
 from kernels.reference import pack_int4_cols, pack_int4_rows
 dev = torch.device(sys.argv[1])
 dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16  # torch's CUDA int4 op takes bf16 only
@@ -199,8 +199,7 @@ for sym in (False, True):
     os.environ[kc.CACHE_ENV] = cache
     # A table as a tuner on some device might have written it: every kind of path, in several buckets.
     rows = [[1, native], [4, "triton_mma[16x16x32 s2 w4 st2]"], [16, "triton[16x32x32 s2 w4 st2]"],
-            [64, "dequant"], [256, "triton_mma"], [300, "dequant[n24]"], [400, "dequant[n16 overlap]"],
-            [None, "dequant"]]
+            [64, "dequant"], [256, "triton_mma"], [None, "dequant"]]
     shape = tu.Shape(Int4Layout(128, 1, 256, 64), dtype, sym=sym)
     key = tu.cache_key(shape, backends, Device(dev.type, dev.index or 0).product_name())
     with open(os.path.join(cache, tu.CACHE_FILE), "w") as f:
@@ -215,18 +214,14 @@ for sym in (False, True):
     layer.scales.data.copy_((torch.randn(2, 64, generator=g) * 0.05).half())
     layer.bias.data = torch.randn(64, generator=g).to(dtype).to(dev)
     layer.process_after_loading()
-    got = [(n, ("dequant", w) if isinstance(w, DequantConfig) else (w.backend, w.config)) for n, w in layer.int4_paths]
-    assert [(n, b[0]) for n, b in got] == [(1, native), (4, "triton_mma"), (16, "triton"), (64, "dequant"),
-                                          (256, "triton_mma"), (300, "dequant"), (400, "dequant"),
-                                          (None, "dequant")], got
+    got = [(n, None if w is None else (w.backend, w.config)) for n, w in layer.int4_paths]
+    assert [(n, b and b[0]) for n, b in got] == [(1, native), (4, "triton_mma"), (16, "triton"), (64, None),
+                                               (256, "triton_mma"), (None, None)], got
     assert got[1][1][1].split_k == 2 and got[4][1][1] is None  # the cached launch shape; the rule's
-    # 64 features in pieces of 24, 24 and 16; in 4 pieces of 16, the next dequantized beside this one's GEMM
-    assert [(got[i][1][1].chunk_n, got[i][1][1].overlap) for i in (3, 5, 6, 7)] == [
-        (0, False), (24, False), (16, True), (0, False)]
-    mma = [w for _, w in layer.int4_paths if isinstance(w, PreparedInt4) and w.backend == "triton_mma"]
+    mma = [w for _, w in layer.int4_paths if w is not None and w.backend == "triton_mma"]
     assert mma[0].weight is mma[1].weight  # one repacked copy for both launch shapes
     w = layer.dense_weight().float()
-    for m in (1, 3, 4, 5, 16, 17, 64, 65, 256, 257, 300, 301, 400, 401):
+    for m in (1, 3, 4, 5, 16, 17, 64, 65, 256, 257):
         x = torch.randn(m, 256, generator=g).to(dtype).to(dev)
         want = x.float() @ w.t() + layer.bias.float()
         torch.testing.assert_close(layer(x).float(), want, atol=tol * float(want.abs().max()), rtol=tol)
@@ -236,8 +231,7 @@ print("ok")
 
 def test_tuned_layer_runs_every_path_of_its_table_under_the_interpreter() -> None:
     """A tuned layer built from a cached table: each bucket's kernel (native op, triton_mma with a cached launch
-    shape and with its rule, the old Triton kernel, dequant + GEMM whole in two places and in pieces) equals the
-    dense formula."""
+    shape and with its rule, the old Triton kernel, dequant + GEMM in two places) equals the dense formula."""
     run_under_interpreter(TUNED.replace("sys.argv[1]", '"cpu"'))
 
 
@@ -378,20 +372,6 @@ def test_a_cached_table_must_fit_its_shape() -> None:
     assert [(b, p.name) for b, p in table.rows] == [tuple(r) for r in rows]
     assert [p.config for _, p in table.rows[:3]] == [CudaMmaConfig(4, 2, 1), CudaMmaConfig(4, 1, 2, 2),
                                                      CudaMmaConfig(4, 1, 1, 2)]
-    from kernels.int4 import DequantConfig
-
-    rows = [[256, "dequant"], [512, "dequant[n24]"], [None, "dequant[n32 overlap]"]]
-    table = tu.table_from_json(rows, shape)
-    assert [(b, p.name) for b, p in table.rows] == [tuple(r) for r in rows]
-    assert [p.config for _, p in table.rows] == [None, DequantConfig(24), DequantConfig(32, overlap=True)]
-    # the tuner times pieces from 128 rows, in widths narrower than the layer
-    lay = Int4Layout(128, 1, 4096, 24576)
-    assert [p.name for p in tu.candidates(["dequant"], 64, lay, torch.bfloat16)] == ["dequant"]
-    assert [p.name for p in tu.candidates(["dequant"], 128, lay, torch.bfloat16)] == [
-        "dequant", "dequant[n1024]", "dequant[n1024 overlap]", "dequant[n2048]", "dequant[n2048 overlap]",
-        "dequant[n3072]", "dequant[n3072 overlap]"]
-    assert [p.name for p in tu.candidates(["dequant"], 1024, Int4Layout(128, 1, 512, 256), torch.bfloat16)] == [
-        "dequant"]
     for bad in ([[1, "cuda_mma[w4 u2 n1 k2]"], [None, "dequant"]],  # 8 chunks: 2 splits of 4 leave no 2-chunk round
                 [[32, "cuda_mma[w4 u1 n2 k3]"], [None, "dequant"]],  # 8 chunks do not split in 3
                 [[16, "cuda_mma[w4 u1 n1 s2]"], [None, "dequant"]],  # not a field of this kernel's paths
@@ -402,11 +382,7 @@ def test_a_cached_table_must_fit_its_shape() -> None:
                 [[None, "triton_mma[64x16x128 s4 w4 st3 fast]"]],  # an unknown flag
                 [[1, "triton_gemv[128x32 s1 w4 st1]"], [None, "dequant"]],  # 32 rows of 8 k straddle two groups
                 [[1, "triton_gemv[128x16 s1 w4 st1 fold]"], [None, "dequant"]],  # not a flag of this kernel
-                [[None, "dequant[n64]"]],  # pieces as wide as the layer: not a piece
-                [[None, "dequant[n0]"]],  # the whole weight is spelled "dequant"
-                [[None, "dequant[n12]"]],  # a piece that splits a word of packed zero points
-                [[None, "dequant[n24 fast]"]],  # an unknown flag
-                [[None, "dequant[n24 overlap overlap]"]]):
+                [[None, "dequant[n1024]"]]):  # dequant in pieces was measured slower and removed
         with pytest.raises(ValueError):
             tu.table_from_json(bad, shape)
 
