@@ -65,10 +65,10 @@ if triton is not None:
         B_RANK_MAJOR: tl.constexpr, ALIGNED: tl.constexpr, FP32_DOT: tl.constexpr, FP8: tl.constexpr,
     ):  # fmt: skip
         """y[t, off_s + n] (+)= sum_{r < rank[s, slot[t]]} sum_ks buf[ks, s, t, r] * B_s[slot[t], n, r]
-        * (fp8: scale_s[slot[t], n]) for slot[t] >= 0, rank <= BLOCK_R, B in a 16- or 32-bit float dtype or fp8
-        e4m3 bytes. Program = one column block of one slice, all
-        T <= BLOCK_T tokens; it goes over the slots GROUP per dot, reading only the B rows of slots that some token
-        uses, below their rank; each token's shrink result takes part in its own slot's K rows only."""
+        * (fp8: scale_s[slot[t], n]) for slot[t] >= 0, rank <= BLOCK_R, B in a 16- or 32-bit float dtype or as fp8
+        e4m3 bytes. Program = one column block of one slice, all T <= BLOCK_T tokens; it goes over the slots GROUP
+        per dot, reading only the B rows of slots that some token uses, below their rank; each token's shrink result
+        takes part in its own slot's K rows only."""
         pid_n = tl.program_id(0)
         s = _slice_index(pid_n, b_table_ptr, NUM_SLICES)
         tab = b_table_ptr + s * 8
