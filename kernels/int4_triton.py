@@ -182,51 +182,37 @@ def triton_mm(x2: torch.Tensor, w: PreparedInt4, bias: torch.Tensor | None,
 if triton is not None:
 
     @triton.jit
-    def _dequant_gptq_kernel(qw_ptr, qz_ptr, sc_ptr, out_ptr, KW, N, qw_stride, qz_stride, sc_stride, out_stride,
-                             GROUP_SIZE: tl.constexpr, ZERO_OFFSET: tl.constexpr, BLOCK_R: tl.constexpr,
-                             BLOCK_N: tl.constexpr):
+    def _dequant_gptq_kernel(qw_ptr, qz_ptr, sc_ptr, out_ptr, KW, N, GROUP_SIZE: tl.constexpr,
+                             ZERO_OFFSET: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
         """W[8r + j, n] = scales[(8r+j)//G, n] * (u_j(qweight[r, n]) - (z((8r+j)//G, n) + ZERO_OFFSET))."""
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = (rows[:, None] < KW) & (cols[None, :] < N)
-        words = tl.load(qw_ptr + rows[:, None] * qw_stride + cols[None, :], mask=mask, other=0)
+        words = tl.load(qw_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0)
         grp = (rows * 8) // GROUP_SIZE  # the 8 k of a word share a group (G is a multiple of 8)
-        zw = tl.load(qz_ptr + grp[:, None] * qz_stride + cols[None, :] // 8, mask=mask, other=0)
+        zw = tl.load(qz_ptr + grp[:, None] * (N // 8) + cols[None, :] // 8, mask=mask, other=0)
         z = ((zw >> ((cols[None, :] % 8) * 4)) & 0xF) + ZERO_OFFSET
-        s = tl.load(sc_ptr + grp[:, None] * sc_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(sc_ptr + grp[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         for j in tl.static_range(8):
             u = (words >> (4 * j)) & 0xF
             w = (u - z).to(tl.float32) * s
-            tl.store(out_ptr + (rows[:, None] * 8 + j) * out_stride + cols[None, :], w.to(out_ptr.dtype.element_ty),
-                     mask=mask)
-
-
-def _dequant_into(out: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor,
-                  group_size: int, zero_offset: int) -> None:
-    kw, n = qweight.shape
-    block_r, block_n = 16, 128
-    _dequant_gptq_kernel[(triton.cdiv(kw, block_r), triton.cdiv(n, block_n))](
-        qweight, qzeros, scales, out, kw, n, qweight.stride(0), qzeros.stride(0), scales.stride(0), out.stride(0),
-        GROUP_SIZE=group_size, ZERO_OFFSET=zero_offset, BLOCK_R=block_r, BLOCK_N=block_n)
-
-
-def _check_ckpt(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int) -> None:
-    if triton is None:
-        raise RuntimeError("the int4 dequantization needs the triton package")
-    kw, n = qweight.shape
-    if group_size % 8 or qzeros.shape != (kw * 8 // group_size, n // 8) or scales.shape != (kw * 8 // group_size, n):
-        raise ValueError(f"int4 dequant: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, scales "
-                         f"{tuple(scales.shape)} do not fit group size {group_size}")
-    if any(t.stride(-1) != 1 for t in (qweight, qzeros, scales)):
-        raise ValueError("int4 dequant: the checkpoint tensors need unit column strides")
+            tl.store(out_ptr + (rows[:, None] * 8 + j) * N + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def dequant_triton(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, group_size: int,
                    zero_offset: int, dtype: torch.dtype) -> torch.Tensor:
     """kernels.reference.dequant_int4 in one Triton pass: W [K, N] in dtype."""
-    _check_ckpt(qweight, qzeros, scales, group_size)
-    out = torch.empty(qweight.shape[0] * 8, qweight.shape[1], dtype=dtype, device=qweight.device)
-    _dequant_into(out, qweight, qzeros, scales, group_size, zero_offset)
+    if triton is None:
+        raise RuntimeError("dequant_triton needs the triton package")
+    kw, n = qweight.shape
+    if group_size % 8 or qzeros.shape != (kw * 8 // group_size, n // 8) or scales.shape != (kw * 8 // group_size, n):
+        raise ValueError(f"dequant_triton: qweight {tuple(qweight.shape)}, qzeros {tuple(qzeros.shape)}, scales "
+                         f"{tuple(scales.shape)} do not fit group size {group_size}")
+    out = torch.empty(kw * 8, n, dtype=dtype, device=qweight.device)
+    block_r, block_n = 16, 128
+    _dequant_gptq_kernel[(triton.cdiv(kw, block_r), triton.cdiv(n, block_n))](
+        qweight.contiguous(), qzeros.contiguous(), scales.contiguous(), out, kw, n, GROUP_SIZE=group_size,
+        ZERO_OFFSET=zero_offset, BLOCK_R=block_r, BLOCK_N=block_n)
     return out
 
 
@@ -236,7 +222,6 @@ def dequant_mm(x: torch.Tensor, qweight: torch.Tensor, qzeros: torch.Tensor, sca
     GEMM. (W in pieces that stay in L2, each piece's GEMM after it, one after the other or overlapped on two streams,
     lost to this on every Qwen3-8B and 27B shape at 256 and 1024 rows on an H100: docs/PERFORMANCE.md, thirty-fourth
     session.)"""
-    _check_ckpt(qweight, qzeros, scales, group_size)
     if x.dim() != 2 or x.shape[1] != qweight.shape[0] * 8:
         raise ValueError(f"dequant_mm: x {tuple(x.shape)} does not fit K = {qweight.shape[0] * 8}")
     w = dequant_triton(qweight, qzeros, scales, group_size, zero_offset, x.dtype)
