@@ -49,6 +49,8 @@ class Path:
         backend, _, rest = name.partition("[")
         if not rest:
             return Path(backend)
+        if backend not in ("cuda_mma", "triton_gemv", "triton_mma", "triton"):  # the others take no launch shape
+            raise ValueError(f"int4 dispatch: unknown path {name!r}")
         if backend == "cuda_mma":
             warps, unroll, tiles, *split = rest.rstrip("]").split(" ")
             if len(split) > 1 or (split and split[0][0] != "k"):
