@@ -6,6 +6,7 @@ Qwen3-8B layer shapes: per decoder layer, the three sites it applies to, each re
             silu_and_mul -> shrink -> base GEMM -> expand            (down)
   joined:   norm_shrink -> base GEMM -> expand;  act_shrink -> base GEMM -> expand
   base:     the same without LoRA (norm / act -> GEMM), for the LoRA's added time
+  shrink:   joined without the expand (norm_shrink / act_shrink -> GEMM): what the joined op itself adds
 
 The base GEMM is a bf16 torch.mm shared by the layers (it separates the prologue from the expand as the int4 GEMM
 does in the engine). Prints one JSON line per (tokens, adapters) with us per decoder layer and the ratio; exits 1
@@ -53,11 +54,12 @@ class Site:
 
 def layer(site: dict[str, Site], mode: str, x: torch.Tensor, res: torch.Tensor, gu: torch.Tensor,
           norm_w: torch.Tensor, info: TokenGroups) -> list[torch.Tensor]:
-    """One decoder layer's three sites in one mode (base, separate, joined); returns their outputs."""
+    """One decoder layer's three sites in one mode (base, separate, joined, shrink); returns their outputs."""
     outs = []
+    joins = mode in ("joined", "shrink")
     for name in ("qkv", "gate_up"):
         s = site[name]
-        if mode == "joined":
+        if joins:
             y, _, buf = norm_shrink(x, norm_w, 1e-6, False, res, s.a, info, s.ranks)
         else:
             y, _ = rms_norm(x, norm_w, 1e-6, False, res, "triton")
@@ -68,7 +70,7 @@ def layer(site: dict[str, Site], mode: str, x: torch.Tensor, res: torch.Tensor, 
             lora_triton.expand_partials(out, buf, s.b, info, s.offsets, s.ranks)
         outs.append(out)
     s = site["down"]
-    if mode == "joined":
+    if joins:
         y, buf = act_shrink(gu, s.a[0], info, s.ranks)
     else:
         y = silu_and_mul(gu, "triton")
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 bad += err > 2e-2
             rec: dict[str, object] = {"bench": "prologue", "tokens": t, "adapters": n, "layers": layers,
                                       "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)}
-            for mode in ("base", "separate", "joined"):
+            for mode in ("base", "separate", "joined", "shrink"):
                 def step(mode: str = mode, inputs: tuple = inputs) -> None:
                     for site in sites:
                         layer(site, mode, *inputs)
@@ -129,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
             rec["lora_added_separate"] = round(sep - base, 2)  # type: ignore[operator]
             rec["lora_added_joined"] = round(joined - base, 2)  # type: ignore[operator]
             rec["joined_over_separate"] = round(joined / sep, 3)  # type: ignore[operator]
+            rec["joined_op_added"] = round(rec["shrink_us_per_layer"] - base, 2)  # type: ignore[operator]
+            rec["expand_added"] = round(joined - rec["shrink_us_per_layer"], 2)  # type: ignore[operator]
             print(json.dumps(rec), flush=True)
     if bad:
         print(f"bench_prologue: {bad} outputs differ between the separate and the joined forms", file=sys.stderr)

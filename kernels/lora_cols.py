@@ -82,10 +82,12 @@ if triton is not None:
         y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_ym + (y_off + offs_n)[None, :] * stride_yn
         if ADD_INPUTS:
             y_in = tl.load(y_ptrs, mask=mask_t[:, None] & mask_n[None, :], other=0.0)
-        tok_rank = _tok_rank(ranks_ptr, s, tok_slot, stride_rs, stride_rt, R_MAX)
-        # Each token's own shrink result [BT, BR], summed over the K splits once.
+        # Each token's own shrink result [BT, BR], summed over the K splits once. Its loads do not wait on the
+        # ranks (columns past a rank hold garbage, NaN maybe: zeroed after the sum).
         bt = _split_sum(buf_ptr + s * stride_bs + rows[:, None].to(tl.int64) * stride_bm + offs_r[None, :],
-                        (offs_r[None, :] < tok_rank[:, None]), stride_bk, SPLIT_K)
+                        mask_t[:, None] & (offs_r[None, :] < R_MAX), stride_bk, SPLIT_K)
+        tok_rank = _tok_rank(ranks_ptr, s, tok_slot, stride_rs, stride_rt, R_MAX)
+        bt = tl.where(offs_r[None, :] < tok_rank[:, None], bt, 0.0)
         # GROUP slots per dot: K row k is rank row k % BLOCK_R of slot s0 + k // BLOCK_R
         offs_k = tl.arange(0, GROUP * BLOCK_R)
         kg, kr = offs_k // BLOCK_R, offs_k % BLOCK_R

@@ -58,10 +58,13 @@ if triton is not None:
         return tl.load(sc_ptr + slot * stride_ss + s * sc_slice + r * stride_sr, mask=mask_r, other=0.0) * 256.0
 
     @triton.jit
-    def _shrink_chunk(acc, yk, offs_k, mask_k, rows, mask_r, FP8: tl.constexpr):
-        """acc[j] += sum_k yk[k] * A[row j, k] over this K chunk (rows, mask_r: _slot_rows; fp8: A's bytes decoded,
-        its scales left to the caller)."""
-        at = tl.load(rows[:, None] + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :], other=0)
+    def _a_tile(rows, mask_r, offs_k, mask_k):
+        """A's [S_PAD * BLOCK_R, BK] tile at K columns offs_k (rows, mask_r: _slot_rows'; all masked: no load)."""
+        return tl.load(rows[:, None] + offs_k[None, :], mask=mask_r[:, None] & mask_k[None, :], other=0)
+
+    @triton.jit
+    def _tile_dot(acc, at, yk, FP8: tl.constexpr):
+        """acc[j] += sum_k yk[k] * at[j, k] (fp8: A's bytes decoded, its scales left to the caller)."""
         if FP8:
             at = _e4m3_as_f16(at)
         return acc + tl.sum(at.to(tl.float32) * yk.to(tl.float32)[None, :], axis=1)
@@ -81,21 +84,34 @@ if triton is not None:
                             HAS_RES: tl.constexpr, ZERO_CENTERED: tl.constexpr, BLOCK_D: tl.constexpr,
                             BK: tl.constexpr, NUM_SLICES: tl.constexpr, S_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
                             FP8: tl.constexpr):
+        # Loads in the order of their chains (a load waits on nothing issued after it): the slot, the row for the
+        # mean of squares, the rank (on the slot), the first A tile (on the rank); each step then loads the next
+        # tile before it computes, so no A load waits behind the norm's reduction or the y / h stores.
         t, kc = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        slot = tl.load(slot_ptr + t)  # issued first: the A rows wait on it
+        slot = tl.load(slot_ptr + t)
         offs = tl.arange(0, BLOCK_D)
         m = offs < D
-        inv = _inv_rms(_residual_add(x_ptr + t * stride_x + offs, r_ptr + t * stride_r + offs, m, HAS_RES), D, eps)
+        x_row = tl.load(x_ptr + t * stride_x + offs, mask=m, other=0.0)
+        if HAS_RES:
+            r_row = tl.load(r_ptr + t * stride_r + offs, mask=m, other=0.0)
         lora = slot >= 0
         slot64 = tl.maximum(slot, 0).to(tl.int64)
         rows, mask_r = _slot_rows(a_ptr, slot64, rank_ptr + slot64 * stride_rt, stride_as, stride_ar, slice_stride,
                                   stride_rs, NUM_SLICES, S_PAD, BLOCK_R)
+        mask_r = tl.where(lora, mask_r, False)  # a token without an adapter loads no A
         if FP8:  # loaded ahead: the loop does not wait on it
             sc = _row_scales(sc_ptr, slot64, stride_ss, stride_sr, sc_slice, mask_r, S_PAD, BLOCK_R)
+        k_lo = kc * KC
+        k_hi = tl.minimum(k_lo + KC, D)
+        at = _a_tile(rows, mask_r, k_lo + tl.arange(0, BK), k_lo + tl.arange(0, BK) < k_hi)
+        if HAS_RES:  # as _residual_add: summed in float32, rounded to x's dtype
+            x_row = (x_row.to(tl.float32) + r_row.to(tl.float32)).to(x_row.dtype)
+        inv = _inv_rms(x_row, D, eps)
         acc = tl.zeros((S_PAD * BLOCK_R,), dtype=tl.float32)
-        for k0 in range(kc * KC, tl.minimum(kc * KC + KC, D), BK):
+        for k0 in range(k_lo, k_hi, BK):
             offs_k = k0 + tl.arange(0, BK)
             mk = offs_k < D
+            at_next = _a_tile(rows, mask_r, offs_k + BK, offs_k + BK < k_hi)
             hk = _residual_add(x_ptr + t * stride_x + offs_k, r_ptr + t * stride_r + offs_k, mk, HAS_RES)
             if HAS_RES:
                 tl.store(h_ptr + t * D + offs_k, hk, mask=mk)
@@ -105,7 +121,8 @@ if triton is not None:
             yk = (hk.to(tl.float32) * inv * w).to(y_ptr.dtype.element_ty)
             tl.store(y_ptr + t * D + offs_k, yk, mask=mk)
             if lora:
-                acc = _shrink_chunk(acc, yk, offs_k, mk, rows, mask_r, FP8)
+                acc = _tile_dot(acc, at, yk, FP8)
+            at = at_next
         if lora:
             if FP8:
                 acc = acc * sc
@@ -115,22 +132,28 @@ if triton is not None:
     def _act_shrink_kernel(x_ptr, y_ptr, a_ptr, buf_ptr, rank_ptr, slot_ptr, sc_ptr, D, KC, stride_x, R_MAX,
                            stride_as, stride_ar, stride_ss, stride_sr, stride_bk, stride_bt, stride_rt,
                            BK: tl.constexpr, BLOCK_R: tl.constexpr, FP8: tl.constexpr):
-        t, kc = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        t, kc = tl.program_id(0).to(tl.int64), tl.program_id(1)  # loads ordered as in _norm_shrink_kernel
         slot = tl.load(slot_ptr + t)
         lora = slot >= 0
         slot64 = tl.maximum(slot, 0).to(tl.int64)
         rows, mask_r = _slot_rows(a_ptr, slot64, rank_ptr + slot64 * stride_rt, stride_as, stride_ar, 0, 0, 1, 1,
                                   BLOCK_R)
+        mask_r = tl.where(lora, mask_r, False)  # a token without an adapter loads no A
         if FP8:
             sc = _row_scales(sc_ptr, slot64, stride_ss, stride_sr, 0, mask_r, 1, BLOCK_R)
+        k_lo = kc * KC
+        k_hi = tl.minimum(k_lo + KC, D)
+        at = _a_tile(rows, mask_r, k_lo + tl.arange(0, BK), k_lo + tl.arange(0, BK) < k_hi)
         acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for k0 in range(kc * KC, tl.minimum(kc * KC + KC, D), BK):
+        for k0 in range(k_lo, k_hi, BK):
             offs_k = k0 + tl.arange(0, BK)
             mk = offs_k < D
+            at_next = _a_tile(rows, mask_r, offs_k + BK, offs_k + BK < k_hi)
             yk = _silu_mul(x_ptr + t * stride_x + offs_k, D, mk, y_ptr.dtype.element_ty)
             tl.store(y_ptr + t * D + offs_k, yk, mask=mk)
             if lora:
-                acc = _shrink_chunk(acc, yk, offs_k, mk, rows, mask_r, FP8)
+                acc = _tile_dot(acc, at, yk, FP8)
+            at = at_next
         if lora:
             if FP8:
                 acc = acc * sc
