@@ -494,5 +494,24 @@ case "${1:-}" in
       --lora-dtypes model fp8 --no-peers 2>&1 | grep --line-buffered -E '"step"|Error' | tee "$OUT/fp8cols_steps.txt" \
       | cut -c1-400
     ;;
-  *) echo "usage: run_h200.sh tests|check|pytest|ab|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|burst18|prefill18|graphs4096|split18|lora-ab|cols23|gdn30|gdn30-e2e|gdn31|e2e27b|fp8cols34"; exit 2 ;;
+  order35)  # issue 18: the LoRA decode kernels' loads in chain order (thirty-fifth session) against .old2 (carry it:
+            # `git archive` of the tree before): their CUDA tests, bench_prologue per tree (old, new, old, new), then
+            # 36-layer decode at batch 32 with 0 / 1 / 32 adapters per tree (old, new)
+    export PYTHONPATH=$PWD:${PYTHONPATH:-}
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_lora_prologue.py tests/kernels/test_lora_triton.py \
+      -k "prologue or column or fp8 or one_token or start_up" > "$OUT/order_tests.txt" 2>&1
+    echo "pytest rc=$?" >> "$OUT/order_tests.txt"; tail -3 "$OUT/order_tests.txt"
+    for side in old2 new old2 new; do
+      dir=$PWD; [ $side != new ] && dir=$PWD/.$side
+      (cd "$dir" && PYTHONPATH=$dir:/tmp/site timeout 90 python3 benchmarks/bench_prologue.py --tokens 32 --adapters 1 32 \
+        2>&1) | grep -E '"bench"|Error|differ' | sed "s/^/$side /" | tee -a "$OUT/order_prologue.txt" | cut -c1-420
+    done
+    for side in old2 new; do
+      dir=$PWD; [ $side != new ] && dir=$PWD/.$side
+      (cd "$dir" && PYTHONPATH=$dir:/tmp/site timeout "${ORDER_E2E_S:-200}" python3 benchmarks/bench_e2e.py --layers 36 \
+        --batches 32 --adapters 0 1 32 --int4-kernel tuned --peer-cases "" --root /tmp/e2e36l 2>&1) \
+        | grep --line-buffered -E '^\{"case": "decode"|Error' | sed "s/^/$side /" | tee -a "$OUT/order_e2e.txt" | cut -c1-330
+    done
+    ;;
+  *) echo "usage: run_h200.sh tests|check|pytest|ab|tp2|probe|final|lora|e2e36|serve|async|serve64|plan|int4|lora-fill|lora-kernels|lora-sweep|lora-e2e|kernels18|ncu18|steps18|gemv18|mixed14|attn14|serve18|tp2server|burst18|prefill18|graphs4096|split18|lora-ab|cols23|gdn30|gdn30-e2e|gdn31|e2e27b|fp8cols34|order35"; exit 2 ;;
 esac
