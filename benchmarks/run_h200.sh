@@ -495,8 +495,8 @@ case "${1:-}" in
       | cut -c1-400
     ;;
   order35)  # issue 18: the LoRA decode kernels' loads in chain order (thirty-fifth session) against .old2 (carry it:
-            # `git archive` of the tree before): their CUDA tests, bench_prologue per tree (old, new, old, new), then
-            # 36-layer decode at batch 32 with 0 / 1 / 32 adapters per tree (old, new)
+            # `git archive` of the tree before): their CUDA tests, bench_prologue per tree (old, new, old, new) and
+            # at three K splits of the joined op, then 36-layer decode at batch 32, 0 / 1 / 32 adapters per tree
     export PYTHONPATH=$PWD:${PYTHONPATH:-}
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_lora_prologue.py tests/kernels/test_lora_triton.py \
       -k "prologue or column or fp8 or one_token or start_up" > "$OUT/order_tests.txt" 2>&1
@@ -505,6 +505,10 @@ case "${1:-}" in
       dir=$PWD; [ $side != new ] && dir=$PWD/.$side
       (cd "$dir" && PYTHONPATH=$dir:/tmp/site timeout 90 python3 benchmarks/bench_prologue.py --tokens 32 --adapters 1 32 \
         2>&1) | grep -E '"bench"|Error|differ' | sed "s/^/$side /" | tee -a "$OUT/order_prologue.txt" | cut -c1-420
+    done
+    for cfg in prologue_split_k=4 prologue_split_k=16 prologue_split_k=32; do  # the joined op's K chunks (default 8)
+      XPULORA_LORA_CONFIG=$cfg timeout 60 python3 benchmarks/bench_prologue.py --tokens 32 --adapters 1 32 2>&1 \
+        | grep -E '"bench"|Error|differ' | sed "s/^/new $cfg /" | tee -a "$OUT/order_prologue.txt" | cut -c1-420
     done
     for side in old2 new; do
       dir=$PWD; [ $side != new ] && dir=$PWD/.$side
