@@ -103,7 +103,8 @@ if triton is not None:
             sc = _row_scales(sc_ptr, slot64, stride_ss, stride_sr, sc_slice, mask_r, S_PAD, BLOCK_R)
         k_lo = kc * KC
         k_hi = tl.minimum(k_lo + KC, D)
-        at = _a_tile(rows, mask_r, k_lo + tl.arange(0, BK), k_lo + tl.arange(0, BK) < k_hi)
+        offs_0 = k_lo + tl.arange(0, BK)
+        at = _a_tile(rows, mask_r, offs_0, offs_0 < k_hi)
         if HAS_RES:  # as _residual_add: summed in float32, rounded to x's dtype
             x_row = (x_row.to(tl.float32) + r_row.to(tl.float32)).to(x_row.dtype)
         inv = _inv_rms(x_row, D, eps)
@@ -143,7 +144,8 @@ if triton is not None:
             sc = _row_scales(sc_ptr, slot64, stride_ss, stride_sr, 0, mask_r, 1, BLOCK_R)
         k_lo = kc * KC
         k_hi = tl.minimum(k_lo + KC, D)
-        at = _a_tile(rows, mask_r, k_lo + tl.arange(0, BK), k_lo + tl.arange(0, BK) < k_hi)
+        offs_0 = k_lo + tl.arange(0, BK)
+        at = _a_tile(rows, mask_r, offs_0, offs_0 < k_hi)
         acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for k0 in range(k_lo, k_hi, BK):
             offs_k = k0 + tl.arange(0, BK)

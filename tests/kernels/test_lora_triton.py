@@ -262,6 +262,35 @@ def test_column_expand_takes_small_steps_only(monkeypatch: pytest.MonkeyPatch, n
 
 
 @needs_kernels
+@pytest.mark.parametrize("expand", ["split", "cols"])
+def test_expand_reads_only_what_the_shrink_wrote(monkeypatch: pytest.MonkeyPatch, expand: str) -> None:
+    """expand_partials on partials holding NaN where no shrink writes (columns past each token's rank, rows without
+    an adapter), as a joined or split shrink leaves them: both expands equal the reference, which reads each row's
+    first r columns only. The column expand loads the sums without waiting on the ranks and must zero the rest."""
+    from kernels import lora_triton
+
+    assert DEV is not None
+    monkeypatch.setitem(lora_triton.CONFIG_OVERRIDES, "cols", 64 if expand == "cols" else 0)
+    monkeypatch.setattr(lora_triton, "_lora_expand_cols_kernel" if expand == "split" else "_lora_expand_kernel",
+                        _Boom("the other expand kernel ran"))
+    p = _problem(11, [48, 16, 24], torch.bfloat16, r_max=16)
+    p["ranks"] = [[min(r, 16) for r in row] for row in p["ranks"]]
+    t = p["slots"].numel()
+    buf = torch.randn(3, 3, t, 16, generator=torch.Generator().manual_seed(12))
+    for s, ranks in enumerate(p["ranks"]):
+        for i, slot in enumerate(p["slots"].tolist()):
+            buf[:, s, i, ranks[slot] if slot >= 0 else 0:] = float("nan")
+    info, rt = group_tokens(p["slots"].tolist(), p["num_slots"], device=DEV), _ranks(p["ranks"], DEV)
+    out = lora_triton.expand_partials(p["y"].to(DEV).clone(), buf.to(DEV), [b.to(DEV) for b in p["b"]], info,
+                                      p["offsets"], rt)
+    ref = p["y"].clone()
+    for s, (b, ranks, off) in enumerate(zip(p["b"], p["ranks"], p["offsets"])):
+        reference.lora_expand(ref, buf[:, s].sum(0), b, p["slots"], ranks, off, True)
+    assert torch.isfinite(out).all(), "a NaN the shrink never wrote reached the output"
+    _assert_close(out, ref, torch.bfloat16, expand)
+
+
+@needs_kernels
 @pytest.mark.parametrize("broken", [None, "_lora_expand_kernel", "_lora_expand_cols_kernel"])
 def test_start_up_check_runs_both_expands(monkeypatch: pytest.MonkeyPatch, broken: str | None) -> None:
     """The engine's start-up check (engine.lora.impl_check.choose_impl) runs a decode-sized step and one past the column
